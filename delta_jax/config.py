@@ -1,0 +1,369 @@
+"""Run configuration: frozen dataclasses, YAML files with a base, and ``key=value`` overrides.
+
+A config file is a YAML mapping of sections (``model``, ``data``, ``rollout``, ``reward``,
+``algo``, ``optim``, ``run``). It may name a ``base:`` file (relative to itself) whose values it
+overrides; bases chain. Command-line overrides are ``section.key=value`` strings parsed as YAML
+scalars and checked against the field's type. Every mistake (unknown section or key, wrong type,
+invalid choice) is a single-line :class:`ConfigError` naming the key and, for unknown keys, the
+closest valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, described in one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfigSection:
+    """Which policy to train.
+
+    ``path`` is a Hugging Face directory (config.json + safetensors + tokenizer), a hub id found in
+    the local Hugging Face cache, or ``demo:tiny`` for the built-in tiny model that the CPU demo
+    warms up on its synthetic task before RL.
+    """
+
+    path: str = "demo:tiny"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    scan_layers: bool = False
+    remat: Literal["none", "block", "full"] = "none"
+    # Supervised warm-up steps for the demo model (ignored for real checkpoints).
+    demo_warmup_steps: int = 300
+    demo_warmup_lr: float = 3e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfigSection:
+    """Prompts: a local file/directory, a cached dataset name, or ``demo:arithmetic``."""
+
+    source: str = "demo:arithmetic"
+    adapter: str = "generic"
+    split: str = "train"
+    eval_source: str | None = None
+    eval_split: str = "test"
+    max_prompt_length: int = 64
+    truncation: Literal["drop", "left"] = "drop"
+    template: str | None = None
+    system_prompt: str | None = None
+    on_bad_row: Literal["error", "skip"] = "error"
+    shuffle: bool = True
+    limit: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfigSection:
+    """Sampling: how many prompts and responses per RL step, and how they are drawn."""
+
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 4
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # Dynamic sampling (DAPO): resample until the batch holds `prompts_per_step` groups whose
+    # rewards are not all equal, at most this many extra sampling rounds (0 disables).
+    dynamic_sampling_rounds: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfigSection:
+    """Verifiable reward: ``math``, ``code``, ``format`` or ``package.module:function``."""
+
+    kind: str = "math"
+    num_workers: int = 2
+    timeout_s: float = 5.0
+    # DAPO soft overlong punishment, in tokens (buffer 0 disables it).
+    overlong_buffer: int = 0
+    overlong_factor: float = 1.0
+
+
+LossName = Literal["delta", "dapo", "grpo", "dr_grpo", "gspo", "sapo", "dapo_forking_tokens"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgoConfigSection:
+    """The policy-gradient objective (see ``delta_jax.rl.objectives`` for each loss preset)."""
+
+    loss: LossName = "delta"
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    # Overrides of the preset's surrogate settings; None keeps the preset's value.
+    clip_eps_low: float | None = None
+    clip_eps_high: float | None = None
+    dual_clip_c: float | None = 10.0
+    aggregation: str | None = None
+    # DelTA (DELTA_SPEC §3/§6).
+    refine_steps: int = 1
+    lam_min: float = 0.8
+    lam_max: float = 1.2
+    delta_assignment: Literal["soft", "hard"] = "soft"
+    delta_adaptive_gamma: bool = True
+    delta_range_map: bool = True
+    delta_normalize: Literal["sum", "count"] = "sum"
+    delta_scope: Literal["global", "per_shard"] = "global"
+    forking_top_q: float = 0.2
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = 0.0
+    # Truncated importance sampling against the sampler's log-probs (None disables).
+    tis_cap: float | None = None
+    # Optimiser updates per rollout batch (DELTA_SPEC §7: 4), and gradient-accumulation
+    # micro-batches per update.
+    mini_batches: int = 1
+    micro_batches: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfigSection:
+    """AdamW with global-norm clipping and a constant or warmup+cosine schedule."""
+
+    lr: float = 1e-6
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfigSection:
+    """Where the run writes, how long it runs and how often it saves and evaluates."""
+
+    dir: str = "runs/demo"
+    steps: int = 40
+    seed: int = 0
+    save_every: int = 10
+    keep_last: int = 2
+    best_metric: str = "reward_mean"
+    eval_every: int = 0
+    eval_prompts: int = 64
+    tensorboard: bool = True
+    wandb: bool = False
+    progress: bool = True
+    # Optional device mesh (data, fsdp, tensor); -1 takes the remaining devices.
+    mesh: tuple[int, int, int] = (-1, 1, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A whole run's configuration."""
+
+    model: ModelConfigSection = ModelConfigSection()
+    data: DataConfigSection = DataConfigSection()
+    rollout: RolloutConfigSection = RolloutConfigSection()
+    reward: RewardConfigSection = RewardConfigSection()
+    algo: AlgoConfigSection = AlgoConfigSection()
+    optim: OptimConfigSection = OptimConfigSection()
+    run: RunConfigSection = RunConfigSection()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Section name -> section dataclass (annotations are strings under `from __future__`).
+_SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
+def _closest(name: str, choices: Sequence[str], prefix: str = "") -> str:
+    choices = [prefix + c for c in choices]
+    close = difflib.get_close_matches(prefix + name, choices, n=3, cutoff=0.5)
+    return f"; did you mean {', '.join(close)}?" if close else f"; valid: {', '.join(choices)}"
+
+
+def _check_value(key: str, value: Any, tp: Any) -> Any:
+    """Return ``value`` converted to the annotated type ``tp``, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check_value(key, value, arg)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
+    if origin is tuple:
+        if not isinstance(value, list | tuple) or len(value) != len(args):
+            raise ConfigError(f"{key}={value!r} must be a list of {len(args)} values")
+        pairs = enumerate(zip(value, args, strict=True))
+        return tuple(_check_value(f"{key}[{i}]", v, a) for i, (v, a) in pairs)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} must be true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}={value!r} must be an integer")
+        return value
+    if tp is float:
+        # YAML 1.1 reads `1e-6` (no dot) as a string; accept numeric strings only.
+        if isinstance(value, str) and _NUMBER.match(value):
+            return float(value)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}={value!r} must be a number")
+        return float(value)
+    if tp is str:
+        if isinstance(value, bool) or not isinstance(value, str | int | float):
+            raise ConfigError(f"{key}={value!r} must be a string")
+        return str(value)
+    raise ConfigError(f"{key}: unsupported field type {tp!r}")
+
+
+def _merge(base: dict[str, Any], override: Mapping[str, Any], where: str) -> dict[str, Any]:
+    out = {k: dict(v) for k, v in base.items()}
+    for section, values in override.items():
+        if section not in _SECTIONS:
+            raise ConfigError(f"{where}: unknown section {section!r}{_closest(section, _SECTIONS)}")
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{where}: section {section!r} must be a mapping")
+        out.setdefault(section, {}).update(values)
+    return out
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: circular 'base:' chain")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    base_name = raw.pop("base", None)
+    merged: dict[str, Any] = {}
+    if base_name is not None:
+        merged = _read_yaml(path.parent / base_name, (*seen, path))
+    return _merge(merged, raw, str(path))
+
+
+def build_config(values: Mapping[str, Mapping[str, Any]], where: str = "config") -> Config:
+    """Validate a nested mapping of section -> key -> value into a :class:`Config`."""
+    sections = {}
+    for section, tp in _SECTIONS.items():
+        given = dict(values.get(section, {}))
+        hints = typing.get_type_hints(tp)
+        kwargs = {}
+        for key, value in given.items():
+            if key not in hints:
+                raise ConfigError(
+                    f"{where}: unknown key {section}.{key}{_closest(key, hints, f'{section}.')}"
+                )
+            kwargs[key] = _check_value(f"{section}.{key}", value, hints[key])
+        sections[section] = tp(**kwargs)
+    for section in values:
+        if section not in _SECTIONS:
+            raise ConfigError(f"{where}: unknown section {section!r}{_closest(section, _SECTIONS)}")
+    config = Config(**sections)
+    validate(config)
+    return config
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Split ``section.key=value`` into its parts, the value parsed as a YAML scalar."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    dotted, raw = text.split("=", 1)
+    if dotted.count(".") != 1:
+        raise ConfigError(f"override {text!r}: the key must be section.key (e.g. algo.loss=dapo)")
+    section, key = dotted.split(".")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw  # e.g. an unbalanced bracket: the field's type check reports it
+    return section, key, value
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Load a YAML config (with its ``base:`` chain) and apply ``section.key=value`` overrides.
+
+    Args:
+      path: a YAML file, or None for the built-in defaults (the CPU demo).
+      overrides: strings such as ``algo.loss=dapo`` or ``run.steps=10``.
+
+    Returns:
+      The validated, frozen :class:`Config`.
+
+    Raises:
+      ConfigError: one line naming the bad key or value.
+    """
+    values: dict[str, Any] = {} if path is None else _read_yaml(Path(path))
+    for text in overrides:
+        section, key, value = parse_override(text)
+        values = _merge(values, {section: {key: value}}, f"override {text!r}")
+    return build_config(values, where=str(path) if path else "config")
+
+
+def validate(config: Config) -> None:
+    """Cross-field checks that single field types cannot express."""
+    r, a, o, run = config.rollout, config.algo, config.optim, config.run
+    positive = {
+        "rollout.prompts_per_step": r.prompts_per_step,
+        "rollout.samples_per_prompt": r.samples_per_prompt,
+        "rollout.max_new_tokens": r.max_new_tokens,
+        "algo.mini_batches": a.mini_batches,
+        "algo.micro_batches": a.micro_batches,
+        "run.steps": run.steps,
+        "data.max_prompt_length": config.data.max_prompt_length,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1")
+    if r.temperature < 0:
+        raise ConfigError(f"rollout.temperature={r.temperature} must be >= 0")
+    if not 0.0 < r.top_p <= 1.0:
+        raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]")
+    if r.top_k < 0:
+        raise ConfigError(f"rollout.top_k={r.top_k} must be >= 0")
+    rows = r.prompts_per_step * r.samples_per_prompt
+    if rows % a.mini_batches:
+        raise ConfigError(
+            f"algo.mini_batches={a.mini_batches} must divide the rollout batch "
+            f"({r.prompts_per_step} prompts x {r.samples_per_prompt} samples = {rows} rows)"
+        )
+    if (rows // a.mini_batches) % a.micro_batches:
+        raise ConfigError(
+            f"algo.micro_batches={a.micro_batches} must divide the mini-batch "
+            f"({rows // a.mini_batches} rows)"
+        )
+    if a.lam_min > a.lam_max or a.lam_min < 0:
+        raise ConfigError(
+            f"algo.lam_min={a.lam_min} / algo.lam_max={a.lam_max}: need 0 <= min <= max"
+        )
+    if a.refine_steps < 0:
+        raise ConfigError(f"algo.refine_steps={a.refine_steps} must be >= 0")
+    if not 0.0 < a.forking_top_q <= 1.0:
+        raise ConfigError(f"algo.forking_top_q={a.forking_top_q} must be in (0, 1]")
+    if o.lr <= 0:
+        raise ConfigError(f"optim.lr={o.lr} must be > 0")
+    if r.samples_per_prompt < 2 and a.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):
+        raise ConfigError(
+            f"rollout.samples_per_prompt={r.samples_per_prompt}: group advantages need >= 2 samples"
+        )
