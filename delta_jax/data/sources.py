@@ -1,0 +1,242 @@
+"""Prompt records from Hugging Face ``datasets`` sources.
+
+A *source* is a local ``.parquet`` / ``.json`` / ``.jsonl`` / ``.arrow`` file, a directory of
+such files (or one written by ``Dataset.save_to_disk``), or a dataset name such as
+``"openai/gsm8k"`` resolved from the local ``datasets`` cache only: every load runs with the
+library's offline switch on, so nothing is ever downloaded. Each file is read through
+``datasets.load_dataset`` on its own so that a bad row can be reported by file and row index.
+
+An *adapter* turns one row of a known schema into a :class:`PromptRecord`. Rows that cannot be
+converted (a missing or empty field, a value of the wrong type) are *bad rows*: by default they
+raise :class:`BadRowError` naming the file, the row index (0-based, within that file) and the
+field; with ``on_bad_row="skip"`` they are dropped and counted by reason. A column missing from
+a file altogether is a schema error and always raises, since skipping a whole file silently
+would hide a wrong adapter or field mapping.
+
+Adapters live in :mod:`delta_jax.data.adapters`; this module holds the records and the loader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import datasets
+import huggingface_hub.constants
+import pyarrow.parquet as pq
+
+from delta_jax.data.adapters import Adapter, BadRowError, resolve_adapter
+
+FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".arrow": "arrow"}
+_READ_BATCH = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptRecord:
+    """One prompt of an RL data set.
+
+    Attributes:
+      prompt: the user message (plain text, no chat template applied).
+      answer: the reference final answer as a string (math), or ``None`` (code, or unknown).
+      system: an optional system message carried by the data set.
+      tests: code test cases as a JSON string (``{"inputs": [...], "outputs": [...]}`` or with a
+        ``"fn_name"``), or ``None``.
+      source: the file (or ``name[split]``) the row came from.
+      row: the row index within ``source`` (0-based), ``-1`` when built by hand.
+      extra: metadata columns kept by the adapter (difficulty, subject, ids, ...).
+    """
+
+    prompt: str
+    answer: str | None
+    system: str | None = None
+    tests: str | None = None
+    source: str = ""
+    row: int = -1
+    # Left out of the hash so that records stay hashable (a dict is not).
+    extra: dict = dataclasses.field(default_factory=dict, hash=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadResult:
+    """What :func:`load_records` returns.
+
+    Attributes:
+      records: the converted rows, in file order then row order.
+      skipped: number of bad rows dropped (always 0 with ``on_bad_row="error"``).
+      skip_reasons: counts keyed by ``"<field>: <kind>"``, e.g. ``{"prompt: empty": 2}``.
+    """
+
+    records: list[PromptRecord]
+    skipped: int
+    skip_reasons: dict[str, int]
+
+
+@contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    # `datasets` reads HF_HUB_OFFLINE once at import; flipping its config for the duration of the
+    # call is the only way to force cache-only resolution when the caller's environment is online.
+    saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
+
+
+def _local_parts(
+    path: Path, split: str, adapter: Adapter, cache_dir: str | None
+) -> list[tuple[str, Callable[[], datasets.Dataset]]]:
+    """(label, loader) pairs for a local file or directory."""
+
+    def from_file(file: Path) -> tuple[str, Callable[[], datasets.Dataset]]:
+        builder = FILE_BUILDERS[file.suffix.lower()]
+        kwargs = {}
+        if builder == "parquet":
+            # Parquet is columnar: read (and cache) only what the adapter uses, never DeepMath's
+            # multi-GB R1 solutions. The schema is in the footer, so this costs no data read.
+            kwargs["columns"] = adapter.columns(pq.read_schema(file).names, str(file))
+        return str(file), lambda: datasets.load_dataset(
+            builder, data_files=[str(file)], split="train", cache_dir=cache_dir, **kwargs
+        )
+
+    if path.is_file():
+        if path.suffix.lower() not in FILE_BUILDERS:
+            raise ValueError(
+                f"source {str(path)!r}: unsupported file type {path.suffix!r}; "
+                f"expected one of {sorted(FILE_BUILDERS)}"
+            )
+        return [from_file(path)]
+    if (path / "dataset_dict.json").exists():
+        splits = datasets.load_from_disk(str(path))
+        if split not in splits:
+            raise ValueError(f"source {str(path)!r}: no split {split!r}, has {sorted(splits)}")
+        return [(f"{path}[{split}]", lambda: splits[split])]
+    if (path / "state.json").exists():
+        return [(str(path), lambda: datasets.load_from_disk(str(path)))]
+    # Split files follow the Hub's naming conventions (train-*.parquet, data/test.jsonl, ...); a
+    # directory without split names is all "train".
+    try:
+        patterns = datasets.data_files.get_data_patterns(str(path))
+    except datasets.data_files.EmptyDatasetError:
+        patterns = {}
+    files_by_split = datasets.data_files.DataFilesDict.from_patterns(patterns, base_path=str(path))
+    if split not in files_by_split:
+        raise ValueError(
+            f"source {str(path)!r}: no files for split {split!r} "
+            f"(splits found: {sorted(files_by_split)})"
+        )
+    files = [Path(f) for f in files_by_split[split] if Path(f).suffix.lower() in FILE_BUILDERS]
+    if not files:
+        raise ValueError(
+            f"source {str(path)!r}: no {'/'.join(sorted(FILE_BUILDERS))} files for split {split!r}"
+        )
+    return [from_file(f) for f in files]
+
+
+def _cached_part(
+    name: str, config: str | None, split: str, cache_dir: str | None
+) -> tuple[str, Callable[[], datasets.Dataset]]:
+    def load() -> datasets.Dataset:
+        try:
+            return datasets.load_dataset(name, config, split=split, cache_dir=cache_dir)
+        except (ConnectionError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
+            where = cache_dir or datasets.config.HF_DATASETS_CACHE
+            raise FileNotFoundError(
+                f"source {name!r} is neither a local path nor a dataset in the local datasets "
+                f"cache ({where}); delta_jax never downloads: run datasets.load_dataset({name!r}) "
+                "once with network access (same cache directory), or pass a local file/directory"
+            ) from e
+
+    label = f"{name}[{split}]" if config is None else f"{name}/{config}[{split}]"
+    return label, load
+
+
+def load_records(
+    source: str | os.PathLike,
+    *,
+    adapter: str | Adapter = "generic",
+    split: str = "train",
+    fields: Mapping[str, str] | None = None,
+    on_bad_row: str = "error",
+    limit: int | None = None,
+    config: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> LoadResult:
+    """Loads prompt records from a local file, a directory, or a locally cached dataset name.
+
+    Args:
+      source: a ``.parquet`` / ``.json`` / ``.jsonl`` / ``.arrow`` file; a directory of such
+        files (split chosen by the Hub's file-name conventions) or one written by
+        ``save_to_disk``; or a dataset name (``"org/name"``) already in the local ``datasets``
+        cache. A single file is read whole, whatever ``split`` says.
+      adapter: a name in :data:`ADAPTERS` or an :class:`Adapter`.
+      split: split of a directory or cached dataset.
+      fields: for the ``"generic"`` adapter only, ``{"prompt": col, "answer": col, "system": col,
+        "tests": col}``; keys left out are not read (default ``{"prompt": "prompt",
+        "answer": "answer"}``).
+      on_bad_row: ``"error"`` raises :class:`BadRowError` at the first bad row; ``"skip"`` drops
+        bad rows and counts them in the result.
+      limit: stop after this many records (``None``: all).
+      config: the data set configuration of a cached dataset name (e.g. ``"main"`` for GSM8K).
+      cache_dir: the ``datasets`` cache directory (default: the library's).
+
+    Returns:
+      A :class:`LoadResult`.
+
+    Example::
+
+      res = load_records("gsm8k/test.parquet", adapter="gsm8k")
+      res.records[0].answer  # "18"
+    """
+    if on_bad_row not in ("error", "skip"):
+        raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
+    if limit is not None and (not isinstance(limit, int) or limit < 0):
+        raise ValueError(f"limit must be a non-negative int or None, got {limit!r}")
+    adapter = resolve_adapter(adapter, fields)
+    cache_dir = None if cache_dir is None else str(cache_dir)
+    path = Path(source)
+    with _offline():
+        if path.exists():
+            parts = _local_parts(path, split, adapter, cache_dir)
+        elif path.suffix.lower() in FILE_BUILDERS or str(source).count("/") > 1:
+            raise FileNotFoundError(f"source {str(source)!r}: no such file or directory")
+        else:
+            parts = [_cached_part(str(source), config, split, cache_dir)]
+        records: list[PromptRecord] = []
+        reasons: dict[str, int] = {}
+        for label, load in parts:
+            if limit is not None and len(records) >= limit:
+                break
+            _convert_part(label, load(), adapter, on_bad_row, limit, records, reasons)
+    return LoadResult(records=records, skipped=sum(reasons.values()), skip_reasons=reasons)
+
+
+def _convert_part(
+    label: str,
+    ds: datasets.Dataset,
+    adapter: Adapter,
+    on_bad_row: str,
+    limit: int | None,
+    records: list[PromptRecord],
+    reasons: dict[str, int],
+) -> None:
+    columns = adapter.columns(ds.column_names, label)
+    # Only the needed columns are decoded: DeepMath's three R1 solutions would otherwise dominate.
+    ds = ds.select_columns(columns)
+    row = 0
+    for batch in ds.iter(batch_size=_READ_BATCH):
+        for values in zip(*(batch[c] for c in columns), strict=True):
+            try:
+                out = adapter.convert(dict(zip(columns, values, strict=True)))
+            except BadRowError as e:
+                if on_bad_row == "error":
+                    raise BadRowError(e.field, e.kind, e.detail, source=label, row=row) from None
+                reasons[e.reason] = reasons.get(e.reason, 0) + 1
+            else:
+                records.append(PromptRecord(source=label, row=row, **out))
+                if limit is not None and len(records) >= limit:
+                    return
+            row += 1
