@@ -1,0 +1,356 @@
+"""Batch scoring of a rollout batch in a process pool with per-item deadlines.
+
+:class:`RewardScorer` owns ``num_workers`` worker processes (``spawn``: the trainer's threads
+make ``fork`` unsafe), each with its own pipe. Items go one at a time to idle workers; the
+parent keeps a wall-clock deadline for each item and
+
+* kills a worker past its deadline (SIGKILL: a verifier stuck in C code ignores signals) and
+  starts a replacement; the item gets reward 0, reason ``"timeout"`` (a code sandbox the worker
+  was running dies with it, and its temp dir is removed);
+* notices a worker that dies (``os._exit``, a segfault, the OOM killer); the item gets reward 0,
+  reason ``"worker_died"``, and a replacement is started;
+* gets reward 0, reason ``"error:<ExceptionType>"``, back from a worker whose reward function
+  raised.
+
+So one bad item never takes the run down nor blocks the pool. Reasons of successful scores
+come from the reward kind: ``"correct"`` / ``"wrong"`` / ``"no_answer"`` / ... for math
+(:func:`~delta_jax.rewards.math.score_math`), :class:`~delta_jax.rewards.CodeResult` reasons
+and ``"no_code"`` for code, :func:`~delta_jax.rewards.format.score_format` reasons for format,
+``"ok"`` for a custom function.
+
+``num_workers=0`` scores serially in the calling process: no deadline and no crash isolation
+(for debugging, and as the baseline of ``benchmarks/reward_throughput.py``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from delta_jax.rewards.code import cleanup_sandboxes_of, extract_code, run_code
+from delta_jax.rewards.custom import as_reward, load_reward_fn
+from delta_jax.rewards.format import score_format
+from delta_jax.rewards.math import score_math
+
+_BUILTIN = ("math", "code", "format")
+_REQUIRED_FIELD = {"math": "answer", "code": "tests"}
+_CODE_GRACE_S = 10.0  # Pool deadline past run_code's own timeout: sandbox start and clean-up.
+_STARTUP_TIMEOUT_S = 120.0
+_MAX_STARTUP_FAILURES = 3
+
+ScoreFn = Callable[[str, str, Mapping[str, Any]], tuple[float, str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardBatch:
+    """Rewards of a batch.
+
+    Attributes:
+      rewards: float32 ``[N]``, 0 wherever scoring failed.
+      reasons: one reason string per item (``"correct"``, ``"timeout"``, ...).
+      counts: number of items per reason.
+    """
+
+    rewards: np.ndarray
+    reasons: list[str]
+    counts: dict[str, int]
+
+
+def _make_score_fn(kind: str | Callable[..., Any], options: Mapping[str, Any]) -> ScoreFn:
+    if kind == "math":
+        return lambda prompt, response, item: score_math(response, item["answer"])
+    if kind == "format":
+        pattern = options.get("pattern")
+        return lambda prompt, response, item: score_format(response, pattern=pattern)
+    if kind == "code":
+        code_kwargs = dict(options.get("code_kwargs", {}))
+
+        def score_code(prompt: str, response: str, item: Mapping[str, Any]) -> tuple[float, str]:
+            code = extract_code(response)
+            if code is None:
+                return 0.0, "no_code"
+            result = run_code(code, item["tests"], **code_kwargs)
+            return float(result.passed), result.reason
+
+        return score_code
+    fn = load_reward_fn(kind) if isinstance(kind, str) else kind
+    return lambda prompt, response, item: (as_reward(fn(prompt, response, item)), "ok")
+
+
+def _score_one(score_fn: ScoreFn, prompt: str, response: str, item: Mapping[str, Any]):
+    try:
+        reward, reason = score_fn(prompt, response, item)
+        return float(reward), reason
+    except Exception as e:  # noqa: BLE001 - any failure of a reward function is a 0 reward
+        return 0.0, f"error:{type(e).__name__}"
+
+
+def _worker_main(conn, kind, options) -> None:
+    # Ctrl-C is the parent's to handle; workers are shut down through their pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        score_fn = _make_score_fn(kind, options)
+        if kind == "math":
+            # The first parse builds math-verify's grammar (about a second): not an item's time.
+            score_fn("", "\\boxed{1}", {"answer": "1"})
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
+        conn.send(("init_error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready",))
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        index, prompt, response, item = task
+        conn.send((index, *_score_one(score_fn, prompt, response, item)))
+
+
+@dataclasses.dataclass
+class _Worker:
+    process: Any
+    conn: Any
+    started: float
+    ready: bool = False
+    task: int | None = None
+    deadline: float = math.inf
+
+
+class RewardScorer:
+    """Scores whole rollout batches in parallel, with per-item timeouts and crash isolation.
+
+    Args:
+      kind: ``"math"`` (items need ``"answer"``), ``"code"`` (items need ``"tests"``; the code
+        is the response's last fenced block), ``"format"``, a ``"package.module:function"``
+        path, or a picklable callable ``(prompt, response, item) -> float``.
+      num_workers: worker processes; None for one per CPU, 0 for serial in-process scoring
+        (no timeout, no crash isolation).
+      timeout_s: wall-clock seconds per item. For ``"code"`` it is run_code's budget, and the
+        pool deadline adds a grace for the sandbox's start and clean-up.
+      format_pattern: regular expression for ``"format"`` (see
+        :func:`~delta_jax.rewards.format.score_format`).
+      code_kwargs: extra keyword arguments of :func:`~delta_jax.rewards.run_code`
+        (``memory_mb``, ``max_procs``, ...).
+
+    Example:
+      >>> with RewardScorer("math", num_workers=2) as scorer:  # doctest: +SKIP
+      ...     batch = scorer.score(["1+1?"], [r"\\boxed{2}"], [{"answer": "2"}])
+      >>> batch.rewards, batch.counts  # doctest: +SKIP
+      (array([1.], dtype=float32), {'correct': 1})
+    """
+
+    def __init__(
+        self,
+        kind: str | Callable[[str, str, Mapping[str, Any]], float] = "math",
+        *,
+        num_workers: int | None = None,
+        timeout_s: float = 10.0,
+        format_pattern: str | None = None,
+        code_kwargs: Mapping[str, Any] | None = None,
+    ):
+        if isinstance(kind, str) and kind not in _BUILTIN:
+            load_reward_fn(kind)  # A wrong path is a configuration error: raise it now.
+        elif not isinstance(kind, str) and not callable(kind):
+            raise ValueError(f"kind must be one of {_BUILTIN}, 'module:function' or a callable")
+        if num_workers is None:
+            num_workers = len(os.sched_getaffinity(0))
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        code_kwargs = dict(code_kwargs or {})
+        if kind == "code":
+            code_kwargs.setdefault("timeout_s", timeout_s)
+        self.kind = kind
+        self.num_workers = num_workers
+        self.deadline_s = timeout_s + (_CODE_GRACE_S if kind == "code" else 0.0)
+        self._options = {"pattern": format_pattern, "code_kwargs": code_kwargs}
+        self._workers: list[_Worker] = []
+        self._startup_failures = 0
+        self._ctx = mp.get_context("spawn")
+        if num_workers == 0:
+            self._serial_fn = _make_score_fn(kind, self._options)
+            return
+        if callable(kind):
+            try:
+                pickle.dumps(kind)
+            except Exception as e:
+                raise ValueError(
+                    f"kind: a callable must be picklable to reach the workers (a module-level "
+                    f"function); use 'module:function' instead ({e})"
+                ) from e
+        self._workers = [self._spawn() for _ in range(num_workers)]
+
+    def _spawn(self) -> _Worker:
+        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(
+            target=_worker_main, args=(child_conn, self.kind, self._options), daemon=True
+        )
+        process.start()
+        child_conn.close()
+        return _Worker(process, parent_conn, time.monotonic())
+
+    def _replace(self, worker: _Worker) -> None:
+        if worker.process.is_alive():
+            worker.process.kill()
+        worker.process.join()
+        worker.conn.close()
+        cleanup_sandboxes_of(worker.process.pid)
+        if not worker.ready:
+            self._startup_failures += 1
+            if self._startup_failures > _MAX_STARTUP_FAILURES:
+                raise RuntimeError(
+                    f"reward workers for kind {self.kind!r} keep dying before they are ready "
+                    f"(last exit code {worker.process.exitcode})"
+                )
+        self._workers[self._workers.index(worker)] = self._spawn()
+
+    def score(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        items: Sequence[Mapping[str, Any]],
+    ) -> RewardBatch:
+        """Scores a batch; never raises for what a response or reward function does.
+
+        Args:
+          prompts: ``[N]`` prompt texts.
+          responses: ``[N]`` response texts.
+          items: ``[N]`` data set rows (with ``"answer"`` for math, ``"tests"`` for code).
+
+        Returns:
+          A :class:`RewardBatch` with float32 ``rewards [N]``, ``reasons`` and ``counts``.
+        """
+        n = len(responses)
+        if len(prompts) != n or len(items) != n:
+            raise ValueError(
+                f"prompts, responses and items must have the same length, got {len(prompts)}, "
+                f"{n} and {len(items)}"
+            )
+        field = _REQUIRED_FIELD.get(self.kind) if isinstance(self.kind, str) else None
+        for i, item in enumerate(items):
+            if not isinstance(item, Mapping) or (field is not None and field not in item):
+                raise ValueError(f"items[{i}] must be a mapping with key {field!r}, got {item!r}")
+        rewards = np.zeros(n, np.float32)
+        reasons = [""] * n
+        if self.num_workers == 0:
+            for i in range(n):
+                rewards[i], reasons[i] = _score_one(
+                    self._serial_fn, prompts[i], responses[i], items[i]
+                )
+        else:
+            if not self._workers:
+                raise RuntimeError("RewardScorer is closed")
+            tasks = [(i, prompts[i], responses[i], dict(items[i])) for i in range(n)]
+            self._run_pool(tasks, rewards, reasons)
+        return RewardBatch(rewards, reasons, dict(collections.Counter(reasons)))
+
+    def _run_pool(self, tasks: list[tuple], rewards: np.ndarray, reasons: list[str]) -> None:
+        todo = collections.deque(tasks)
+
+        def finish(index: int, reward: float, reason: str) -> None:
+            rewards[index], reasons[index] = reward, reason
+
+        while todo or any(w.task is not None for w in self._workers):
+            for worker in list(self._workers):
+                if worker.ready and worker.task is None and todo:
+                    task = todo.popleft()
+                    try:
+                        worker.conn.send(task)
+                    except (BrokenPipeError, OSError):
+                        todo.appendleft(task)  # Not this item's fault: the worker was gone.
+                        self._replace(worker)
+                        continue
+                    worker.task, worker.deadline = task[0], time.monotonic() + self.deadline_s
+            now = time.monotonic()
+            wake = min(
+                w.deadline if w.ready else w.started + _STARTUP_TIMEOUT_S for w in self._workers
+            )
+            waitables = [w.conn for w in self._workers] + [
+                w.process.sentinel for w in self._workers
+            ]
+            timeout = None if math.isinf(wake) else max(0.0, wake - now)
+            ready = set(mp.connection.wait(waitables, timeout=timeout))
+            for worker in list(self._workers):
+                if worker.conn in ready:
+                    try:
+                        msg = worker.conn.recv()
+                    except (EOFError, OSError):
+                        msg = None
+                    if msg is None:
+                        if worker.task is not None:
+                            finish(worker.task, 0.0, "worker_died")
+                        self._replace(worker)
+                    elif msg[0] == "ready":
+                        worker.ready, self._startup_failures = True, 0
+                    elif msg[0] == "init_error":
+                        raise RuntimeError(f"reward worker failed to start: {msg[1]}")
+                    else:
+                        finish(*msg)
+                        worker.task, worker.deadline = None, math.inf
+                elif worker.process.sentinel in ready:
+                    if worker.task is not None:
+                        finish(worker.task, 0.0, "worker_died")
+                    self._replace(worker)
+            now = time.monotonic()
+            for worker in list(self._workers):
+                if worker.task is not None and now > worker.deadline:
+                    finish(worker.task, 0.0, "timeout")
+                    worker.ready = True  # A hang while scoring is not a start-up failure.
+                    self._replace(worker)
+                elif not worker.ready and now > worker.started + _STARTUP_TIMEOUT_S:
+                    self._replace(worker)
+
+    def wait_ready(self, timeout_s: float = _STARTUP_TIMEOUT_S) -> None:
+        """Blocks until every worker has started (imports done), e.g. before timing a batch."""
+        end = time.monotonic() + timeout_s
+        for worker in self._workers:
+            if worker.ready:
+                continue
+            if not worker.conn.poll(max(0.0, end - time.monotonic())):
+                raise RuntimeError(f"reward worker not ready after {timeout_s} s")
+            msg = worker.conn.recv()
+            if msg[0] != "ready":
+                raise RuntimeError(f"reward worker failed to start: {msg[1]}")
+            worker.ready = True
+
+    def close(self) -> None:
+        """Shuts the workers down (idempotent)."""
+        for worker in self._workers:
+            if not worker.ready or worker.task is not None:
+                worker.process.kill()  # Still starting, or stuck: nothing to wait for.
+                continue
+            try:
+                worker.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for worker in self._workers:
+            worker.process.join(timeout=5.0)
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join()
+            worker.conn.close()
+        self._workers = []
+
+    def __enter__(self) -> RewardScorer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_workers", None):
+            self.close()

@@ -1,0 +1,63 @@
+"""Custom rewards by import path: ``"package.module:function"``.
+
+The function is called as ``fn(prompt: str, response: str, item: Mapping) -> float`` where
+``item`` is the data set row (``"answer"``, ``"tests"`` and any other field it has). It should
+return a finite number; :class:`~delta_jax.rewards.RewardScorer` turns anything else (an
+exception, a non-number, NaN, a hang, a crash of the process) into reward 0 with a reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from typing import Any
+
+RewardFn = Callable[[str, str, Mapping[str, Any]], float]
+
+
+def load_reward_fn(path: str) -> RewardFn:
+    """Imports a reward function given as ``"package.module:function"``.
+
+    Args:
+      path: module import path and attribute name separated by one colon; the attribute may be
+        dotted (``"pkg.mod:Class.method"``).
+
+    Returns:
+      The callable, with signature ``(prompt, response, item) -> float``.
+
+    Raises:
+      ValueError: if `path` is malformed, the module or attribute does not exist, or the
+        attribute is not callable.
+
+    Example:
+      >>> fn = load_reward_fn("my_rewards:length_penalty")  # doctest: +SKIP
+      >>> fn("2+2?", "4", {"answer": "4"})  # doctest: +SKIP
+    """
+    if not isinstance(path, str) or path.count(":") != 1:
+        raise ValueError(f"reward function path must be 'package.module:function', got {path!r}")
+    module_name, attr = path.split(":")
+    if not module_name or not attr:
+        raise ValueError(f"reward function path must be 'package.module:function', got {path!r}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward function {path!r}: cannot import {module_name!r}: {e}") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"reward function {path!r}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"reward function {path!r} is not callable ({type(obj).__name__})")
+    return obj
+
+
+def as_reward(value: Any) -> float:
+    """Checks a custom function's return value: a finite real number (bool and NumPy included)."""
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"reward function returned {type(value).__name__}, expected a float")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"reward function returned a non-finite value {out}")
+    return out

@@ -1,0 +1,38 @@
+"""Custom reward functions for the tests, imported by path ("tests.rewards.custom_fns:...")."""
+
+import ctypes
+import os
+import time
+
+
+def by_mode(prompt, response, item):
+    """Misbehaves as ``item["mode"]`` says; otherwise returns ``item["value"]``."""
+    mode = item.get("mode", "ok")
+    if mode == "sleep":
+        time.sleep(3600)
+    if mode == "raise":
+        return 1 / 0
+    if mode == "exit":
+        os._exit(3)
+    if mode == "segfault":
+        ctypes.string_at(0)
+    if mode == "nan":
+        return float("nan")
+    if mode == "str":
+        return "1.0"
+    return item["value"]
+
+
+def length_reward(prompt, response, item):
+    """A well-behaved custom reward: the response length divided by 10."""
+    return len(response) / 10
+
+
+NOT_CALLABLE = 3
+
+
+def sandboxed_spin(prompt, response, item):
+    """Runs an endless program in the code sandbox with a long budget of its own."""
+    from delta_jax.rewards import run_code
+
+    return float(run_code("while True:\n    pass", "assert True", timeout_s=60).passed)
