@@ -1,0 +1,392 @@
+"""DelTA token coefficients: discriminative token credit assignment (DELTA_SPEC §3).
+
+Implements the paper's self-normalised coefficients ``λ̄`` with the recipe's defaults (K = 1
+refinement step, λ ∈ [0.8, 1.2], soft assignment, adaptive temperatures lagging one step,
+normalisation by Σλ, token-gradient proxy ``(1 − p) h``), and the ablation options of §6.
+
+Everything is computed from *sufficient statistics*: weighted sums of ``v`` (centroids), masses,
+token counts and sums of margins / squared deviations (temperatures). A sum over tokens is the
+only cross-token operation, so the same code serves the whole batch, micro-batches whose hidden
+states are never one array (the sums run over the list), and sharded batches (the sums are
+all-reduced over a mesh axis for ``scope="global"``, or left per shard for ``"per_shard"``,
+which reproduces the reference recipe).
+
+The margin uses the cheap exact form ``‖v − μ−‖² − ‖v − μ+‖² = 2 v·(μ+ − μ−) − (‖μ+‖² − ‖μ−‖²)``
+and ``v = (1 − p) h``, so a refinement step is one projection ``h · d`` and one weighted sum
+``Σ w (1 − p) h``: no ``[B, T, H]`` array is created besides ``hidden`` itself (see
+``_delta_proxy`` for bf16 on CPU/GPU), and the whole computation is ``2 (K + 1)`` mat-vec sweeps
+over ``hidden``, ``O(B·T·H·(K + 1))`` flops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Float
+
+from delta_jax.losses._delta_proxy import HiddenTopk, LmHeadRow
+from delta_jax.losses._delta_validate import Chunk, check_chunks, check_options
+
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    refine_steps: int
+    lam_min: float
+    lam_max: float
+    assignment: str
+    adaptive_gamma: bool
+    range_map: bool
+    normalize: str
+    scope: str
+    axis_name: Hashable | tuple[Hashable, ...] | None
+    proxy: str
+    eps: float
+
+
+def _solve(chunks: list[Chunk], lm_head: Array | None, opts: _Options):
+    """Coefficients (per chunk) and diagnostics from the chunks' sufficient statistics."""
+    chunks, lm_head = jax.lax.stop_gradient((chunks, lm_head))
+    eps = opts.eps
+    if opts.scope == "global" and opts.axis_name is not None:
+        reduce = lambda x: jax.lax.psum(x, opts.axis_name)
+    else:
+        reduce = lambda x: x
+
+    masks = [c.mask != 0 for c in chunks]
+    advs = [c.advantages.astype(_F32) for c in chunks]
+    if opts.proxy == "lm_head_row":
+        scales = [
+            jnp.where(m, -jnp.expm1(c.logprobs.astype(_F32)), 0.0)
+            for c, m in zip(chunks, masks, strict=True)
+        ]
+        proxy = LmHeadRow([c.hidden for c in chunks], scales)
+    else:
+        probs = []
+        for c, m in zip(chunks, masks, strict=True):
+            valid = m[..., None]
+            logits = jnp.where(valid, c.topk_logits.astype(_F32), 0.0)
+            probs.append(jnp.where(valid, jax.nn.softmax(logits, axis=-1), 0.0))
+        proxy = HiddenTopk(lm_head, [c.token_ids for c in chunks], [c.topk_ids for c in chunks],
+                           probs, masks)  # fmt: skip
+
+    # Row 0 is the positive side P, row 1 the negative side N: [2, b, T] per chunk.
+    sides, masses = [], []
+    for a, m in zip(advs, masks, strict=True):
+        side = jnp.stack([m & (a[:, None] > 0), m & (a[:, None] < 0)])
+        sides.append(side)
+        masses.append(jnp.where(side, jnp.abs(a)[None, :, None], 0.0))
+
+    def total(chunked):
+        return reduce(sum(jnp.sum(x, axis=(-2, -1)) for x in chunked))
+
+    def on_sides(chunked):  # zero outside each side's own tokens
+        return [jnp.where(s, x, 0.0) for s, x in zip(sides, chunked, strict=True)]
+
+    # Integer counts stay exact beyond 2**24 tokens.
+    n_side = total(sides).astype(_F32)  # [2]
+    n_valid = total(masks).astype(_F32)
+    per_side = jnp.maximum(n_side, 1.0)
+
+    def centroids(weights):  # [2, H]
+        return reduce(proxy.weighted_sums(weights)) / jnp.maximum(total(weights), eps)[:, None]
+
+    def margins(mu):  # Δ+ on row 0 and Δ− = −Δ+ on row 1, [2, b, T] per chunk
+        offset = jnp.dot(mu[0], mu[0]) - jnp.dot(mu[1], mu[1])
+        projections = proxy.project(mu[0] - mu[1])
+        return [jnp.stack([2.0 * p - offset, offset - 2.0 * p]) for p in projections]
+
+    def temperature(deltas):  # population std of each side's margins, two passes for stability
+        mean = (total(on_sides(deltas)) / per_side)[:, None, None]
+        spread = total(on_sides([jnp.square(d - mean) for d in deltas]))
+        return jnp.sqrt(jnp.maximum(spread / per_side, eps))
+
+    def assign(deltas, gamma):
+        if opts.assignment == "hard":
+            return [(d > 0).astype(_F32) for d in deltas]
+        return [jax.nn.sigmoid(d / gamma[:, None, None]) for d in deltas]
+
+    mu = centroids(masses)
+    deltas = margins(mu)
+    gamma_now = temperature(deltas)  # temperature of the current margins
+    gamma = gamma_now  # temperature the next scores use: lags the margins by one step
+    for step in range(opts.refine_steps):
+        alpha = assign(deltas, gamma)
+        if opts.adaptive_gamma:
+            gamma = gamma_now
+        mu = centroids([w * a for w, a in zip(masses, alpha, strict=True)])
+        deltas = margins(mu)
+        if opts.adaptive_gamma and step + 1 < opts.refine_steps:
+            gamma_now = temperature(deltas)
+    alpha = assign(deltas, gamma)
+
+    lams = []
+    for s, m, a in zip(sides, masks, alpha, strict=True):
+        scored = s[0] | s[1]
+        score = jnp.where(s[0], a[0], a[1])
+        if opts.range_map:
+            lam = opts.lam_min + (opts.lam_max - opts.lam_min) * score
+            lams.append(jnp.where(scored, lam, jnp.where(m, opts.lam_min, 0.0)))
+        else:
+            lams.append(jnp.where(scored, score, 0.0))
+    if opts.normalize == "sum":
+        scale = n_valid / jnp.maximum(total(lams), eps)
+        lams = [lam * scale for lam in lams]
+
+    norms = jnp.sqrt(jnp.sum(jnp.square(mu), axis=-1))
+    above = total([s & (lam[None] > 1.0) for s, lam in zip(sides, lams, strict=True)])
+    agree = total([s & (d > 0) for s, d in zip(sides, deltas, strict=True)])
+    diagnostics = {
+        "gamma_pos": gamma[0],
+        "gamma_neg": gamma[1],
+        "centroid_norm_pos": norms[0],
+        "centroid_norm_neg": norms[1],
+        "centroid_cosine": jnp.dot(mu[0], mu[1]) / jnp.maximum(norms[0] * norms[1], eps),
+        "frac_above_one_pos": above[0] / per_side[0],
+        "frac_above_one_neg": above[1] / per_side[1],
+        "sign_accuracy": jnp.sum(agree) / jnp.maximum(jnp.sum(n_side), 1.0),
+    }
+    return lams, diagnostics
+
+
+def _run(chunks: list[Chunk], lm_head: Array | None, opts: _Options, mesh: Any):
+    if mesh is None:
+        return _solve(chunks, lm_head, opts)
+    names = opts.axis_name if isinstance(opts.axis_name, tuple) else (opts.axis_name,)
+    shards = math.prod(mesh.shape[n] for n in names)
+    for i, c in enumerate(chunks):
+        if c.mask.shape[0] % shards:
+            raise ValueError(
+                f"mask[{i}] batch size {c.mask.shape[0]} is not divisible by the {shards} shards "
+                f"of mesh axis {opts.axis_name!r}"
+            )
+    batch = jax.sharding.PartitionSpec(opts.axis_name)
+    replicated = jax.sharding.PartitionSpec()
+    per_shard = opts.scope == "per_shard"
+
+    def body(chunks, lm_head):
+        lams, diagnostics = _solve(chunks, lm_head, opts)
+        if per_shard:  # one value per shard, stacked along a leading shard axis
+            diagnostics = {k: v[None] for k, v in diagnostics.items()}
+        return lams, diagnostics
+
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(batch, replicated),
+        out_specs=(batch, batch if per_shard else replicated),
+    )(chunks, lm_head)
+
+
+def delta_coefficients_microbatched(
+    hiddens: Sequence[ArrayLike] | None,
+    logprobs: Sequence[ArrayLike],
+    advantages: Sequence[ArrayLike],
+    masks: Sequence[ArrayLike],
+    *,
+    refine_steps: int = 1,
+    lam_min: float = 0.8,
+    lam_max: float = 1.2,
+    assignment: str = "soft",
+    adaptive_gamma: bool = True,
+    range_map: bool = True,
+    normalize: str = "sum",
+    scope: str = "global",
+    axis_name: Hashable | tuple[Hashable, ...] | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    proxy: str = "lm_head_row",
+    lm_head: ArrayLike | None = None,
+    token_ids: Sequence[ArrayLike] | None = None,
+    topk_logits: Sequence[ArrayLike] | None = None,
+    topk_ids: Sequence[ArrayLike] | None = None,
+    eps: float = 1e-8,
+    return_diagnostics: bool = False,
+):
+    """DelTA coefficients of a rollout batch given as micro-batches, exactly as one batch.
+
+    Micro-batch ``i`` holds ``b_i`` responses of ``T_i`` positions (both may differ between
+    micro-batches). The statistics of DELTA_SPEC §3 are sums over tokens, so each of the
+    ``2 (K + 1)`` sweeps (K + 1 projections, K + 1 weighted sums) runs over every stored
+    micro-batch before the next one starts; the result equals :func:`delta_coefficients` on the
+    concatenated batch up to float summation order, including the normalisation over the whole
+    batch. No model forward is re-run: the caller keeps each micro-batch's final hidden states
+    from the forward it makes anyway (e.g. in bf16).
+
+    Memory: the kept hidden states, ``Σ_i b_i · T_i · H · bytes``. For example 32 responses of
+    8192 tokens per device with ``H = 4096`` in bf16 keep 2 GiB; the computation itself adds
+    only ``O(Σ b_i T_i + H)`` float32 scalars (on TPU; JAX's CPU/GPU lowerings of a bf16 dot
+    with float32 accumulation also convert the operand, one micro-batch at a time).
+
+    Args:
+      hiddens: per micro-batch ``[b_i, T_i, H]`` hidden states; may be ``None`` with
+        ``proxy="hidden_topk"``.
+      logprobs: per micro-batch ``[b_i, T_i]`` old-policy log-probs of the sampled tokens.
+      advantages: per micro-batch ``[b_i]`` sequence advantages.
+      masks: per micro-batch ``[b_i, T_i]``, nonzero on real response tokens.
+      token_ids: per micro-batch ``[b_i, T_i]``; only with ``proxy="hidden_topk"``.
+      topk_logits: per micro-batch ``[b_i, T_i, k]``; only with ``proxy="hidden_topk"``.
+      topk_ids: per micro-batch ``[b_i, T_i, k]``; only with ``proxy="hidden_topk"``.
+      **others: as :func:`delta_coefficients`.
+
+    Returns:
+      A list of float32 ``[b_i, T_i]`` coefficients, and the diagnostics dict when
+      ``return_diagnostics``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from delta_jax.losses import delta_coefficients_microbatched
+      >>> hs = [jnp.ones((2, 3, 4), jnp.bfloat16), jnp.ones((2, 5, 4), jnp.bfloat16)]
+      >>> lps = [jnp.full((2, 3), -1.0), jnp.full((2, 5), -2.0)]
+      >>> advs = [jnp.array([1.0, -1.0]), jnp.array([0.5, 0.0])]
+      >>> ms = [jnp.ones((2, 3)), jnp.ones((2, 5))]
+      >>> coefs = jax.jit(delta_coefficients_microbatched)(hs, lps, advs, ms)
+      >>> [c.shape for c in coefs]
+      [(2, 3), (2, 5)]
+    """
+    opts = _Options(**check_options(locals()))
+    n = len(logprobs)
+    chunks, lm_head = check_chunks(
+        proxy,
+        hiddens=[None] * n if hiddens is None else hiddens,
+        logprobs=logprobs,
+        advantages=advantages,
+        masks=masks,
+        lm_head=lm_head,
+        token_ids=token_ids,
+        topk_logits=topk_logits,
+        topk_ids=topk_ids,
+        indexed=True,
+    )
+    lams, diagnostics = _run(chunks, lm_head, opts, mesh)
+    return (lams, diagnostics) if return_diagnostics else lams
+
+
+def delta_coefficients(
+    hidden: Float[ArrayLike, "B T H"] | None,
+    logprobs: Float[ArrayLike, "B T"],
+    advantages: Float[ArrayLike, " B"],
+    mask: ArrayLike,
+    *,
+    refine_steps: int = 1,
+    lam_min: float = 0.8,
+    lam_max: float = 1.2,
+    assignment: str = "soft",
+    adaptive_gamma: bool = True,
+    range_map: bool = True,
+    normalize: str = "sum",
+    scope: str = "global",
+    axis_name: Hashable | tuple[Hashable, ...] | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    proxy: str = "lm_head_row",
+    lm_head: Float[ArrayLike, "H V"] | None = None,
+    token_ids: ArrayLike | None = None,
+    topk_logits: ArrayLike | None = None,
+    topk_ids: ArrayLike | None = None,
+    eps: float = 1e-8,
+    return_diagnostics: bool = False,
+):
+    r"""Self-normalised DelTA token coefficients ``λ̄`` (DELTA_SPEC §3).
+
+    With ``v = (1 − p) h``, sides ``P = {Â > 0}``, ``N = {Â < 0}``, ``Z = {Â = 0}`` (valid
+    tokens) and weights ``a± = max(±Â, 0)``::
+
+      μ± = Σ a± v / max(Σ a±, ε)                                 (initial centroids)
+      Δ+ = ‖v − μ−‖² − ‖v − μ+‖² = 2 v·(μ+ − μ−) − (‖μ+‖² − ‖μ−‖²),   Δ− = −Δ+
+      γ± = sqrt(max(Var_{P|N}(Δ±), ε))                          (population, unweighted)
+      K times:  α = σ(Δ±/γ±);  μ± ← Σ a± α v / max(Σ a± α, ε);  γ± ← γ of the margins at the
+                start of the step (the temperature lags one step)
+      λ = λ_min + (λ_max − λ_min) σ(Δ±(μ*)/γ±) on P ∪ N,  λ_min on Z,  0 on padding
+      λ̄ = λ · |valid| / max(Σ λ, ε)
+
+    Everything is under ``stop_gradient``; the result is float32 for any input dtype (a bf16
+    ``hidden`` is multiplied with float32 accumulation, so the result is the float32 computation
+    on its stored values).
+
+    Degenerate inputs never give NaN/inf: an empty side (e.g. only positive advantages) has
+    centroid 0 and ``γ = sqrt(ε)``, so the other side is scored against the origin; all
+    advantages zero gives ``λ̄ = 1`` on every valid token (``λ_min > 0``); an empty mask gives
+    all zeros; a single scored token gives ``λ̄ = 1``. With ``range_map=False`` and no token in
+    P ∪ N, or ``λ_min = 0`` and only Z tokens, ``Σλ = 0`` and ``λ̄ = 0``. Padded positions may
+    hold any finite values.
+
+    Args:
+      hidden: ``[B, T, H]`` final hidden states (after the final norm) of the response
+        positions, any float dtype. With ``proxy="hidden_topk"`` it is not used and may be None
+        (if given, its shape is checked against ``lm_head``).
+      logprobs: ``[B, T]`` old-policy log-probs of the sampled tokens.
+      advantages: ``[B]`` sequence-level advantages ``Â``.
+      mask: ``[B, T]``, nonzero on real response tokens.
+      refine_steps: K, the number of centroid refinements (paper: 0-3).
+      lam_min: λ for a score of 0 (and for zero-advantage tokens).
+      lam_max: λ for a score of 1.
+      assignment: ``"soft"`` (``α = σ(Δ/γ)``) or ``"hard"`` (``α = [Δ > 0]``; γ only reported).
+      adaptive_gamma: if False, the initial temperatures are used by every step (identical to
+        True for ``refine_steps <= 1`` because of the one-step lag).
+      range_map: if False, ``λ = α*`` on P ∪ N and 0 on Z (the image of α = 0), no λ range.
+      normalize: ``"sum"`` (``λ̄ = λ · |valid| / Σλ``, mean 1) or ``"count"`` (``λ̄ = λ``: a
+        token-mean surrogate then divides by the token count rather than by Σλ).
+      scope: ``"global"`` (statistics over the whole batch) or ``"per_shard"`` (each shard of
+        ``axis_name`` alone, as the reference recipe). Under plain ``jit`` with a sharded batch
+        and ``axis_name=None`` the statistics are global.
+      axis_name: mesh axis name (or tuple) the batch is split over. Without ``mesh`` the call
+        must be inside ``shard_map``/``pmap`` over it: ``"global"`` all-reduces the sums with
+        ``psum``, ``"per_shard"`` does not.
+      mesh: if given (with ``axis_name``), the computation is wrapped in ``jax.shard_map`` over
+        ``mesh`` with the batch dimension split over ``axis_name``: the convenient way to get
+        per-shard statistics from plain ``jit`` code. Per-shard diagnostics then carry a
+        leading shard axis.
+      proxy: ``"lm_head_row"`` (``v = (1 − p) h``) or ``"hidden_topk"`` (paper App. F:
+        ``v = W_y − Σ_{j∈topk} p̃(j) W_j``, the gradient w.r.t. ``h`` restricted to the top-k
+        vocabulary with ``p̃`` the softmax of the top-k logits; ``logprobs`` is then unused).
+        A constant factor on ``v`` (e.g. 1/temperature) cancels in ``Δ/γ``.
+      lm_head: ``[H, V]`` LM-head weight, logits = ``h @ lm_head``; ``hidden_topk`` only.
+      token_ids: ``[B, T]`` sampled token ids; ``hidden_topk`` only.
+      topk_logits: ``[B, T, k]`` top-k logits at the sampling temperature; ``hidden_topk`` only.
+      topk_ids: ``[B, T, k]`` their vocabulary ids; ``hidden_topk`` only.
+      eps: the ε of the spec (mass floors, variance floor, normaliser floor).
+      return_diagnostics: also return a dict of float32 scalars: ``gamma_pos``/``gamma_neg``
+        (temperatures of the final scores), ``centroid_norm_pos``/``_neg`` and
+        ``centroid_cosine`` (refined centroids), ``frac_above_one_pos``/``_neg`` (fraction of
+        the side's tokens with ``λ̄ > 1``) and ``sign_accuracy`` (fraction of P ∪ N tokens
+        whose final margin ``Δ±`` is positive); 0 for empty sides.
+
+    Returns:
+      float32 ``[B, T]`` coefficients ``λ̄`` (0 on padding), and the diagnostics dict when
+      ``return_diagnostics``.
+
+    Raises:
+      ValueError: on mismatched shapes, non-float ``hidden``/``logprobs``, or invalid options.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from delta_jax.losses import delta_coefficients
+      >>> k1, k2 = jax.random.split(jax.random.key(0))
+      >>> hidden = jax.random.normal(k1, (4, 6, 8), jnp.bfloat16)
+      >>> logprobs = -jax.random.uniform(k2, (4, 6))
+      >>> advantages = jnp.array([1.0, 0.5, -0.5, -1.0])
+      >>> mask = jnp.ones((4, 6)).at[0, 4:].set(0)
+      >>> coef = jax.jit(delta_coefficients)(hidden, logprobs, advantages, mask)
+      >>> coef.shape, coef.dtype, round(float(coef.sum() / mask.sum()), 4)
+      ((4, 6), dtype('float32'), 1.0)
+    """
+    opts = _Options(**check_options(locals()))
+    chunks, lm_head = check_chunks(
+        proxy,
+        hiddens=[hidden],
+        logprobs=[logprobs],
+        advantages=[advantages],
+        masks=[mask],
+        lm_head=lm_head,
+        token_ids=None if token_ids is None else [token_ids],
+        topk_logits=None if topk_logits is None else [topk_logits],
+        topk_ids=None if topk_ids is None else [topk_ids],
+        indexed=False,
+    )
+    lams, diagnostics = _run(chunks, lm_head, opts, mesh)
+    return (lams[0], diagnostics) if return_diagnostics else lams[0]
