@@ -1,0 +1,145 @@
+"""Per-token log-probabilities without materialising [B, T, V] float32 logits.
+
+The LM head is applied to chunks of ``chunk_size`` tokens (flattened over B and T) inside
+``lax.map``; each chunk is wrapped in ``jax.checkpoint`` so the backward pass recomputes that
+chunk's logits instead of storing them. Peak memory is therefore O(chunk_size * V) for the logits
+instead of O(B * T * V), in the forward and in the backward pass.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from delta_jax.models.transformer import Transformer, lm_head_weight
+
+# Default chunk: this many logits elements (512 MiB in float32) per chunk.
+_CHUNK_ELEMENTS = 2**27
+
+
+@flax.struct.dataclass
+class LogprobOutput:
+    """Result of :func:`token_logprobs`.
+
+    Attributes:
+      logprobs: f32[B, T], log p(targets[b, t] | tokens <= t) at the temperature.
+      entropy: f32[B, T] entropy of that distribution, or None.
+      hidden: [B, T, H] final normed hidden state, or None.
+    """
+
+    logprobs: Float[Array, "B T"]
+    entropy: Float[Array, "B T"] | None = None
+    hidden: Float[Array, "B T H"] | None = None
+
+
+def token_logprobs(
+    model: Transformer,
+    input_ids: Int[Array, "B T"],
+    targets: Int[Array, "B T"],
+    *,
+    attention_mask: Bool[Array, "B T"] | Int[Array, "B T"] | None = None,
+    positions: Int[Array, "B T"] | None = None,
+    temperature: float | Float[Array, ""] = 1.0,
+    return_entropy: bool = False,
+    return_hidden: bool = False,
+    chunk_size: int | None = None,
+) -> LogprobOutput:
+    """Log-probabilities of ``targets`` under the model, chunked over tokens.
+
+    With ``z = h W / temperature`` (``h`` the final hidden state, ``W`` the [H, V] LM head),
+    ``logprob[b, t] = z[targets[b, t]] - logsumexp(z)`` and
+    ``entropy[b, t] = logsumexp(z) - sum_v softmax(z)_v z_v``, all in float32.
+
+    Args:
+      model: the :class:`Transformer`.
+      input_ids: int[B, T] tokens fed to the model.
+      targets: int[B, T] tokens to score (usually ``input_ids`` shifted left by one).
+      attention_mask: [B, T] real-token mask, as for the model.
+      positions: int[B, T] positions, as for the model.
+      temperature: positive scalar dividing the logits.
+      return_entropy: also return the entropy of each position's distribution.
+      return_hidden: also return the final hidden state [B, T, H].
+      chunk_size: tokens per LM-head chunk (default: 2**27 // V).
+
+    Returns:
+      :class:`LogprobOutput`; values at padded positions are finite but meaningless.
+
+    Example:
+      >>> model = Transformer(ModelConfig.tiny())
+      >>> ids = jnp.array([[1, 2, 3, 4]])
+      >>> token_logprobs(model, ids[:, :-1], ids[:, 1:]).logprobs.shape
+      (1, 3)
+    """
+    if targets.shape != input_ids.shape:
+        raise ValueError(f"targets shape {targets.shape} != input_ids shape {input_ids.shape}")
+    if isinstance(temperature, (int, float)) and temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    out = model(input_ids, attention_mask=attention_mask, positions=positions, return_logits=False)
+    B, T, H = out.hidden.shape
+    w = lm_head_weight(model).astype(model.dtype)
+    lp, ent = chunked_logprobs(
+        out.hidden.reshape(B * T, H),
+        w,
+        targets.reshape(B * T),
+        temperature=temperature,
+        return_entropy=return_entropy,
+        chunk_size=chunk_size,
+    )
+    return LogprobOutput(
+        logprobs=lp.reshape(B, T),
+        entropy=None if ent is None else ent.reshape(B, T),
+        hidden=out.hidden if return_hidden else None,
+    )
+
+
+def chunked_logprobs(
+    hidden: Float[Array, "M H"],
+    weight: Float[Array, "H V"],
+    targets: Int[Array, " M"],
+    *,
+    temperature: float | Float[Array, ""] = 1.0,
+    return_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> tuple[Float[Array, " M"], Float[Array, " M"] | None]:
+    """``log_softmax(hidden @ weight / temperature)[targets]`` over M rows, chunk by chunk.
+
+    Args:
+      hidden: [M, H] rows (any float dtype; the matmul accumulates in float32).
+      weight: [H, V] LM head.
+      targets: int[M] ids in [0, V).
+      temperature: positive scalar.
+      return_entropy: also return each row's entropy.
+      chunk_size: rows per chunk (default: 2**27 // V, at least 1).
+
+    Returns:
+      ``(logprobs f32[M], entropy f32[M] or None)``.
+    """
+    M, H = hidden.shape
+    V = weight.shape[1]
+    if weight.shape[0] != H:
+        raise ValueError(f"weight shape {weight.shape} does not match hidden size {H}")
+    chunk = max(1, _CHUNK_ELEMENTS // V) if chunk_size is None else int(chunk_size)
+    if chunk <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    chunk = min(chunk, M)
+    pad = (-M) % chunk
+    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, chunk, H)
+    t = jnp.pad(targets, (0, pad)).reshape(-1, chunk)
+
+    @jax.checkpoint
+    def one(args):
+        hc, tc = args
+        z = jnp.einsum("CH,HV->CV", hc, weight, preferred_element_type=jnp.float32)
+        z = z / temperature
+        lse = jax.nn.logsumexp(z, axis=-1)
+        lp = jnp.take_along_axis(z, tc[:, None], axis=-1)[:, 0] - lse
+        if not return_entropy:
+            return lp, None
+        ent = lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
+        return lp, ent
+
+    lp, ent = jax.lax.map(one, (h, t))
+    lp = lp.reshape(-1)[:M]
+    return lp, None if ent is None else ent.reshape(-1)[:M]

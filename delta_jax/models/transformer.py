@@ -1,0 +1,363 @@
+"""Decoder-only transformer for the Qwen3, Qwen2.5 and Llama-3 families (Flax NNX).
+
+Pre-norm blocks ``x += Attn(RMSNorm(x)); x += SwiGLU(RMSNorm(x))`` with grouped-query attention,
+rotate-half RoPE (optionally llama3/linear frequency scaling), Qwen3's per-head q/k RMSNorm and
+Qwen2's q/k/v bias, all selected by :class:`ModelConfig` flags. The numerics follow the
+``transformers`` implementations (RMSNorm in float32 then cast, softmax in float32) so that
+imported checkpoints give the same logits.
+
+The L decoder blocks are stored stacked (every block parameter has a leading ``layers`` axis);
+``config.scan_layers`` chooses ``lax.scan`` over that axis or an unrolled loop, so both variants
+share one parameter layout (and one checkpoint format). The forward pass is a pure function of
+the parameters: ``nnx.split(model, nnx.Param)`` / ``nnx.merge`` inside ``jax.jit`` works.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from delta_jax.models import axes as ax
+from delta_jax.models.config import ModelConfig
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Key/value cache: K/V of every layer in S slots per row.
+
+    Attributes:
+      k, v: [L, B, S, K, D] keys (after RoPE) and values.
+      mask: bool[B, S], True where a slot holds a real token.
+      index: int32 scalar, the next slot to write (same for all rows).
+    """
+
+    k: Float[Array, "L B S K D"]
+    v: Float[Array, "L B S K D"]
+    mask: Bool[Array, "B S"]
+    index: Int[Array, ""]
+
+
+@flax.struct.dataclass
+class ModelOutput:
+    """Result of a forward pass.
+
+    Attributes:
+      logits: [B, T, V] in the compute dtype, or None when ``return_logits=False``.
+      hidden: [B, T, H] final RMS-normed hidden state (the LM head's input).
+      cache: the updated :class:`KVCache`, or None when called without one.
+    """
+
+    logits: Float[Array, "B T V"] | None
+    hidden: Float[Array, "B T H"]
+    cache: KVCache | None = None
+
+
+def _param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
+    # No eager sharding: placement is explicit (from_pretrained / delta_jax.sharding), so a model
+    # can be built with or without an active mesh; the logical names ride along as metadata.
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names, eager_sharding=False)
+
+
+class _Blocks(nnx.Module):
+    """Parameters of the L decoder blocks, stacked along a leading ``layers`` axis."""
+
+    def __init__(self, cfg: ModelConfig, param_dtype, rngs: nnx.Rngs):
+        L, H, N, K, D, F = (
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+        )
+        normal, ones, zeros = (
+            nnx.initializers.normal(0.02),
+            nnx.initializers.ones,
+            nnx.initializers.zeros,
+        )
+        lay, emb, hd = ax.LAYERS, ax.EMBED, ax.HEAD_DIM
+
+        def p(init, shape, names):
+            return _param(rngs, init, (L, *shape), (lay, *names), param_dtype)
+
+        self.attn_norm = p(ones, (H,), (emb,))
+        self.wq = p(normal, (H, N, D), (emb, ax.HEADS, hd))
+        self.wk = p(normal, (H, K, D), (emb, ax.KV_HEADS, hd))
+        self.wv = p(normal, (H, K, D), (emb, ax.KV_HEADS, hd))
+        self.wo = p(normal, (N, D, H), (ax.HEADS, hd, emb))
+        if cfg.qkv_bias:
+            self.bq = p(zeros, (N, D), (ax.HEADS, hd))
+            self.bk = p(zeros, (K, D), (ax.KV_HEADS, hd))
+            self.bv = p(zeros, (K, D), (ax.KV_HEADS, hd))
+        if cfg.qk_norm:
+            self.q_norm = p(ones, (D,), (hd,))
+            self.k_norm = p(ones, (D,), (hd,))
+        self.mlp_norm = p(ones, (H,), (emb,))
+        self.w_gate = p(normal, (H, F), (emb, ax.MLP))
+        self.w_up = p(normal, (H, F), (emb, ax.MLP))
+        self.w_down = p(normal, (F, H), (ax.MLP, emb))
+
+    def arrays(self) -> dict[str, jax.Array]:
+        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM (Qwen3 / Qwen2.5 / Llama-3).
+
+    Args:
+      config: the :class:`ModelConfig`.
+      dtype: compute dtype (activations, matmul inputs); softmax and RMSNorm statistics are f32.
+      param_dtype: storage dtype of the parameters.
+      rngs: RNG streams for the random initialisation.
+
+    Example:
+      >>> model = Transformer(ModelConfig.tiny("qwen3"))
+      >>> out = model(jnp.ones((2, 5), jnp.int32))
+      >>> out.logits.shape, out.hidden.shape
+      ((2, 5, 256), (2, 5, 64))
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs | None = None,
+    ):
+        rngs = nnx.Rngs(0) if rngs is None else rngs
+        self.config = config
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        V, H = config.vocab_size, config.hidden_size
+        self.embed = _param(
+            rngs, nnx.initializers.normal(0.02), (V, H), (ax.VOCAB, ax.EMBED), param_dtype
+        )
+        self.blocks = _Blocks(config, param_dtype, rngs)
+        self.final_norm = _param(rngs, nnx.initializers.ones, (H,), (ax.EMBED,), param_dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = _param(
+                rngs, nnx.initializers.normal(0.02), (H, V), (ax.EMBED, ax.VOCAB), param_dtype
+            )
+
+    def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
+        """An empty cache of ``max_length`` slots per row (``dtype`` defaults to compute dtype)."""
+        c = self.config
+        shape = (c.num_layers, batch_size, max_length, c.num_kv_heads, c.head_dim)
+        dtype = self.dtype if dtype is None else dtype
+        return KVCache(
+            k=jnp.zeros(shape, dtype),
+            v=jnp.zeros(shape, dtype),
+            mask=jnp.zeros((batch_size, max_length), bool),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+    def __call__(
+        self,
+        input_ids: Int[Array, "B T"],
+        *,
+        attention_mask: Bool[Array, "B T"] | Int[Array, "B T"] | None = None,
+        positions: Int[Array, "B T"] | None = None,
+        cache: KVCache | None = None,
+        return_logits: bool = True,
+    ) -> ModelOutput:
+        """Runs the decoder.
+
+        Without a cache, token t attends to tokens s <= t with ``attention_mask[s]`` true. With a
+        cache, the T tokens are written to slots ``[index, index + T)`` and token t attends to
+        slots s <= index + t whose ``cache.mask`` is true. Positions default to the number of
+        real tokens before each token (``max(cumsum(mask) - 1, 0)``, counting cached ones), which
+        is right for left-padded prompts and right-padded responses.
+
+        Args:
+          input_ids: int[B, T] token ids.
+          attention_mask: [B, T] bool or int, 1 for real tokens (default: all real).
+          positions: int[B, T] RoPE positions (default: see above).
+          cache: optional :class:`KVCache` with at least ``index + T`` slots.
+          return_logits: False skips the LM head (``logits`` is None).
+
+        Returns:
+          :class:`ModelOutput` (logits [B, T, V], hidden [B, T, H], cache).
+        """
+        cfg = self.config
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {input_ids.shape}")
+        B, T = input_ids.shape
+        if attention_mask is None:
+            attention_mask = jnp.ones((B, T), bool)
+        if attention_mask.shape != (B, T):
+            raise ValueError(
+                f"attention_mask shape {attention_mask.shape} != input_ids shape {(B, T)}"
+            )
+        mask = attention_mask.astype(bool)
+        if positions is None:
+            before = (
+                0
+                if cache is None
+                else jnp.sum(
+                    cache.mask & (jnp.arange(cache.mask.shape[1]) < cache.index), -1, keepdims=True
+                )
+            )
+            positions = jnp.maximum(before + jnp.cumsum(mask, -1) - 1, 0)
+        elif positions.shape != (B, T):
+            raise ValueError(f"positions shape {positions.shape} != input_ids shape {(B, T)}")
+        if cache is not None and cache.k.shape[1] != B:
+            raise ValueError(f"cache batch {cache.k.shape[1]} != input_ids batch {B}")
+
+        dtype = self.dtype
+        x = jnp.take(self.embed[...], input_ids, axis=0).astype(dtype)
+        x = ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
+        cos, sin = _rope_tables(cfg, positions, dtype)
+
+        if cache is None:
+            causal = jnp.tril(jnp.ones((T, T), bool))
+            attn_mask = causal[None] & mask[:, None, :]
+            kv = None
+        else:
+            S = cache.mask.shape[1]
+            slot_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (0, cache.index))
+            causal = jnp.arange(S)[None, :] <= (cache.index + jnp.arange(T))[:, None]
+            attn_mask = causal[None] & slot_mask[:, None, :]
+            kv = (cache.k, cache.v)
+        index = 0 if cache is None else cache.index
+
+        def block(x, p, layer, kv):
+            return _block(cfg, dtype, p, x, cos, sin, attn_mask, layer, kv, index)
+
+        if cfg.remat == "block":
+            block = jax.checkpoint(
+                block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+            )
+        elif cfg.remat == "full":
+            block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
+
+        params = self.blocks.arrays()
+        if cfg.scan_layers:
+
+            def body(carry, xs):
+                x, kv = carry
+                p, layer = xs
+                x, kv = block(x, p, layer, kv)
+                return (x, kv), None
+
+            (x, kv), _ = jax.lax.scan(body, (x, kv), (params, jnp.arange(cfg.num_layers)))
+        else:
+            for layer in range(cfg.num_layers):
+                p = jax.tree.map(lambda a, i=layer: a[i], params)
+                x, kv = block(x, p, layer, kv)
+
+        hidden = _rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, dtype)
+        hidden = ax.constrain(hidden, (ax.BATCH, ax.LENGTH, ax.EMBED))
+        logits = None
+        if return_logits:
+            logits = jnp.einsum("BTH,HV->BTV", hidden, lm_head_weight(self).astype(dtype))
+            logits = ax.constrain(logits, (ax.BATCH, ax.LENGTH, ax.VOCAB))
+        new_cache = None
+        if cache is not None:
+            new_cache = KVCache(k=kv[0], v=kv[1], mask=slot_mask, index=cache.index + T)
+        return ModelOutput(logits=logits, hidden=hidden, cache=new_cache)
+
+
+def lm_head_weight(model: Transformer) -> Float[Array, "H V"]:
+    """The LM head as [H, V] (the embedding transposed when embeddings are tied)."""
+    if model.config.tie_word_embeddings:
+        return model.embed[...].T
+    return model.lm_head[...]
+
+
+def _rms_norm(x, weight, eps, dtype):
+    # Statistics in float32, then cast back before the scale, as transformers does.
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(dtype) * xf.astype(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """RoPE inverse frequencies [D/2] (float64), with the config's frequency scaling applied.
+
+    ``inv_freq_i = theta^(-2i/D)``; "linear" divides all by ``factor``; "llama3" divides the low
+    frequencies (wavelength > original_context / low_freq_factor) by ``factor``, keeps the high
+    ones, and interpolates smoothly in between.
+    """
+    D = cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D)
+    rs = cfg.rope_scaling
+    kind = None if rs is None else rs.get("rope_type", rs.get("type", "default"))
+    if kind == "linear":
+        inv = inv / rs["factor"]
+    elif kind == "llama3":
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        inv = np.where(medium, smoothed, scaled)
+    return inv
+
+
+def _rope_tables(cfg, positions, dtype):
+    inv = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
+    angles = positions.astype(jnp.float32)[..., None] * inv  # [B, T, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def _rope(x, cos, sin):
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+def _block(cfg: ModelConfig, dtype, p: dict[str, Any], x, cos, sin, attn_mask, layer, kv, index):
+    """One decoder block; ``kv`` is None or the full [L, B, S, K, D] caches (updated in place)."""
+    eps = cfg.rms_norm_eps
+    w = {k: v.astype(dtype) for k, v in p.items()}
+    h = _rms_norm(x, w["attn_norm"], eps, dtype)
+    q = jnp.einsum("BTH,HND->BTND", h, w["wq"])
+    k = jnp.einsum("BTH,HKD->BTKD", h, w["wk"])
+    v = jnp.einsum("BTH,HKD->BTKD", h, w["wv"])
+    if cfg.qkv_bias:
+        q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+    if cfg.qk_norm:
+        q = _rms_norm(q, w["q_norm"], eps, dtype)
+        k = _rms_norm(k, w["k_norm"], eps, dtype)
+    q = ax.constrain(_rope(q, cos, sin), (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
+    k = _rope(k, cos, sin)
+    if kv is not None:
+        ck, cv = kv
+        ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), (layer, 0, index, 0, 0))
+        cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), (layer, 0, index, 0, 0))
+        kv = (ck, cv)
+        k = jax.lax.dynamic_index_in_dim(ck, layer, keepdims=False).astype(dtype)
+        v = jax.lax.dynamic_index_in_dim(cv, layer, keepdims=False).astype(dtype)
+    attn = _attention(q, k, v, attn_mask)
+    x = x + jnp.einsum("BTND,NDH->BTH", attn, w["wo"])
+    x = ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
+    h = _rms_norm(x, w["mlp_norm"], eps, dtype)
+    gate = jnp.einsum("BTH,HF->BTF", h, w["w_gate"])
+    up = jnp.einsum("BTH,HF->BTF", h, w["w_up"])
+    act = ax.constrain(jax.nn.silu(gate) * up, (ax.BATCH, ax.LENGTH, ax.MLP))
+    x = x + jnp.einsum("BTF,FH->BTH", act, w["w_down"])
+    return ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED)), kv
+
+
+def _attention(q, k, v, mask):
+    """Grouped-query attention: q [B,T,N,D], k/v [B,S,K,D], mask bool[B,T,S] -> [B,T,N,D]."""
+    B, T, N, D = q.shape
+    K = k.shape[2]
+    q = q.reshape(B, T, K, N // K, D)
+    scores = jnp.einsum("BTKGD,BSKD->BKGTS", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (D**-0.5)
+    # A finite fill keeps rows with no visible key (padded queries) finite: uniform weights.
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v)
+    return out.reshape(B, T, N, D)
