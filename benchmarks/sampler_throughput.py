@@ -1,0 +1,207 @@
+"""Generated tokens/s of ``delta_jax.sampling.Sampler`` vs ``transformers`` ``generate`` on CPU.
+
+Both sides sample at temperature 1 with no truncation from the same architecture (random
+weights), prompt length 64, exactly 128 new tokens (no stop token), batch 1 / 8 / 64, on two
+configs (tiny and small, see ``CONFIGS``). PyTorch runs with 2 threads. The first call of each
+shape is reported apart (for us it includes XLA compilation); the throughput is the best of
+``--repeats`` later calls (on a shared machine the minimum is the least disturbed figure).
+
+The machine's float32 matmul throughput is measured with a jitted square matmul, and each of
+our rows is also given as a fraction of it: "% matmul" counts the forward FLOPs of the generated
+tokens only (tokens/s x FLOPs/token), "+prefill %" adds the prompt prefill that every call also
+does (the compute-bound row is small, batch 64).
+
+Usage::
+
+    python benchmarks/sampler_throughput.py                 # the full table
+    python benchmarks/sampler_throughput.py --quick         # reduced: tiny only, batch 1 / 8,
+                                                            # 32 new tokens, 1 repeat
+    python benchmarks/sampler_throughput.py --configs small --batches 64 --skip-hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from delta_jax.models import ModelConfig, Transformer
+from delta_jax.sampling import Buckets, Sampler
+
+CONFIGS = {
+    "tiny": dict(
+        vocab_size=4096,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=768,
+    ),
+    "small": dict(
+        vocab_size=32000,
+        hidden_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=3072,
+    ),
+}
+
+
+def hf_config(name: str):
+    import transformers
+
+    return transformers.Qwen3Config(
+        **CONFIGS[name],
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+
+
+def flops_per_token(name: str, context: int) -> float:
+    """Forward FLOPs of one decoded token: 2 x (matmul weights) + attention over ``context``."""
+    c = CONFIGS[name]
+    h, d, f = c["hidden_size"], c["head_dim"], c["intermediate_size"]
+    n, k = c["num_attention_heads"], c["num_key_value_heads"]
+    per_layer = h * n * d * 2 + h * k * d * 2 + 3 * h * f
+    attention = 2 * n * d * context  # scores and weighted values
+    return 2.0 * (c["num_hidden_layers"] * (per_layer + attention) + h * c["vocab_size"])
+
+
+def matmul_gflops(size: int = 2048, repeats: int = 5) -> float:
+    """Best-of-``repeats`` float32 ``[size, size] @ [size, size]`` throughput in GFLOP/s."""
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (size, size), jnp.float32)
+    mm = jax.jit(jnp.matmul)
+    mm(a, b).block_until_ready()
+    best = min(_timed(lambda: mm(a, b).block_until_ready()) for _ in range(repeats))
+    return 2 * size**3 / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_ours(name, batches, prompt_len, new_tokens, repeats):
+    cfg = ModelConfig.from_hf(hf_config(name).to_dict())
+    sampler = Sampler(
+        Transformer(cfg),
+        stop_token_ids=(),
+        buckets=Buckets(prompt=(prompt_len,), generation=(new_tokens,)),
+    )
+    rng = np.random.default_rng(0)
+    rows = {}
+    for batch in batches:
+        prompts = rng.integers(1, cfg.vocab_size, (batch, prompt_len)).tolist()
+
+        def run(seed, prompts=prompts, batch=batch):
+            out = sampler.generate(prompts, max_new_tokens=new_tokens, temperature=1.0, seed=seed)
+            out.token_array.block_until_ready()
+            assert out.lengths == [new_tokens] * batch
+            return out
+
+        first = _timed(lambda: run(0))
+        times = [_timed(lambda s=s: run(s)) for s in range(1, repeats + 1)]
+        rows[batch] = (first, min(times))
+    return rows
+
+
+def bench_hf(name, batches, prompt_len, new_tokens, repeats):
+    import torch
+    import transformers
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(name)).eval()
+    rng = np.random.default_rng(0)
+    rows = {}
+    for batch in batches:
+        ids = torch.tensor(rng.integers(1, model.config.vocab_size, (batch, prompt_len)))
+
+        def run(ids=ids, batch=batch):
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    pad_token_id=0,
+                    eos_token_id=None,
+                )
+            assert out.shape == (batch, prompt_len + new_tokens)
+
+        first = _timed(run)
+        times = [_timed(run) for _ in range(repeats)]
+        rows[batch] = (first, min(times))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--configs", default="tiny,small")
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-hf", action="store_true", help="only time delta_jax")
+    parser.add_argument("--quick", action="store_true", help="tiny, batch 1/8, 32 tokens, 1 rep")
+    args = parser.parse_args()
+    if args.quick:
+        args.configs, args.batches, args.new_tokens, args.repeats = "tiny", "1,8", 32, 1
+    names = args.configs.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+
+    gflops = matmul_gflops()
+    print(f"backend {jax.default_backend()}, devices {jax.device_count()}")
+    print(f"float32 matmul (2048^3, jitted): {gflops:.1f} GFLOP/s")
+    print(f"prompt {args.prompt_len}, new tokens {args.new_tokens}, best of {args.repeats}")
+    header = (
+        f"{'config':6} {'batch':>5} | {'ours tok/s':>10} {'first s':>8} | {'hf tok/s':>9} "
+        f"{'first s':>8} | {'speedup':>7} | {'ours GFLOP/s':>12} {'% matmul':>8} "
+        f"{'+prefill %':>14}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name in names:
+        ours = bench_ours(name, batches, args.prompt_len, args.new_tokens, args.repeats)
+        hf = None
+        if not args.skip_hf:
+            hf = bench_hf(name, batches, args.prompt_len, args.new_tokens, args.repeats)
+        # Mean attention context over the generated tokens; the prefill's work is counted in a
+        # second column (each call also prefills batch x prompt tokens).
+        flops = flops_per_token(name, args.prompt_len + args.new_tokens // 2)
+        prefill_flops = args.prompt_len * flops_per_token(name, args.prompt_len // 2)
+        for batch in batches:
+            first, t = ours[batch]
+            tps = batch * args.new_tokens / t
+            achieved = tps * flops / 1e9
+            with_prefill = batch * (args.new_tokens * flops + prefill_flops) / t / 1e9
+            hf_cols = f"{'-':>9} {'-':>8} | {'-':>7}"
+            if hf is not None:
+                hf_first, hf_t = hf[batch]
+                hf_tps = batch * args.new_tokens / hf_t
+                hf_cols = f"{hf_tps:9.1f} {hf_first:8.2f} | {tps / hf_tps:6.2f}x"
+            print(
+                f"{name:6} {batch:5d} | {tps:10.1f} {first:8.2f} | {hf_cols} | "
+                f"{achieved:12.1f} {100 * achieved / gflops:7.1f}% "
+                f"{100 * with_prefill / gflops:13.1f}%",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+"""Rollout sampling: a KV-cache sampler and the strategies it draws tokens with."""
+
+from delta_jax.sampling.buckets import Buckets
+from delta_jax.sampling.sampler import SAMPLING_RULES, Sampler, SamplerOutput
+from delta_jax.sampling.strategies import Categorical, Greedy, SampleResult, make_strategy
+
+__all__ = [
+    "SAMPLING_RULES",
+    "Buckets",
+    "Categorical",
+    "Greedy",
+    "SampleResult",
+    "Sampler",
+    "SamplerOutput",
+    "make_strategy",
+]

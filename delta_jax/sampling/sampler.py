@@ -1,0 +1,473 @@
+"""Batched rollout sampler: one jitted program of prefill plus a ``lax.while_loop`` decode.
+
+``Sampler(model).generate(prompts, max_new_tokens=...)`` runs, for a batch of token-id prompts:
+
+1. *prefill*: the prompts, left-padded to the prompt bucket ``P``, go through the model once with a
+   ``P``-slot cache; each prompt is prefilled once even when ``n > 1`` samples are drawn;
+2. the prefilled K/V are repeated ``n`` times (prompt-major rows: prompt 0's ``n`` samples first)
+   into the decode cache of ``P + G`` slots (``G`` the generation bucket) in the KV-cache dtype;
+3. *decode*: a ``lax.while_loop`` feeds the last sampled token of every row (``T = 1``), samples
+   the next one with the strategy (:mod:`delta_jax.sampling.strategies`) and writes it into
+   fixed-shape ``[R, G]`` buffers with ``dynamic_update_slice``. A row is done after a stop token
+   (which is kept and counted) or after its own ``max_new_tokens``; the loop exits as soon as
+   every row is done, so the step counter is the longest row's length, not ``G``.
+
+Nothing leaves the device inside the loop (no per-step host sync). The cache is created inside the
+program and carried by the loop, so XLA updates it in place and it is never copied or returned;
+donating a caller's buffer would buy nothing more.
+
+Per generated token the program returns the behaviour log-prob (under the truncated distribution
+the token was drawn from), the untruncated temperature-scaled log-prob (what the trainer
+recomputes with ``delta_jax.models.token_logprobs``) and optionally the final hidden state that
+produced the token's logits (the LM head's input, aligned like ``token_logprobs(...,
+return_hidden=True)``). Logits are computed once per step from that hidden state with float32
+accumulation.
+
+Compiled programs are keyed by (prompt batch bucket, ``n``, prompt bucket, generation bucket,
+stop-list width, the strategy's static fields, ``return_hidden``, parameter shapes/dtypes); each
+new one is logged (``logging``, logger ``delta_jax.sampling.sampler``) and counted in
+:attr:`Sampler.num_compilations`. Sampling *values* (temperature, top-p, min-p, seed, stop ids,
+per-row lengths) are traced and never recompile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from flax.core import spmd
+from jax.sharding import Mesh, NamedSharding
+from jaxtyping import Array, Bool, Float, Int
+
+from delta_jax.models import KVCache, Transformer, lm_head_weight
+from delta_jax.models.axes import constrain, logical_to_mesh
+from delta_jax.sampling.buckets import Buckets, RequestArrays, prepare_request
+from delta_jax.sampling.strategies import (
+    Categorical,
+    Greedy,
+    make_strategy,
+    strategy_signature,
+    validate_sampling_args,
+)
+
+__all__ = ["SAMPLING_RULES", "Sampler", "SamplerOutput"]
+
+logger = logging.getLogger(__name__)
+
+# Logical axis -> mesh axes while sampling. Unlike training, nothing is sharded over the hidden
+# dimension (no FSDP gathers per decode step): rows spread over every data-like axis, heads and
+# the vocabulary over ``tensor``; the cache follows its rows and KV heads.
+SAMPLING_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("kv_heads", "tensor"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("embed", None),
+    ("head_dim", None),
+    ("layers", None),
+    ("length", None),
+    ("cache_length", None),
+)
+_CACHE_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    """Result of :meth:`Sampler.generate`; rows are prompt-major (row ``i * n + j``).
+
+    Device arrays keep the bucket shapes (R = prompt batch bucket * n rows, G generation bucket);
+    rows ``>= num_rows`` are padding with length 0. Positions at or after a row's length hold
+    ``pad_token_id`` and log-prob 0. The list properties cover the real rows only and are built
+    on first access (one device-to-host copy).
+
+    Attributes:
+      token_array: int32 [R, G] generated ids (stop token included).
+      logprob_array: f32 [R, G] log-prob under the distribution each token was drawn from.
+      untruncated_logprob_array: f32 [R, G] log-prob under ``log_softmax(logits / temperature)``
+        (temperature 1 for greedy).
+      length_array: int32 [R] generated tokens per row.
+      hidden_array: [R, G, H] final hidden state that produced each token's logits (compute
+        dtype), or None unless ``return_hidden``.
+      prompt_array: int32 [R, P] left-padded prompt of each row.
+      prompt_mask_array: bool [R, P] real prompt tokens.
+      num_steps: int32 scalar, generated columns when the loop exited (the longest row).
+      num_rows: real rows, ``len(prompts) * n``.
+    """
+
+    token_array: Int[Array, "R G"]
+    logprob_array: Float[Array, "R G"]
+    untruncated_logprob_array: Float[Array, "R G"]
+    length_array: Int[Array, " R"]
+    hidden_array: Float[Array, "R G H"] | None
+    prompt_array: Int[Array, "R P"]
+    prompt_mask_array: Bool[Array, "R P"]
+    num_steps: Int[Array, ""]
+    num_rows: int
+
+    @functools.cached_property
+    def lengths(self) -> list[int]:
+        """Generated tokens per real row."""
+        return np.asarray(self.length_array)[: self.num_rows].tolist()
+
+    def _ragged(self, array: jax.Array) -> list[list]:
+        host = np.asarray(array)
+        return [host[r, :length].tolist() for r, length in enumerate(self.lengths)]
+
+    @functools.cached_property
+    def tokens(self) -> list[list[int]]:
+        """Generated ids per real row (without padding)."""
+        return self._ragged(self.token_array)
+
+    @functools.cached_property
+    def logprobs(self) -> list[list[float]]:
+        """Behaviour log-probs per real row."""
+        return self._ragged(self.logprob_array)
+
+    @functools.cached_property
+    def untruncated_logprobs(self) -> list[list[float]]:
+        """Untruncated temperature-scaled log-probs per real row."""
+        return self._ragged(self.untruncated_logprob_array)
+
+
+@struct.dataclass
+class _LoopState:
+    """Decode-loop carry; ``step`` is the number of generated columns written so far."""
+
+    step: Int[Array, ""]
+    cache: KVCache
+    last: Int[Array, " R"]
+    tokens: Int[Array, "R G"]
+    logprobs: Float[Array, "R G"]
+    untruncated: Float[Array, "R G"]
+    hidden: Float[Array, "R G H"] | None
+    lengths: Int[Array, " R"]
+    done: Bool[Array, " R"]
+
+
+def _write(buf: jax.Array, column: jax.Array, step: Int[Array, ""]) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(buf, column[:, None].astype(buf.dtype), step, 1)
+
+
+def _program(
+    params: nnx.State,
+    rest: nnx.State,
+    prompt_ids: Int[Array, "Bp P"],
+    prompt_mask: Bool[Array, "Bp P"],
+    max_new: Int[Array, " R"],
+    stop_ids: Int[Array, "R S"],
+    seed: Int[Array, ""],
+    strategy: Greedy | Categorical,
+    *,
+    graphdef: nnx.GraphDef,
+    n: int,
+    gen_len: int,
+    cache_dtype: Any,
+    return_hidden: bool,
+    pad_id: int,
+) -> dict[str, jax.Array]:
+    """Prefill + decode for one bucket; every shape argument is static through the key."""
+    model: Transformer = nnx.merge(graphdef, params, rest)
+    num_prompts, prompt_len = prompt_ids.shape
+    rows = num_prompts * n
+    key = jax.random.key(seed)
+
+    pre = model(
+        prompt_ids,
+        attention_mask=prompt_mask,
+        cache=model.init_cache(num_prompts, prompt_len, cache_dtype),
+        return_logits=False,
+    )
+
+    def rep(x: jax.Array, axis: int) -> jax.Array:
+        return x if n == 1 else jnp.repeat(x, n, axis=axis)
+
+    cache = model.init_cache(rows, prompt_len + gen_len, cache_dtype)
+    cache = cache.replace(
+        k=constrain(cache.k.at[:, :, :prompt_len].set(rep(pre.cache.k, axis=1)), _CACHE_AXES),
+        v=constrain(cache.v.at[:, :, :prompt_len].set(rep(pre.cache.v, axis=1)), _CACHE_AXES),
+        mask=cache.mask.at[:, :prompt_len].set(rep(prompt_mask, axis=0)),
+        index=pre.cache.index,
+    )
+    # Cast once, outside the loop (per step it would re-read and re-write the whole head).
+    head = lm_head_weight(model).astype(pre.hidden.dtype)
+    prompt_lengths = jnp.sum(rep(prompt_mask, axis=0), axis=-1, dtype=jnp.int32)
+    h0 = rep(pre.hidden[:, -1], axis=0)  # left padding: the last column is the last real token
+
+    def advance(s: _LoopState, h: Float[Array, "R H"]) -> _LoopState:
+        logits = jnp.einsum("RH,HV->RV", h, head, preferred_element_type=jnp.float32)
+        out = strategy(logits, jax.random.fold_in(key, s.step))
+        live = ~s.done
+        token = jnp.where(live, out.token, pad_id)
+        lengths = s.lengths + live
+        stopped = jnp.any(token[:, None] == stop_ids, axis=-1) | (lengths >= max_new)
+        hidden = s.hidden
+        if hidden is not None:
+            hidden = _write(hidden, jnp.where(live[:, None], h, 0), s.step)
+        return s.replace(
+            step=s.step + 1,
+            last=token,
+            tokens=_write(s.tokens, token, s.step),
+            logprobs=_write(s.logprobs, jnp.where(live, out.logprob, 0.0), s.step),
+            untruncated=_write(
+                s.untruncated, jnp.where(live, out.untruncated_logprob, 0.0), s.step
+            ),
+            hidden=hidden,
+            lengths=lengths,
+            done=s.done | (live & stopped),
+        )
+
+    def body(s: _LoopState) -> _LoopState:
+        positions = (prompt_lengths + s.step - 1)[:, None]
+        out = model(
+            s.last[:, None],
+            attention_mask=jnp.ones((rows, 1), bool),
+            positions=positions,
+            cache=s.cache,
+            return_logits=False,
+        )
+        return advance(s.replace(cache=out.cache), out.hidden[:, 0])
+
+    def cond(s: _LoopState) -> jax.Array:
+        return (s.step < gen_len) & ~jnp.all(s.done)
+
+    hidden_dtype = pre.hidden.dtype
+    state = _LoopState(
+        step=jnp.zeros((), jnp.int32),
+        cache=cache,
+        last=jnp.zeros((rows,), jnp.int32),
+        tokens=jnp.full((rows, gen_len), pad_id, jnp.int32),
+        logprobs=jnp.zeros((rows, gen_len), jnp.float32),
+        untruncated=jnp.zeros((rows, gen_len), jnp.float32),
+        hidden=(jnp.zeros((rows, gen_len, h0.shape[-1]), hidden_dtype) if return_hidden else None),
+        lengths=jnp.zeros((rows,), jnp.int32),
+        done=max_new <= 0,  # padding rows
+    )
+    state = jax.lax.while_loop(cond, body, advance(state, h0))
+    return dict(
+        tokens=state.tokens,
+        logprobs=state.logprobs,
+        untruncated=state.untruncated,
+        lengths=state.lengths,
+        hidden=state.hidden,
+        steps=state.step,
+        prompt_ids=rep(prompt_ids, axis=0),
+        prompt_mask=rep(prompt_mask, axis=0),
+    )
+
+
+def _default_cache_dtype(mesh: Mesh | None) -> Any:
+    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+    return jnp.float32 if platform == "cpu" else jnp.bfloat16
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Sampler:
+    """Batched KV-cache sampler over a :class:`~delta_jax.models.Transformer`'s live parameters.
+
+    Args:
+      model: the model; its parameters are split at every call (so updates to it are seen) unless
+        ``generate(params=...)`` passes a state directly.
+      cache_dtype: KV-cache dtype; None means bfloat16 on accelerators and float32 on CPU.
+      pad_token_id: id written after a row stops (and into left padding).
+      stop_token_ids: default stop ids when ``generate`` gets none; None means the model config's
+        ``eos_token_id`` (int or list) when it has one, else no stop ids.
+      buckets: shape buckets and the cache limit (:class:`~delta_jax.sampling.buckets.Buckets`).
+      mesh: optional device mesh; rows are then sharded by ``rules`` (``SAMPLING_RULES``).
+      rules: logical-axis rules used while sampling.
+
+    Example:
+      >>> from delta_jax.models import ModelConfig
+      >>> sampler = Sampler(Transformer(ModelConfig.tiny("qwen3")))
+      >>> out = sampler.generate([[1, 2, 3], [4, 5]], max_new_tokens=4, temperature=0.0)
+      >>> [len(t) for t in out.tokens]
+      [4, 4]
+    """
+
+    model: Transformer
+    cache_dtype: Any = None
+    pad_token_id: int = 0
+    stop_token_ids: tuple[int, ...] | None = None
+    buckets: Buckets = Buckets()
+    mesh: Mesh | None = None
+    rules: tuple[tuple[str, Any], ...] = SAMPLING_RULES
+    _programs: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
+
+    @property
+    def num_compilations(self) -> int:
+        """How many programs this sampler has compiled (one per distinct bucket key)."""
+        return len(self._programs)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int | list[int],
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int = 0,
+        stop_token_ids: list[int] | list[list[int]] | None = None,
+        return_hidden: bool = False,
+        params: nnx.State | None = None,
+    ) -> SamplerOutput:
+        """Samples ``n`` continuations of every prompt.
+
+        Rows are prompt-major: row ``i * n + j`` is sample ``j`` of prompt ``i``.
+
+        Args:
+          prompts: non-empty list of non-empty token-id lists.
+          max_new_tokens: an int for every row, or one int per prompt (``len(prompts)``) or per row
+            (``len(prompts) * n``); each >= 1.
+          n: samples per prompt, >= 1.
+          temperature: 0 for greedy, else > 0 (see :mod:`delta_jax.sampling.strategies`).
+          top_p: nucleus mass in (0, 1]; 1 is off.
+          top_k: candidates kept, 0 is off.
+          min_p: probability floor relative to the top token, in [0, 1); 0 is off.
+          seed: PRNG seed; the same seed, inputs and buckets give the same samples.
+          stop_token_ids: None (use the sampler's default), one list for every row, or one list per
+            prompt / per row. A row stops after emitting one of its stop ids (kept in the output).
+          return_hidden: also return the final hidden state that produced each token.
+          params: the ``nnx.Param`` state to sample with (e.g. the trainer's current one, used
+            without a copy); None splits the model's current parameters.
+
+        Returns:
+          A :class:`~delta_jax.sampling.output.SamplerOutput`.
+
+        Raises:
+          ValueError: for an empty prompt list or prompt, an out-of-vocabulary id, invalid sampling
+            parameters, or a request that does not fit the cache limit, before any compilation.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an int >= 1, got {n!r}")
+        validate_sampling_args(temperature, top_p, top_k, min_p)
+        config = self.model.config
+        request: RequestArrays = prepare_request(
+            prompts,
+            max_new_tokens=max_new_tokens,
+            n=n,
+            stop_token_ids=self._default_stops() if stop_token_ids is None else stop_token_ids,
+            vocab_size=config.vocab_size,
+            pad_id=self.pad_token_id,
+            buckets=self.buckets,
+            max_cache_length=self.buckets.max_cache_length or config.max_position_embeddings,
+            row_multiple=self._row_multiple(),
+        )
+        strategy = make_strategy(temperature, top_p, top_k, min_p)
+        graphdef, own_params, rest = nnx.split(self.model, nnx.Param, ...)
+        params = own_params if params is None else params
+        args = (
+            params,
+            rest,
+            request.prompt_ids,
+            request.prompt_mask,
+            request.max_new,
+            request.stop_ids,
+            np.uint32(seed % 2**32),
+            strategy,
+        )
+        if self.mesh is not None:
+            args = self._place(args)
+        gen_len = request.gen_len
+        program = self._program(args, graphdef, n, gen_len, strategy, return_hidden)
+        out = program(*args)
+        return SamplerOutput(
+            token_array=out["tokens"],
+            logprob_array=out["logprobs"],
+            untruncated_logprob_array=out["untruncated"],
+            length_array=out["lengths"],
+            hidden_array=out["hidden"],
+            prompt_array=out["prompt_ids"],
+            prompt_mask_array=out["prompt_mask"],
+            num_steps=out["steps"],
+            num_rows=request.num_rows,
+        )
+
+    def _default_stops(self) -> tuple[int, ...]:
+        if self.stop_token_ids is not None:
+            return tuple(self.stop_token_ids)
+        eos = getattr(self.model.config, "eos_token_id", None)
+        return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+
+    def _row_multiple(self) -> int:
+        """Rows must split evenly over the mesh axes the ``batch`` rule uses."""
+        if self.mesh is None:
+            return 1
+        spec = logical_to_mesh(("batch",), self.rules, self.mesh)[0]
+        axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+        return int(np.prod([self.mesh.shape[a] for a in axes]))
+
+    def _place(self, args: tuple) -> tuple:
+        """Puts the per-row inputs on the mesh, sharded by rows (parameters stay where they are)."""
+
+        def put(x: np.ndarray) -> jax.Array:
+            names = ("batch",) + (None,) * (x.ndim - 1)
+            spec = logical_to_mesh(names, self.rules, self.mesh, x.shape)
+            return jax.device_put(x, NamedSharding(self.mesh, spec))
+
+        params, rest, ids, mask, max_new, stops, seed, strategy = args
+        return (params, rest, put(ids), put(mask), put(max_new), put(stops), seed, strategy)
+
+    def _program(self, args, graphdef, n, gen_len, strategy, return_hidden):
+        params, _, ids, _, _, stops, _, _ = args
+        param_avals = tuple(
+            (x.shape, x.dtype, getattr(x, "sharding", None)) for x in jax.tree.leaves(params)
+        )
+        key = (
+            ids.shape,
+            n,
+            gen_len,
+            stops.shape[1],
+            strategy_signature(strategy),
+            return_hidden,
+            # Not the graphdef itself: a config holding a dict (rope_scaling) is unhashable. The
+            # parameter tree structure identifies the model layout.
+            jax.tree.structure(params),
+            param_avals,
+        )
+        compiled = self._programs.get(key)
+        if compiled is not None:
+            return compiled
+        cache_dtype = self.cache_dtype or _default_cache_dtype(self.mesh)
+        fn = jax.jit(
+            functools.partial(
+                _program,
+                graphdef=graphdef,
+                n=n,
+                gen_len=gen_len,
+                cache_dtype=cache_dtype,
+                return_hidden=return_hidden,
+                pad_id=self.pad_token_id,
+            )
+        )
+        start = time.perf_counter()
+        if self.mesh is None:
+            compiled = fn.lower(*args).compile()
+        else:
+            with jax.set_mesh(self.mesh), spmd.logical_axis_rules(self.rules):
+                compiled = fn.lower(*args).compile()
+        self._programs[key] = compiled
+        logger.info(
+            "sampler compile #%d: prompts=%d n=%d prompt_len=%d gen_len=%d stops=%d mode=%s "
+            "hidden=%s cache=%s (%.2fs)",
+            len(self._programs),
+            ids.shape[0],
+            n,
+            ids.shape[1],
+            gen_len,
+            stops.shape[1],
+            strategy_signature(strategy),
+            return_hidden,
+            jnp.dtype(cache_dtype).name,
+            time.perf_counter() - start,
+        )
+        return compiled
