@@ -41,8 +41,10 @@ class ModelConfigSection:
     scan_layers: bool = False
     remat: Literal["none", "block", "full"] = "none"
     # Supervised warm-up steps for the demo model (ignored for real checkpoints).
-    demo_warmup_steps: int = 300
+    demo_warmup_steps: int = 400
     demo_warmup_lr: float = 3e-3
+    # Fraction of warm-up demonstrations with a corrupted answer (see delta_jax.demo).
+    demo_warmup_noise: float = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +56,7 @@ class DataConfigSection:
     split: str = "train"
     eval_source: str | None = None
     eval_split: str = "test"
-    max_prompt_length: int = 64
+    max_prompt_length: int = 16
     truncation: Literal["drop", "left"] = "drop"
     template: str | None = None
     system_prompt: str | None = None
@@ -67,9 +69,9 @@ class DataConfigSection:
 class RolloutConfigSection:
     """Sampling: how many prompts and responses per RL step, and how they are drawn."""
 
-    prompts_per_step: int = 8
-    samples_per_prompt: int = 4
-    max_new_tokens: int = 128
+    prompts_per_step: int = 32
+    samples_per_prompt: int = 8
+    max_new_tokens: int = 24
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -130,11 +132,11 @@ class AlgoConfigSection:
 class OptimConfigSection:
     """AdamW with global-norm clipping and a constant or warmup+cosine schedule."""
 
-    lr: float = 1e-6
+    lr: float = 2e-4
     schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
-    weight_decay: float = 0.1
+    weight_decay: float = 0.0
     grad_clip: float = 1.0
     b1: float = 0.9
     b2: float = 0.999
@@ -146,13 +148,13 @@ class RunConfigSection:
     """Where the run writes, how long it runs and how often it saves and evaluates."""
 
     dir: str = "runs/demo"
-    steps: int = 40
+    steps: int = 60
     seed: int = 0
-    save_every: int = 10
+    save_every: int = 20
     keep_last: int = 2
     best_metric: str = "reward_mean"
-    eval_every: int = 0
-    eval_prompts: int = 64
+    eval_every: int = 20
+    eval_prompts: int = 256
     tensorboard: bool = True
     wandb: bool = False
     progress: bool = True
@@ -162,7 +164,7 @@ class RunConfigSection:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """A whole run's configuration."""
+    """A whole run's configuration. The defaults are the built-in CPU demo (configs/demo.yaml)."""
 
     model: ModelConfigSection = ModelConfigSection()
     data: DataConfigSection = DataConfigSection()

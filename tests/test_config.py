@@ -96,3 +96,7 @@ def test_base_chain_and_file_errors(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(tmp_path / "list.yaml")
+
+
+def test_builtin_defaults_are_the_demo():
+    assert load_config(None) == load_config(CONFIGS[0].parent / "demo.yaml")

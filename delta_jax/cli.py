@@ -1,0 +1,167 @@
+"""The ``delta-jax`` command: train, eval, sample, export, plot.
+
+Kept thin: each sub-command parses its arguments and calls the library. User mistakes (bad
+config keys or values, missing files, malformed data) end as one ``error:`` line and exit code 2,
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from delta_jax.config import ConfigError, load_config
+from delta_jax.eval import add_eval_arguments, run_eval_cli
+
+
+def _cmd_train(args) -> int:
+    from delta_jax.rl.loop import train
+
+    config = load_config(args.config, args.overrides)
+    result = train(config)
+    status = "stopped by SIGTERM at" if result.stopped_early else "finished"
+    print(f"\nRun {status} step {result.last_step}.")
+    print(f"  metrics:     {result.metrics_path}")
+    if result.plot_path is not None:
+        print(f"  plot:        {result.plot_path}")
+    print(f"  checkpoints: {result.checkpoint_dir}")
+    print(f"  tensorboard: {result.run_dir / 'tensorboard'}")
+    return 0
+
+
+def _restore_policy(run_dir: Path, step: int | None):
+    """The policy model of a run, with parameters from its checkpoint (latest by default)."""
+    from flax import nnx
+
+    from delta_jax.checkpoint import Checkpointer
+    from delta_jax.rl.setup import _load_model
+    from delta_jax.rl.train_step import init_train_state, make_optimizer
+
+    config = load_config(run_dir / "config.yaml")
+    model, tokenizer = _load_model(config, run_dir)
+    ckpt = Checkpointer(run_dir / "checkpoints", keep_last=config.run.keep_last)
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+        raise ConfigError(f"{run_dir}: no checkpoint found under {run_dir / 'checkpoints'}")
+    _, params = nnx.split(model, nnx.Param)
+    optimizer = make_optimizer(config.optim, total_updates=1)
+    state, _ = ckpt.restore(step, init_train_state(params, optimizer))
+    ckpt.close()
+    nnx.update(model, state.params)
+    return model, tokenizer, step
+
+
+def _cmd_export(args) -> int:
+    from delta_jax.models import save_pretrained
+
+    model, tokenizer, step = _restore_policy(Path(args.run), args.step)
+    save_pretrained(model, args.out, tokenizer=tokenizer)
+    print(f"exported step {step} of {args.run} to {args.out}")
+    return 0
+
+
+def _load_model_and_tokenizer(path: str):
+    from delta_jax.models import from_pretrained, load_tokenizer
+
+    return from_pretrained(path), load_tokenizer(path)
+
+
+def _cmd_sample(args) -> int:
+    from delta_jax.models import apply_chat_template
+    from delta_jax.sampling import Sampler
+
+    model, tokenizer = _load_model_and_tokenizer(args.model)
+    text = args.prompt if args.raw else apply_chat_template(tokenizer, args.prompt)
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    out = Sampler(model, pad_token_id=tokenizer.pad_token_id or 0).generate(
+        [prompt],
+        n=args.n,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop_token_ids=(tokenizer.eos_token_id,),
+    )
+    for i, tokens in enumerate(out.tokens):
+        print(f"--- sample {i} ({out.lengths[i]} tokens)")
+        print(tokenizer.decode(tokens, skip_special_tokens=True))
+    return 0
+
+
+def _cmd_plot(args) -> int:
+    from delta_jax.diagnostics import plot_delta_stats
+    from delta_jax.diagnostics.plots import plot_runs
+
+    print(plot_runs(args.runs, args.out))
+    if args.delta_stats:
+        print(plot_delta_stats(args.runs, args.delta_stats))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="delta-jax", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="run or resume an RL job")
+    p.add_argument("--config", default=None, help="YAML config (default: the built-in CPU demo)")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    p.set_defaults(fn=_cmd_train)
+
+    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face directory")
+    p.add_argument("--run", required=True, help="run directory")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(fn=_cmd_export)
+
+    def sampling_args(p, *, temperature, top_p, max_new_tokens):
+        p.add_argument("--model", required=True, help="Hugging Face model directory")
+        p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+        p.add_argument("--temperature", type=float, default=temperature)
+        p.add_argument("--top-p", type=float, default=top_p)
+        p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("sample", help="generate from a model directory")
+    sampling_args(p, temperature=1.0, top_p=1.0, max_new_tokens=256)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--raw", action="store_true", help="no chat template")
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--top-k", type=int, default=0)
+    p.set_defaults(fn=_cmd_sample)
+
+    # Paper evaluation settings (DELTA_SPEC §7): avg@16, temperature 1.0, top-p 0.7.
+    p = sub.add_parser("eval", help="avg@k / pass@k / maj@k of a model on benchmark files")
+    add_eval_arguments(p)
+    p.set_defaults(fn=run_eval_cli)
+
+    p = sub.add_parser("plot", help="learning curves of one or more runs")
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--out", default="learning_curves.png")
+    p.add_argument("--delta-stats", default=None, help="also write DelTA statistics to this PNG")
+    p.set_defaults(fn=_cmd_plot)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("absl", "jax._src", "orbax", "httpx", "matplotlib", "PIL"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        return args.fn(args)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        if args.verbose:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

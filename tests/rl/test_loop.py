@@ -1,0 +1,231 @@
+"""The RL loop end to end on the tiny demo: metrics, checkpoints, exact resume, SIGTERM, errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from delta_jax.checkpoint import Checkpointer
+from delta_jax.config import ConfigError, load_config
+from delta_jax.rl import loop as loop_mod
+from delta_jax.rl.metrics_log import read_metrics
+from tests.rl.conftest import tiny_overrides
+
+ROOT = Path(__file__).parents[2]
+DEMO = ROOT / "configs" / "demo.yaml"
+REQUIRED_KEYS = {
+    "step",
+    "reward_mean",
+    "loss",
+    "time/rollout",
+    "time/reward",
+    "time/update",
+    "delta/gamma_pos",
+    "delta/gamma_neg",
+    "delta/centroid_cosine",
+    "delta/sign_accuracy",
+    "coef_mean",
+    "compiles",
+}
+
+
+def _cli(run_dir, model_dir, *extra):
+    cmd = [sys.executable, "-m", "delta_jax.cli", "train", "--config", str(DEMO)]
+    return cmd + tiny_overrides(run_dir, model_dir, *extra)
+
+
+def _strip_times(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def _params(run_dir, step):
+    """The saved parameters of ``run_dir`` at ``step``, as saved (no target structure)."""
+    with ocp.StandardCheckpointer() as reader:
+        state = reader.restore(Path(run_dir) / "checkpoints" / str(step) / "state")
+    return [np.asarray(x) for x in jax.tree.leaves(state["params"])]
+
+
+def test_loop_runs_full_steps_and_logs(tmp_path, demo_model_dir):
+    config = load_config(
+        DEMO,
+        tiny_overrides(
+            tmp_path / "run",
+            demo_model_dir,
+            "run.steps=3",
+            "run.save_every=2",
+            "run.eval_every=3",
+            "run.eval_prompts=8",
+            "run.tensorboard=true",
+        ),
+    )
+    result = loop_mod.train(config)
+    rows = read_metrics(result.metrics_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert REQUIRED_KEYS <= set(row), REQUIRED_KEYS - set(row)
+        assert np.isfinite(row["loss"]) and 0.0 <= row["reward_mean"] <= 1.0
+    assert "eval/avg@1" in rows[2] and "eval/avg@1" not in rows[0]
+    # The update ran (gradients flowed) and DelTA weighted tokens (not all ones).
+    assert any(r["grad_norm"] > 0 for r in rows)
+    # Nothing recompiles once the first step has compiled the sampler and the update.
+    assert rows[1]["compiles"] == 0
+    assert sorted(Checkpointer(result.checkpoint_dir).all_steps()) == [2, 3]
+    assert result.plot_path.exists() and (result.run_dir / "config.yaml").exists()
+    assert list((result.run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_mini_batches_use_coefficients_computed_once_per_rollout(
+    tmp_path, demo_model_dir, monkeypatch
+):
+    calls = []
+    real = loop_mod.delta_coefficients_microbatched
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop_mod, "delta_coefficients_microbatched", counting)
+    seen = []
+    real_make = loop_mod.make_train_step
+
+    def recording_make(*args, **kwargs):
+        step = real_make(*args, **kwargs)
+
+        def wrapped(state, batch):
+            seen.append(np.asarray(batch.coefficients))
+            return step(state, batch)
+
+        return wrapped
+
+    monkeypatch.setattr(loop_mod, "make_train_step", recording_make)
+    config = load_config(
+        DEMO,
+        tiny_overrides(tmp_path / "run", demo_model_dir, "run.steps=2", "algo.mini_batches=2"),
+    )
+    loop_mod.train(config)
+    assert len(calls) == 2  # once per rollout batch ...
+    assert len(seen) == 4  # ... for two updates each
+    assert all(c is not None and c.shape == (1, 8, 24) for c in seen)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert all("delta/gamma_pos" in r and "delta/computed_in_loss" not in r for r in rows)
+
+
+def test_exact_resume_after_kill(tmp_path, demo_model_dir):
+    """8 steps straight == 4 steps, kill -9, resume to 8: same metrics, bitwise-equal params."""
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    extra = ("run.steps=8", "run.save_every=4", "reward.kind=tests.rl.reward_fns:slow_math")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    a = subprocess.Popen(_cli(straight, demo_model_dir, *extra), env=env, cwd=ROOT)
+    b = subprocess.Popen(
+        _cli(killed, demo_model_dir, *extra),
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 600
+    while not (killed / "checkpoints" / "4").exists():
+        assert b.poll() is None, "the run to be killed ended early"
+        assert time.time() < deadline
+        time.sleep(0.2)
+    b.send_signal(signal.SIGKILL)
+    b.wait()
+    assert read_metrics(killed / "metrics.jsonl")[-1]["step"] < 8
+    assert subprocess.run(_cli(killed, demo_model_dir, *extra), env=env, cwd=ROOT).returncode == 0
+    assert a.wait(timeout=600) == 0
+    rows_a = read_metrics(straight / "metrics.jsonl")
+    rows_b = read_metrics(killed / "metrics.jsonl")
+    assert [r["step"] for r in rows_b] == list(range(1, 9))  # no step twice, none missing
+    compare = lambda rows: _strip_times([r for r in rows if r["step"] > 4])
+    # The first resumed step compiles again (a fresh process); everything else must match.
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "compiles"} for r in rows]
+    assert drop(compare(rows_a)) == drop(compare(rows_b))
+    for x, y in zip(_params(straight, 8), _params(killed, 8), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path, demo_model_dir):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        _cli(run, demo_model_dir, "run.steps=500", "run.save_every=1000", "reward.kind=math"),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.time() + 600
+    while len(read_metrics(run / "metrics.jsonl")) < 2:
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "stopped by SIGTERM" in out
+    last = read_metrics(run / "metrics.jsonl")[-1]["step"]
+    assert last < 500
+    assert Checkpointer(run / "checkpoints").latest_step() == last
+
+
+def test_bad_inputs_give_clear_errors_and_lose_nothing(tmp_path, demo_model_dir):
+    # Wrong config key / value: one line on stderr, exit code 2, no traceback.
+    for override, message in [
+        ("algo.los=dapo", "unknown key algo.los; did you mean algo.loss"),
+        ("rollout.temperature=-1", "rollout.temperature=-1.0 must be >= 0"),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "delta_jax.cli", "train", "--config", str(DEMO), override],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 2
+        assert proc.stderr.strip().splitlines() == [f"error: {message}"] or message in proc.stderr
+        assert "Traceback" not in proc.stderr
+    # A malformed dataset row: the error names the file and row.
+    data = tmp_path / "bad.jsonl"
+    data.write_text(
+        json.dumps({"problem": "1+1?", "answer": "2"})
+        + "\n"
+        + json.dumps({"problem": "", "answer": "3"})
+        + "\n"
+    )
+    with pytest.raises(ValueError, match=r"bad\.jsonl.*row 1"):
+        loop_mod.train(
+            load_config(
+                DEMO,
+                tiny_overrides(
+                    tmp_path / "r1", demo_model_dir, f"data.source={data}", "data.adapter=math500"
+                ),
+            )
+        )
+    with pytest.raises(ConfigError):
+        load_config(DEMO, ["rollout.prompts_per_step=0"])
+
+
+def test_reward_function_that_raises_or_hangs_does_not_stop_the_run(tmp_path, demo_model_dir):
+    run = tmp_path / "run"
+    config = load_config(
+        DEMO,
+        tiny_overrides(
+            run,
+            demo_model_dir,
+            "run.steps=2",
+            "reward.kind=tests.rl.reward_fns:raises_or_hangs",
+            "reward.timeout_s=1.0",
+            "reward.num_workers=2",
+        ),
+    )
+    result = loop_mod.train(config)
+    rows = read_metrics(result.metrics_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    reasons = {k for r in rows for k in r if k.startswith("reward/")}
+    assert any("error" in k for k in reasons), reasons
+    assert any("timeout" in k for k in reasons), reasons
