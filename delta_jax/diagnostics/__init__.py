@@ -1,0 +1,37 @@
+"""Diagnostics: DelTA token heatmaps, coefficient statistics over training, learning curves.
+
+Typical use::
+
+  batch = capture_batch(model, tokenizer, enc.ids[:4], enc.records[:4], n=8)
+  render_heatmap(batch, "runs/demo/diagnostics/heatmap.html")
+  plot_delta_stats(["runs/demo"], "runs/demo/delta_stats.png", batches=[batch])
+  plot_runs(["runs/delta", "runs/dapo"], "curves.png")
+"""
+
+from delta_jax.diagnostics.capture import CoefficientBatch, capture_batch, token_pieces
+from delta_jax.diagnostics.heatmap import coefficient_color, heatmap_html, render_heatmap
+from delta_jax.diagnostics.plots import plot_runs
+from delta_jax.diagnostics.stats import (
+    DELTA_KEYS,
+    delta_series,
+    frequent_token_share,
+    plot_delta_stats,
+    run_batches,
+    side_values,
+)
+
+__all__ = [
+    "DELTA_KEYS",
+    "CoefficientBatch",
+    "capture_batch",
+    "coefficient_color",
+    "delta_series",
+    "frequent_token_share",
+    "heatmap_html",
+    "plot_delta_stats",
+    "plot_runs",
+    "render_heatmap",
+    "run_batches",
+    "side_values",
+    "token_pieces",
+]

@@ -1,0 +1,268 @@
+"""DelTA coefficient statistics over training, and their plots.
+
+Two sources:
+
+* ``<run_dir>/metrics.jsonl``: the per-step scalars the trainer logs from
+  ``delta_coefficients(..., return_diagnostics=True)`` under ``delta/`` (:data:`DELTA_KEYS`):
+  temperatures ``γ±``, the cosine between the refined centroids ``μ+`` and ``μ−``, centroid
+  norms, the share of each side's tokens with ``λ̄ > 1`` and the sign accuracy of the margins;
+* saved :class:`~delta_jax.diagnostics.capture.CoefficientBatch` files
+  (``<run_dir>/diagnostics/*.npz``, or batches given directly): the distribution of ``λ̄`` on
+  each side, and how much of the total coefficient weight sits on the batch's most frequent
+  token types (formatting, restated problem text...) compared with their share of the tokens.
+  With ``λ̄ ≡ 1`` (plain DAPO) the two shares are equal; DelTA moves weight off tokens that both
+  sides share, so on frequent tokens the weight share drops below the count share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from delta_jax.diagnostics.capture import CoefficientBatch
+from delta_jax.rl.metrics_log import read_metrics
+
+DELTA_KEYS = (
+    "delta/gamma_pos",
+    "delta/gamma_neg",
+    "delta/centroid_cosine",
+    "delta/centroid_norm_pos",
+    "delta/centroid_norm_neg",
+    "delta/frac_above_one_pos",
+    "delta/frac_above_one_neg",
+    "delta/sign_accuracy",
+)
+
+
+def frequent_token_share(batch: CoefficientBatch, *, top_types: int = 20) -> dict[str, float]:
+    r"""Coefficient weight on the batch's ``top_types`` most frequent token types vs the rest.
+
+    With ``F`` the set of the most frequent token ids among valid tokens (ties broken by the
+    smaller id) and sums over valid tokens::
+
+      count_share  = |{t : id_t ∈ F}| / |valid|
+      weight_share = Σ_{id_t ∈ F} λ̄_t / Σ_t λ̄_t
+      mean_top     = mean of λ̄ over tokens in F,   mean_rest = over the others
+
+    The same three per side (``_pos``: ``Â > 0``, ``_neg``: ``Â < 0``) restricted to that side's
+    tokens (``F`` stays the batch's).
+
+    Args:
+      batch: a coefficient batch.
+      top_types: how many token types count as "most frequent".
+
+    Returns:
+      ``{"count_share", "weight_share", "mean_top", "mean_rest", ... _pos, ... _neg,
+      "top_types"}``; NaN where a set is empty.
+    """
+    if top_types < 1:
+        raise ValueError(f"top_types must be >= 1, got {top_types}")
+    mask = np.asarray(batch.mask, bool)
+    ids = np.asarray(batch.token_ids)[mask]
+    lam = np.asarray(batch.coefficients, np.float64)[mask]
+    adv = np.broadcast_to(np.asarray(batch.advantages)[:, None], mask.shape)[mask]
+    types, counts = np.unique(ids, return_counts=True)
+    order = np.lexsort((types, -counts))  # most frequent first, then smaller id
+    top = np.isin(ids, types[order[:top_types]])
+    out: dict[str, float] = {"top_types": float(min(top_types, len(types)))}
+    for suffix, sel in (("", np.ones_like(top)), ("_pos", adv > 0), ("_neg", adv < 0)):
+        t, w = top[sel], lam[sel]
+        total = w.sum()
+        out[f"count_share{suffix}"] = float(t.mean()) if t.size else float("nan")
+        out[f"weight_share{suffix}"] = float(w[t].sum() / total) if total > 0 else float("nan")
+        out[f"mean_top{suffix}"] = float(w[t].mean()) if t.any() else float("nan")
+        out[f"mean_rest{suffix}"] = float(w[~t].mean()) if (~t).any() else float("nan")
+    return out
+
+
+def side_values(batch: CoefficientBatch) -> dict[str, np.ndarray]:
+    """``λ̄`` of the valid tokens of each side: ``{"positive", "negative", "zero"}``."""
+    mask = np.asarray(batch.mask, bool)
+    adv = np.asarray(batch.advantages)[:, None]
+    lam = np.asarray(batch.coefficients)
+    return {
+        "positive": lam[mask & (adv > 0)],
+        "negative": lam[mask & (adv < 0)],
+        "zero": lam[mask & (adv == 0)],
+    }
+
+
+def run_batches(run_dir: str | Path) -> list[CoefficientBatch]:
+    """The batches saved under ``<run_dir>/diagnostics/`` (``*.npz``), by step."""
+    files = sorted((Path(run_dir) / "diagnostics").glob("*.npz"))
+    return sorted((CoefficientBatch.load(f) for f in files), key=lambda b: b.step)
+
+
+def delta_series(run_dir: str | Path) -> dict[str, tuple[list[int], list[float]]]:
+    """``{key: (steps, values)}`` for every :data:`DELTA_KEYS` entry present in the run."""
+    rows = read_metrics(Path(run_dir) / "metrics.jsonl")
+    out = {}
+    for key in DELTA_KEYS:
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        if pts:
+            out[key] = ([p[0] for p in pts], [float(p[1]) for p in pts])
+    return out
+
+
+def plot_delta_stats(
+    run_dirs: Sequence[str | Path] = (),
+    out_path: str | Path = "delta_stats.png",
+    *,
+    batches: Sequence[CoefficientBatch | str | Path] = (),
+    labels: Sequence[str] | None = None,
+    top_types: int = 20,
+) -> Path:
+    """One figure of DelTA statistics: ``λ̄`` histograms, frequent-token weight, cos(μ+, μ−), γ±.
+
+    Panels (each drawn only when its data exists):
+
+    1. histograms of ``λ̄`` per side for every batch (the given ones, else each run's last);
+    2. weight share vs count share of the ``top_types`` most frequent tokens, per batch step
+       (the runs' saved batches; the given ones when no run has any);
+    3. ``delta/centroid_cosine`` over steps, one line per run;
+    4. ``delta/gamma_pos`` (solid) and ``delta/gamma_neg`` (dashed) over steps;
+    5. ``delta/frac_above_one_pos/neg`` and ``delta/sign_accuracy`` over steps.
+
+    Args:
+      run_dirs: runs whose ``metrics.jsonl`` and ``diagnostics/*.npz`` to read.
+      out_path: PNG to write.
+      batches: extra batches (objects or ``.npz`` paths), e.g. captured before and after RL.
+      labels: one label per entry of ``batches`` (default ``"step <s>"``).
+      top_types: the "most frequent tokens" of panel 2.
+
+    Returns:
+      ``out_path``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: no display on CPU hosts or in CI
+    import matplotlib.pyplot as plt
+
+    given = [b if isinstance(b, CoefficientBatch) else CoefficientBatch.load(b) for b in batches]
+    if labels is not None and len(labels) != len(given):
+        raise ValueError(f"labels has {len(labels)} entries for {len(given)} batches")
+    named = list(zip(labels or [f"step {b.step}" for b in given], given, strict=True))
+    series = {Path(d).name or str(d): delta_series(d) for d in run_dirs}
+    saved = {Path(d).name or str(d): run_batches(d) for d in run_dirs}
+    if not named:
+        named = [(f"{run} step {bs[-1].step}", bs[-1]) for run, bs in saved.items() if bs]
+    share_curves = {run: bs for run, bs in saved.items() if bs}
+    if given and not share_curves:  # given batches usually are the runs' saved ones
+        share_curves["given batches"] = given
+
+    panels = []
+    if named:
+        panels.append("hist")
+    if share_curves:
+        panels.append("share")
+    for panel, keys in (
+        ("cosine", ("delta/centroid_cosine",)),
+        ("gamma", ("delta/gamma_pos", "delta/gamma_neg")),
+        ("fractions", ("delta/frac_above_one_pos", "delta/sign_accuracy")),
+    ):
+        if any(k in s for s in series.values() for k in keys):
+            panels.append(panel)
+    if not panels:
+        raise ValueError(
+            "nothing to plot: no delta/* metrics in the runs' metrics.jsonl and no coefficient "
+            "batches (give batches=... or save them under <run_dir>/diagnostics/)"
+        )
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        if panel == "hist":
+            _histograms(ax, named)
+        elif panel == "share":
+            _shares(ax, share_curves, top_types)
+        else:
+            _metric_lines(ax, panel, series)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return out_path
+
+
+def _histograms(ax, named: list[tuple[str, CoefficientBatch]]) -> None:
+    values = [v for _, b in named for v in side_values(b).values() if v.size]
+    lo, hi = min(v.min() for v in values), max(v.max() for v in values)
+    bins = np.linspace(lo, hi if hi > lo else lo + 1e-3, 31)
+    styles = ["-", "--", ":", "-."]
+    colours = {"positive": "tab:blue", "negative": "tab:orange", "zero": "tab:gray"}
+    for j, (label, batch) in enumerate(named):
+        for side, vals in side_values(batch).items():
+            if vals.size:
+                ax.hist(
+                    vals,
+                    bins=bins,
+                    histtype="step",
+                    density=True,
+                    color=colours[side],
+                    linestyle=styles[j % len(styles)],
+                    label=f"{label}: {side}",
+                )
+    ax.set_title("λ̄ per side")
+    ax.set_xlabel("λ̄")
+    ax.legend(fontsize=7)
+
+
+def _shares(ax, curves: dict[str, list[CoefficientBatch]], top_types: int) -> None:
+    for j, (name, bs) in enumerate(curves.items()):
+        steps = [b.step for b in bs]
+        stats = [frequent_token_share(b, top_types=top_types) for b in bs]
+        colour = f"C{j}"
+        ax.plot(
+            steps,
+            [s["weight_share"] for s in stats],
+            "o-",
+            color=colour,
+            label=f"{name}: weight share",
+        )
+        ax.plot(
+            steps,
+            [s["count_share"] for s in stats],
+            "s--",
+            color=colour,
+            alpha=0.6,
+            label=f"{name}: token share",
+        )
+    ax.set_title(f"top-{top_types} frequent tokens")
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7)
+
+
+_TITLES = {
+    "cosine": "cos(μ+, μ−)",
+    "gamma": "γ+ (solid), γ− (dashed)",
+    "fractions": "share λ̄>1 (+ solid, − dashed); sign acc. dotted",
+}
+_LINES = {
+    "cosine": (("delta/centroid_cosine", "-"),),
+    "gamma": (("delta/gamma_pos", "-"), ("delta/gamma_neg", "--")),
+    "fractions": (
+        ("delta/frac_above_one_pos", "-"),
+        ("delta/frac_above_one_neg", "--"),
+        ("delta/sign_accuracy", ":"),
+    ),
+}
+
+
+def _metric_lines(ax, panel: str, series: dict[str, dict]) -> None:
+    for j, (run, s) in enumerate(series.items()):
+        for key, style in _LINES[panel]:
+            if key in s:
+                steps, vals = s[key]
+                ax.plot(
+                    steps,
+                    vals,
+                    style,
+                    color=f"C{j}",
+                    marker="." if len(steps) < 60 else None,
+                    label=f"{run}: {key.removeprefix('delta/')}",
+                )
+    ax.set_title(_TITLES[panel])
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7)

@@ -1,0 +1,569 @@
+r"""Evaluation: k samples per problem, scored; avg@k, unbiased pass@k, maj@k; weighted averages.
+
+For a problem with ``n`` samples of which ``c`` are correct (reward 1):
+
+* ``avg@n``  — the mean reward over all samples of all problems (the paper's metric, DELTA_SPEC
+  §7: avg@16 at temperature 1.0, top-p 0.7);
+* ``pass@k`` — the unbiased estimator ``1 − C(n − c, k) / C(n, k)`` of the chance that at least
+  one of ``k`` samples drawn without replacement from the ``n`` is correct, averaged over
+  problems (``k <= n``);
+* ``maj@n``  — 1 when the most frequent final answer among the ``n`` samples is correct (math
+  only). Answers are the last ``\boxed{}`` of each response; every correct sample votes for the
+  gold answer (the verifier has already found them equal to it, whatever their spelling), wrong
+  ones vote for their answer string after light normalisation (spaces, ``\left``/``\right``,
+  ``\dfrac``...). Samples without an answer do not vote; a tie goes to the answer seen first.
+
+A suite's average weights each benchmark by its number of problems, as the paper's "Avg"
+column (30 questions per set, 33 for HMMT26-Feb). Results are fractions in ``[0, 1]``; the
+printed table shows percentages. The trainer's periodic evaluation calls
+:func:`evaluate_prompts`, the same code as ``delta-jax eval``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from math import comb
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from delta_jax.eval_sets import PAPER_SUITE, Benchmark, parse_benchmark_args, resolve_benchmark
+
+log = logging.getLogger(__name__)
+
+PAPER_TEMPERATURE = 1.0
+PAPER_TOP_P = 0.7
+PAPER_K = 16
+PAPER_MAX_NEW_TOKENS = 30000
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k for one problem with ``c`` correct out of ``n`` samples.
+
+    ``pass@k = 1 − C(n − c, k) / C(n, k)``: one minus the chance that ``k`` samples drawn
+    without replacement from the ``n`` are all wrong.
+
+    Args:
+      n: samples drawn, ``n >= 1``.
+      c: correct samples, ``0 <= c <= n``.
+      k: the k of pass@k, ``1 <= k <= n``.
+
+    Returns:
+      A float in ``[0, 1]``.
+
+    Example:
+      >>> pass_at_k(4, 1, 2)
+      0.5
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+_LATEX_NOISE = re.compile(r"\\left|\\right|\\!|\\,|\\;|\\:|\\ |\$|\s+")
+
+
+def normalize_answer(answer: str) -> str:
+    r"""A light canonical spelling of a final answer, for counting votes.
+
+    Removes whitespace, ``$``, ``\left``/``\right`` and spacing commands, maps ``\dfrac`` and
+    ``\tfrac`` to ``\frac`` and drops a trailing period. Equivalent answers spelled differently
+    (``0.5`` vs ``\frac12``) still count apart; correct ones are merged by :func:`majority_correct`.
+
+    Example:
+      >>> normalize_answer(r"\left( 1, \dfrac{1}{2} \right).")
+      '(1,\\frac{1}{2})'
+    """
+    out = _LATEX_NOISE.sub("", answer.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac"))
+    return out.rstrip(".")
+
+
+def majority_correct(answers: Sequence[str | None], correct: Sequence[bool]) -> bool:
+    """Whether the majority vote over one problem's samples picks a correct answer.
+
+    Args:
+      answers: ``[n]`` extracted final answers (None: the sample has none and does not vote).
+      correct: ``[n]`` whether each sample was scored correct.
+
+    Returns:
+      True when the gold answer gets the most votes (ties: the answer seen first wins).
+    """
+    if len(answers) != len(correct):
+        raise ValueError(f"answers and correct differ in length: {len(answers)} vs {len(correct)}")
+    votes: Counter = Counter()
+    first: dict[str, int] = {}
+    for i, (ans, ok) in enumerate(zip(answers, correct, strict=True)):
+        if ok:
+            key = "\x00gold"  # cannot collide with a normalised answer string
+        elif ans is None:
+            continue
+        else:
+            key = normalize_answer(ans)
+        votes[key] += 1
+        first.setdefault(key, i)
+    if not votes:
+        return False
+    winner = min(votes, key=lambda key: (-votes[key], first[key]))
+    return winner == "\x00gold"
+
+
+def weighted_average(scores: Mapping[str, float], counts: Mapping[str, int]) -> float:
+    """``Σ_b counts[b] · scores[b] / Σ_b counts[b]`` over the benchmarks ``b`` of ``scores``.
+
+    Example:
+      >>> weighted_average({"a": 10.0, "b": 20.0}, {"a": 30, "b": 10})
+      12.5
+    """
+    missing = sorted(set(scores) - set(counts))
+    if missing or not scores:
+        raise ValueError(
+            f"need a count for every benchmark; scores {sorted(scores)}, counts {sorted(counts)}"
+        )
+    total = sum(counts[b] for b in scores)
+    if total <= 0:
+        raise ValueError(f"counts must add up to > 0, got {dict(counts)}")
+    return sum(counts[b] * float(scores[b]) for b in scores) / total
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleScores:
+    """Scored samples of ``P`` problems, ``k`` each (problem-major).
+
+    Attributes:
+      rewards: float64 ``[P, k]``.
+      answers: ``P`` lists of ``k`` extracted final answers (None where there is none).
+      lengths: int ``[P, k]`` response lengths in tokens.
+      reasons: reason counts of the scorer (``"correct"``, ``"no_answer"``, ``"timeout"``...).
+      texts: the ``P · k`` decoded responses.
+    """
+
+    rewards: np.ndarray
+    answers: list[list[str | None]]
+    lengths: np.ndarray
+    reasons: dict[str, int]
+    texts: list[str]
+
+
+def sample_and_score(
+    *,
+    sampler,
+    params,
+    scorer,
+    tokenizer,
+    prompt_ids: Sequence[Sequence[int]],
+    records: Sequence,
+    k: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop_token_ids: Sequence[int],
+    seed: int,
+    batch_prompts: int | None = None,
+) -> SampleScores:
+    """Samples ``k`` responses per prompt (``batch_prompts`` per sampler call) and scores them.
+
+    Args:
+      sampler: a :class:`~delta_jax.sampling.Sampler` (or anything with its ``generate``).
+      params: the parameters to sample with (None: the sampler's model's own).
+      scorer: a :class:`~delta_jax.rewards.RewardScorer`.
+      tokenizer: decodes the sampled ids (``batch_decode``).
+      prompt_ids: ``P`` token-id lists.
+      records: ``P`` :class:`~delta_jax.data.PromptRecord` (answer, tests, extra -> the item).
+      k: samples per prompt.
+      max_new_tokens: response budget.
+      temperature: sampling temperature.
+      top_p: nucleus mass.
+      stop_token_ids: ids that end a response.
+      seed: sampling seed; chunk ``j`` uses ``seed + j``.
+      batch_prompts: prompts per sampler call (None: all at once).
+
+    Returns:
+      :class:`SampleScores`.
+    """
+    from delta_jax.rewards import extract_last_boxed
+
+    if len(prompt_ids) != len(records) or not prompt_ids:
+        raise ValueError(
+            f"need as many prompt_ids as records (> 0), got {len(prompt_ids)} and {len(records)}"
+        )
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    step = batch_prompts or len(prompt_ids)
+    if step < 1:
+        raise ValueError(f"batch_prompts must be >= 1 or None, got {batch_prompts}")
+    texts: list[str] = []
+    lengths: list[int] = []
+    for j, start in enumerate(range(0, len(prompt_ids), step)):
+        out = sampler.generate(
+            [list(p) for p in prompt_ids[start : start + step]],
+            n=k,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop_token_ids=tuple(stop_token_ids),
+            seed=seed + j,
+            params=params,
+        )
+        texts += tokenizer.batch_decode(out.tokens, skip_special_tokens=True)
+        lengths += [int(x) for x in out.lengths]
+    rows = [r for r in records for _ in range(k)]
+    items = [{"answer": r.answer, "tests": r.tests, **r.extra} for r in rows]
+    scored = scorer.score([r.prompt for r in rows], texts, items)
+    answers = [extract_last_boxed(t) for t in texts]
+    return SampleScores(
+        rewards=np.asarray(scored.rewards, np.float64).reshape(len(records), k),
+        answers=[answers[i * k : (i + 1) * k] for i in range(len(records))],
+        lengths=np.asarray(lengths).reshape(len(records), k),
+        reasons=dict(scored.counts),
+        texts=texts,
+    )
+
+
+def summarize(
+    scores: SampleScores,
+    *,
+    pass_ks: Sequence[int] | None = None,
+    majority: bool = True,
+    prefix: str = "",
+) -> dict[str, float]:
+    """avg@k, pass@k for each of ``pass_ks`` (default: k), maj@k and the mean response length.
+
+    A sample counts as correct for pass@k and maj@k when its reward is at least 1.
+    """
+    p, k = scores.rewards.shape
+    correct = (scores.rewards >= 1.0).sum(axis=1)
+    out = {f"{prefix}avg@{k}": float(scores.rewards.mean())}
+    for kk in pass_ks or (k,):
+        out[f"{prefix}pass@{kk}"] = float(np.mean([pass_at_k(k, int(c), kk) for c in correct]))
+    if majority:
+        votes = [
+            majority_correct(scores.answers[i], list(scores.rewards[i] >= 1.0)) for i in range(p)
+        ]
+        out[f"{prefix}maj@{k}"] = float(np.mean(votes))
+    out[f"{prefix}response_length_mean"] = float(scores.lengths.mean())
+    return out
+
+
+def evaluate_prompts(
+    *,
+    sampler,
+    params,
+    scorer,
+    tokenizer,
+    prompt_ids: Sequence[Sequence[int]],
+    records: Sequence,
+    k: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop_token_ids: Sequence[int],
+    seed: int,
+    prefix: str = "",
+    pass_ks: Sequence[int] | None = None,
+    majority: bool | None = None,
+    batch_prompts: int | None = None,
+) -> dict[str, float]:
+    """Sample ``k`` responses per prompt, score them; return avg@k, pass@k (and maj@k).
+
+    The trainer's periodic evaluation (``prefix="eval/"``, ``k=1``) and ``delta-jax eval`` both
+    call this. Arguments are those of :func:`sample_and_score`, plus:
+
+    Args:
+      prefix: prepended to every metric name.
+      pass_ks: the k values of pass@k (each ``<= k``; default ``(k,)``).
+      majority: add ``maj@k``; default: when ``k > 1`` and the scorer's kind is ``"math"``.
+
+    Returns:
+      ``{prefix + "avg@k": ..., prefix + "pass@k": ..., [prefix + "maj@k": ...,]
+      prefix + "response_length_mean": ...}``.
+    """
+    scores = sample_and_score(
+        sampler=sampler,
+        params=params,
+        scorer=scorer,
+        tokenizer=tokenizer,
+        prompt_ids=prompt_ids,
+        records=records,
+        k=k,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop_token_ids=stop_token_ids,
+        seed=seed,
+        batch_prompts=batch_prompts,
+    )
+    if majority is None:
+        majority = k > 1 and getattr(scorer, "kind", None) == "math"
+    return summarize(scores, pass_ks=pass_ks, majority=majority, prefix=prefix)
+
+
+def default_pass_ks(k: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to ``k``, and ``k`` itself."""
+    ks = {1 << i for i in range(k.bit_length()) if 1 << i <= k}
+    return tuple(sorted(ks | {k}))
+
+
+def _load_benchmark(bench: Benchmark, path: str, tokenizer, *, split, limit, max_prompt_length):
+    from delta_jax.data import encode_prompts, load_records
+
+    try:
+        loaded = load_records(path, adapter=bench.adapter, split=split or "test", limit=limit)
+    except ValueError as e:
+        # Hub copies of the competition sets often have a single "train" split.
+        if split is not None or "split" not in str(e):
+            raise
+        loaded = load_records(path, adapter=bench.adapter, split="train", limit=limit)
+    if loaded.skipped:
+        log.warning("%s: skipped %d bad rows %s", bench.name, loaded.skipped, loaded.skip_reasons)
+    if limit is None and bench.problems is not None and len(loaded.records) != bench.problems:
+        log.warning(
+            "%s: %s has %d problems, the published set has %d",
+            bench.name,
+            path,
+            len(loaded.records),
+            bench.problems,
+        )
+    enc = encode_prompts(
+        loaded.records,
+        tokenizer,
+        max_prompt_length=max_prompt_length,
+        truncation="left",
+        template=bench.template,
+    )
+    if enc.truncated:
+        log.warning("%s: %d prompts cut to %d tokens", bench.name, enc.truncated, max_prompt_length)
+    return enc
+
+
+def evaluate_benchmarks(
+    model_dir: str | Path | None,
+    benchmarks: Mapping[str, str | tuple[Benchmark, str]],
+    *,
+    k: int = PAPER_K,
+    max_new_tokens: int = PAPER_MAX_NEW_TOKENS,
+    temperature: float = PAPER_TEMPERATURE,
+    top_p: float = PAPER_TOP_P,
+    seed: int = 0,
+    num_workers: int = 2,
+    limit: int | None = None,
+    max_prompt_length: int = 2048,
+    batch_prompts: int | None = 64,
+    pass_ks: Sequence[int] | None = None,
+    split: str | None = None,
+    out_path: str | Path | None = None,
+    model=None,
+    tokenizer=None,
+) -> dict[str, Any]:
+    """Evaluates a model on benchmark files with the paper's protocol; JSON-ready results.
+
+    Args:
+      model_dir: Hugging Face model directory (ignored when ``model`` and ``tokenizer`` given).
+      benchmarks: ``{name: path}`` for names of :data:`~delta_jax.eval_sets.BENCHMARKS`, or
+        ``{name: (Benchmark, path)}``.
+      k: samples per problem (paper: 16).
+      max_new_tokens: response budget (paper: 30000); capped to what the model's context holds
+        after the longest prompt, with a warning.
+      temperature: sampling temperature (paper: 1.0).
+      top_p: nucleus mass (paper: 0.7).
+      seed: sampling seed.
+      num_workers: reward-scoring processes.
+      limit: first ``limit`` problems of each set (None: all).
+      max_prompt_length: longer prompts are cut from the left.
+      batch_prompts: prompts per sampler call.
+      pass_ks: k values of pass@k (default: 1, 2, 4, ..., k).
+      split: split of a benchmark directory (None: ``"test"``, else ``"train"`` when the
+        directory has no test split; a single file is read whole).
+      out_path: also write the results there as JSON.
+      model: an already loaded model (with ``tokenizer``) instead of ``model_dir``.
+      tokenizer: its tokenizer.
+
+    Returns:
+      ``{"settings": {...}, "benchmarks": {name: {"problems", "avg@k", "pass@j"..., "maj@k",
+      "response_length_mean", "reasons", "correct_per_problem"}}, "average": {"paper_suite"
+      and/or "all": {"benchmarks", "problems", metric: problem-weighted mean}}}``.
+    """
+    from delta_jax.rewards import RewardScorer
+    from delta_jax.sampling import Sampler
+
+    if not benchmarks:
+        raise ValueError("benchmarks is empty: give at least one name -> path")
+    if model is None or tokenizer is None:
+        from delta_jax.models import from_pretrained, load_tokenizer
+
+        model, tokenizer = from_pretrained(str(model_dir)), load_tokenizer(str(model_dir))
+    pass_ks = tuple(pass_ks or default_pass_ks(k))
+    eos = {tokenizer.eos_token_id, getattr(model.config, "eos_token_id", None)}
+    stop_ids = tuple(sorted(int(s) for s in eos if isinstance(s, int | np.integer)))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    sampler = Sampler(model, pad_token_id=pad)
+    results: dict[str, Any] = {
+        "settings": dict(
+            model=str(model_dir),
+            k=k,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            limit=limit,
+        ),
+        "benchmarks": {},
+    }
+    for name, spec in benchmarks.items():
+        bench, path = spec if isinstance(spec, tuple) else (resolve_benchmark(name), spec)
+        enc = _load_benchmark(
+            bench,
+            str(path),
+            tokenizer,
+            split=split,
+            limit=limit,
+            max_prompt_length=max_prompt_length,
+        )
+        if not enc.ids:
+            raise ValueError(f"benchmark {name!r}: {path} has no usable problems")
+        room = model.config.max_position_embeddings - max(len(p) for p in enc.ids)
+        budget = min(max_new_tokens, room)
+        if budget < 1:
+            raise ValueError(
+                f"benchmark {name!r}: prompts of up to {max(map(len, enc.ids))} tokens leave no "
+                f"room in the model's context ({model.config.max_position_embeddings} positions); "
+                "lower max_prompt_length"
+            )
+        if budget < max_new_tokens:
+            log.warning(
+                "%s: max_new_tokens %d capped to %d by the model's context",
+                name,
+                max_new_tokens,
+                budget,
+            )
+        timeout = 10.0 if bench.is_math else 30.0
+        with RewardScorer(bench.reward, num_workers=num_workers, timeout_s=timeout) as scorer:
+            scores = sample_and_score(
+                sampler=sampler,
+                params=None,
+                scorer=scorer,
+                tokenizer=tokenizer,
+                prompt_ids=enc.ids,
+                records=enc.records,
+                k=k,
+                max_new_tokens=budget,
+                temperature=temperature,
+                top_p=top_p,
+                stop_token_ids=stop_ids,
+                seed=seed,
+                batch_prompts=batch_prompts,
+            )
+        row: dict[str, Any] = {"problems": len(enc.ids), "path": str(path)}
+        row.update(
+            summarize(scores, pass_ks=[j for j in pass_ks if j <= k], majority=bench.is_math)
+        )
+        row["reasons"] = scores.reasons
+        row["correct_per_problem"] = [int(c) for c in (scores.rewards >= 1.0).sum(axis=1)]
+        results["benchmarks"][name] = row
+        log.info("%s: avg@%d %.4f over %d problems", name, k, row[f"avg@{k}"], len(enc.ids))
+    results["average"] = suite_averages(results["benchmarks"])
+    if out_path is not None:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_path).write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def suite_averages(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Problem-weighted means of every metric the benchmarks share, per group.
+
+    Groups: ``"paper_suite"`` (the benchmarks of :data:`PAPER_SUITE` present) and ``"all"``
+    (only when it differs from the former).
+    """
+    groups = {"paper_suite": [b for b in rows if b in PAPER_SUITE], "all": list(rows)}
+    if groups["all"] == groups["paper_suite"]:
+        del groups["all"]
+    out: dict[str, dict[str, Any]] = {}
+    for group, names in groups.items():
+        if not names:
+            continue
+        metrics = [m for m, v in rows[names[0]].items() if isinstance(v, float)]
+        counts = {b: rows[b]["problems"] for b in names}
+        out[group] = {"benchmarks": names, "problems": sum(counts.values())}
+        for m in metrics:
+            if all(m in rows[b] for b in names):
+                out[group][m] = weighted_average({b: rows[b][m] for b in names}, counts)
+    return out
+
+
+def format_table(results: Mapping[str, Any]) -> str:
+    """The results of :func:`evaluate_benchmarks` as a fixed-width table, scores in %."""
+    rows = dict(results["benchmarks"])
+    for group, values in results.get("average", {}).items():
+        rows[f"Avg ({group}, weighted)"] = values
+    first = next(iter(results["benchmarks"].values()))
+    cols = [m for m in first if m.split("@")[0] in ("avg", "pass", "maj")]
+    k = results.get("settings", {}).get("k")
+    if k is not None:  # avg@k, maj@k and the largest pass@k; every pass@j stays in the JSON
+        cols = [m for m in cols if not m.startswith("pass@") or m == f"pass@{k}"]
+    width = max(len(n) for n in rows) + 2
+    lines = [f"{'benchmark':<{width}}{'problems':>9}" + "".join(f"{c:>10}" for c in cols)]
+    for name, row in rows.items():
+        cells = "".join(
+            f"{100 * row[c]:>10.2f}" if isinstance(row.get(c), float) else f"{'-':>10}"
+            for c in cols
+        )
+        lines.append(f"{name:<{width}}{row['problems']:>9}" + cells)
+    return "\n".join(lines)
+
+
+def add_eval_arguments(parser) -> None:
+    """Adds the ``delta-jax eval`` options to an ``argparse`` (sub)parser."""
+    parser.add_argument("--model", required=True, help="Hugging Face model directory")
+    parser.add_argument(
+        "--bench",
+        action="append",
+        default=[],
+        metavar="NAME[:ADAPTER]=PATH",
+        help="benchmark file or directory, repeatable; known names: aime24 aime25 aime26 "
+        "hmmt25_feb hmmt25_nov hmmt26_feb brumo25 math500 gsm8k humaneval_plus mbpp_plus",
+    )
+    parser.add_argument("--k", type=int, default=PAPER_K, help="samples per problem")
+    parser.add_argument("--max-new-tokens", type=int, default=PAPER_MAX_NEW_TOKENS)
+    parser.add_argument("--temperature", type=float, default=PAPER_TEMPERATURE)
+    parser.add_argument("--top-p", type=float, default=PAPER_TOP_P)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--limit", type=int, default=None, help="first N problems of each set")
+    parser.add_argument("--workers", type=int, default=2, help="reward-scoring processes")
+    parser.add_argument("--max-prompt-length", type=int, default=2048)
+    parser.add_argument(
+        "--split", default=None, help="split of benchmark directories (default: test, else train)"
+    )
+    parser.add_argument("--batch-prompts", type=int, default=64, help="prompts per sampler call")
+    parser.add_argument("--out", default=None, help="write the results JSON here")
+
+
+def run_eval_cli(args) -> int:
+    """``delta-jax eval``: evaluate, print the table (and the JSON path); returns the exit code."""
+    if not args.bench:
+        raise ValueError("give at least one --bench NAME=PATH")
+    results = evaluate_benchmarks(
+        args.model,
+        parse_benchmark_args(args.bench),
+        k=args.k,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        num_workers=args.workers,
+        limit=args.limit,
+        max_prompt_length=args.max_prompt_length,
+        batch_prompts=args.batch_prompts,
+        split=args.split,
+        out_path=args.out,
+    )
+    print(format_table(results))
+    if args.out:
+        print(f"results: {args.out}")
+    return 0

@@ -1,0 +1,151 @@
+"""Coefficient statistics (against a hand-written oracle) and the DelTA / learning-curve plots."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from delta_jax.diagnostics import (
+    DELTA_KEYS,
+    delta_series,
+    frequent_token_share,
+    plot_delta_stats,
+    plot_runs,
+    run_batches,
+    side_values,
+)
+from tests.diagnostics.helpers import synthetic_batch, write_metrics
+
+
+def _share_oracle(batch, top, side=None):
+    """Plain-Python count/weight shares of the `top` most frequent ids (ties: smaller id)."""
+    toks = []
+    for i in range(len(batch.prompts)):
+        for j in range(batch.token_ids.shape[1]):
+            if batch.mask[i, j]:
+                toks.append(
+                    (
+                        int(batch.token_ids[i, j]),
+                        float(batch.coefficients[i, j]),
+                        float(batch.advantages[i]),
+                    )
+                )
+    counts = Counter(t for t, _, _ in toks)
+    frequent = {t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]}
+    if side == "pos":
+        toks = [x for x in toks if x[2] > 0]
+    elif side == "neg":
+        toks = [x for x in toks if x[2] < 0]
+    in_top = [x for x in toks if x[0] in frequent]
+    rest = [x for x in toks if x[0] not in frequent]
+    return dict(
+        count_share=len(in_top) / len(toks),
+        weight_share=sum(x[1] for x in in_top) / sum(x[1] for x in toks),
+        mean_top=np.mean([x[1] for x in in_top]),
+        mean_rest=np.mean([x[1] for x in rest]),
+    )
+
+
+@pytest.mark.parametrize("top", [1, 5, 12])
+def test_frequent_token_share_matches_oracle(top):
+    batch = synthetic_batch(seed=top)
+    got = frequent_token_share(batch, top_types=top)
+    for side, suffix in ((None, ""), ("pos", "_pos"), ("neg", "_neg")):
+        for key, want in _share_oracle(batch, top, side).items():
+            assert got[key + suffix] == pytest.approx(want, abs=1e-9), (key, side)
+
+
+def test_uniform_coefficients_give_equal_shares():
+    batch = synthetic_batch()
+    flat = dataclasses.replace(batch, coefficients=np.where(batch.mask, 1.0, 0.0))
+    got = frequent_token_share(flat, top_types=5)
+    assert got["weight_share"] == pytest.approx(got["count_share"], abs=1e-12)
+    # The synthetic batch's shared boilerplate is frequent and down-weighted by DelTA.
+    real = frequent_token_share(batch, top_types=5)
+    assert real["mean_top"] < real["mean_rest"]
+    with pytest.raises(ValueError, match="top_types"):
+        frequent_token_share(batch, top_types=0)
+
+
+def test_side_values_partition_the_valid_tokens():
+    batch = synthetic_batch()
+    sides = side_values(batch)
+    assert sum(v.size for v in sides.values()) == int(batch.mask.sum())
+    assert sides["zero"].size == 0
+    total = sum(v.sum() for v in sides.values())
+    assert total == pytest.approx(batch.coefficients[batch.mask].sum(), rel=1e-6)
+
+
+def _metric_rows(steps, scale):
+    rng = np.random.default_rng(int(scale * 10))
+    rows = []
+    for s in range(1, steps + 1):
+        row = {"step": s, "reward_mean": scale * s / steps, "loss": 1.0 / s}
+        row.update({k: float(rng.uniform(0.1, 0.9)) for k in DELTA_KEYS})
+        if s % 2 == 0:
+            row["eval/avg@1"] = scale * s / steps
+        rows.append(row)
+    return rows
+
+
+def _png_size(path):
+    with Image.open(path) as im:
+        return im.size
+
+
+def test_plot_delta_stats_from_runs_and_batches(tmp_path):
+    run = write_metrics(tmp_path / "delta", _metric_rows(6, 1.0))
+    for step in (0, 3, 6):
+        synthetic_batch(seed=step, step=step).save(run / "diagnostics" / f"batch_{step:06d}.npz")
+    assert [b.step for b in run_batches(run)] == [0, 3, 6]
+    series = delta_series(run)
+    assert set(series) == set(DELTA_KEYS) and series["delta/gamma_pos"][0] == [1, 2, 3, 4, 5, 6]
+    out = plot_delta_stats([run], tmp_path / "stats.png")
+    width, height = _png_size(out)
+    assert width > 4 * height  # five panels side by side
+    # Batches alone (e.g. captured before and after RL in the notebook).
+    only = plot_delta_stats(
+        [],
+        tmp_path / "b.png",
+        batches=[synthetic_batch(step=0), run / "diagnostics" / "batch_000006.npz"],
+        labels=["before", "after"],
+    )
+    w2, h2 = _png_size(only)
+    assert w2 < 2.6 * h2  # two panels
+    with pytest.raises(ValueError, match="nothing to plot"):
+        plot_delta_stats(
+            [write_metrics(tmp_path / "empty", [{"step": 1, "loss": 1.0}])], tmp_path / "none.png"
+        )
+    with pytest.raises(ValueError, match="labels"):
+        plot_delta_stats([], tmp_path / "x.png", batches=[synthetic_batch()], labels=["a", "b"])
+
+
+def test_plot_runs_compares_runs(tmp_path):
+    a = write_metrics(tmp_path / "runs" / "delta", _metric_rows(8, 1.0))
+    b = write_metrics(tmp_path / "runs" / "dapo", _metric_rows(8, 0.7))
+    out = plot_runs([a, b], tmp_path / "curves.png")
+    w, h = _png_size(out)
+    assert w > 2.5 * h  # reward_mean, eval/avg@1, loss (response_length_mean absent)
+    single = plot_runs([a], tmp_path / "one.png", panels=("loss",))
+    w1, h1 = _png_size(single)
+    assert w1 < 1.6 * h1
+
+
+def test_plot_runs_keeps_runs_with_the_same_name(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    a = write_metrics(tmp_path / "a" / "run", _metric_rows(4, 1.0))
+    b = write_metrics(tmp_path / "b" / "run", _metric_rows(4, 0.5))
+    drawn = []
+    real_plot = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(
+        matplotlib.axes.Axes,
+        "plot",
+        lambda self, *args, **kw: drawn.append(kw.get("label")) or real_plot(self, *args, **kw),
+    )
+    plot_runs([a, b], tmp_path / "c.png", panels=("reward_mean",))
+    assert drawn == [str(a), str(b)]
