@@ -1,0 +1,600 @@
+"""Memory planner: will this run fit a TPU slice, and with what micro-batch?
+
+``delta-jax plan --config configs/qwen3_8b_delta.yaml --topology v5p-64`` builds the model
+abstractly (``nnx.eval_shape``, no weights allocated), lowers and compiles the run's train step
+and its sampler program for the real shapes on a mesh of stand-in devices (one fake CPU device
+per chip of the slice), and reads each program's per-device memory from XLA's buffer assignment
+(``compiled.memory_analysis()``):
+
+* parameters and optimiser state: exact, from the shardings (``delta_jax.sharding``);
+* train step: arguments + outputs - donated aliases + temporaries (activations, gradients);
+* sampler: its parameters (resharded copy where the sampling rules differ), KV cache (exact, from
+  the cache shape) and temporaries, on top of the train state that stays resident while sampling.
+
+Then it searches the largest micro-batch (rows per gradient-accumulation step) and the largest
+number of prompts per sampler call that fit in the chip's HBM (times ``headroom``).
+
+The numbers are XLA:CPU's plan of the SPMD-partitioned per-device program. Parameter, optimiser
+and KV-cache bytes are what a TPU holds; temporaries depend on the backend's fusion and layout
+decisions and are an estimate of the TPU figure (typically within tens of percent), not a
+guarantee.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
+from jax.sharding import NamedSharding
+
+from delta_jax import sharding as sh
+from delta_jax.models import ModelConfig, Transformer, resolve_model_dir
+from delta_jax.models.axes import logical_to_mesh
+from delta_jax.rl.objectives import resolve_objective
+from delta_jax.rl.train_step import TrainBatch, init_train_state, make_optimizer, make_train_step
+from delta_jax.sampling import sampler as sampler_lib
+from delta_jax.sampling.buckets import Buckets, prepare_request
+from delta_jax.sampling.strategies import make_strategy
+
+_GiB = 1024**3
+
+# Public hyper-parameters (config.json on the Hugging Face hub) of models the planner knows
+# without a local copy; a local directory or cached hub id is read instead when present.
+# name: (hidden H, mlp F, layers L, heads N, kv heads K, tied embeddings); all Qwen3 share the rest.
+_QWEN3_SHAPES = {
+    "Qwen3-0.6B": (1024, 3072, 28, 16, 8, True),
+    "Qwen3-1.7B": (2048, 6144, 28, 16, 8, True),
+    "Qwen3-4B": (2560, 9728, 36, 32, 8, True),
+    "Qwen3-8B": (4096, 12288, 36, 32, 8, False),
+    "Qwen3-14B": (5120, 17408, 40, 40, 8, False),
+}
+KNOWN_MODELS: dict[str, dict[str, Any]] = {
+    name: dict(
+        family="qwen3",
+        vocab_size=151936,
+        hidden_size=H,
+        intermediate_size=F,
+        num_layers=L,
+        num_heads=N,
+        num_kv_heads=K,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        qk_norm=True,
+        max_position_embeddings=32768,
+        tie_word_embeddings=tied,
+        bos_token_id=151643,
+        eos_token_id=151643,
+    )
+    for name, (H, F, L, N, K, tied) in _QWEN3_SHAPES.items()
+}
+
+
+def known_model_config(name: str, **runtime):
+    """``ModelConfig`` of a known model by hub id (``Qwen/Qwen3-8B-Base``) or short name."""
+    short = name.rstrip("/").split("/")[-1].removesuffix("-Base")
+    if short not in KNOWN_MODELS:
+        raise ValueError(
+            f"model {name!r} is not a local directory or cached hub id, and not one "
+            f"of the planner's known models {sorted(KNOWN_MODELS)}"
+        )
+    return ModelConfig(**KNOWN_MODELS[short], **runtime)
+
+
+def resolve_model_config(config):
+    """The run's ``ModelConfig``: local/cached ``config.json``, demo model, or a known model."""
+    m = config.model
+    runtime = dict(scan_layers=m.scan_layers, remat=m.remat)
+    if m.path == "demo:tiny":
+        return ModelConfig.tiny("qwen3", **runtime)
+    try:
+        return ModelConfig.from_hf(resolve_model_dir(m.path), **runtime)
+    except FileNotFoundError:
+        return known_model_config(m.path, **runtime)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramMemory:
+    """Per-device bytes of one compiled program (XLA buffer assignment)."""
+
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+    compile_s: float
+
+    @property
+    def peak(self) -> int:
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+    @classmethod
+    def of(cls, compiled, compile_s: float) -> ProgramMemory:
+        stats = compiled.memory_analysis()
+        return cls(
+            arguments=int(stats.argument_size_in_bytes),
+            outputs=int(stats.output_size_in_bytes),
+            aliased=int(stats.alias_size_in_bytes),
+            temporaries=int(stats.temp_size_in_bytes),
+            compile_s=compile_s,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanReport:
+    """What :func:`plan` found; every byte figure is per device (chip)."""
+
+    topology: str
+    chips: int
+    hbm_bytes: int
+    headroom: float
+    mesh: dict[str, int]
+    model: str
+    params_bytes: int
+    opt_state_bytes: int
+    micro_batch_rows: int
+    train: ProgramMemory
+    sampler_prompts: int
+    samples_per_prompt: int
+    cache_slots: int
+    kv_cache_bytes: int
+    sampler_params_bytes: int
+    sampler: ProgramMemory
+    max_micro_batch_rows: int | None
+    max_sampler_prompts: int | None
+
+    @property
+    def budget(self) -> int:
+        return int(self.hbm_bytes * self.headroom)
+
+    @property
+    def train_peak(self) -> int:
+        return self.train.peak
+
+    @property
+    def sampling_peak(self) -> int:
+        # The train state stays resident while sampling; the sampler's own argument bytes
+        # already hold its parameters (a resharded copy, or the same buffers when no leaf moves).
+        shared = self.params_bytes if self.sampler_params_bytes == 0 else 0
+        return self.params_bytes + self.opt_state_bytes + self.sampler.peak - shared
+
+    @property
+    def fits(self) -> bool:
+        return max(self.train_peak, self.sampling_peak) <= self.budget
+
+    def table(self) -> str:
+        """The report as an aligned text table (GiB per device)."""
+        g = lambda b: f"{b / _GiB:8.2f}"
+        mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
+        lines = [
+            f"{self.model} on {self.topology} ({self.chips} chips, {self.hbm_bytes / _GiB:.0f} "
+            f"GiB HBM each; budget {self.headroom:.0%} = {self.budget / _GiB:.1f} GiB); mesh "
+            f"{mesh}",
+            f"{'per device':<44}{'GiB':>8}",
+            f"{'parameters (train placement)':<44}{g(self.params_bytes)}",
+            f"{'optimizer state':<44}{g(self.opt_state_bytes)}",
+            f"train step, micro-batch {self.micro_batch_rows} rows:",
+            f"{'  activations / temporaries':<44}{g(self.train.temporaries)}",
+            f"{'  peak (state + batch + temporaries)':<44}{g(self.train_peak)}",
+            f"sampler, {self.sampler_prompts} prompts x {self.samples_per_prompt} samples, "
+            f"{self.cache_slots} cache slots:",
+            f"{'  KV cache':<44}{g(self.kv_cache_bytes)}",
+            f"{'  parameters (sampling copy)':<44}{g(self.sampler_params_bytes)}",
+            f"{'  temporaries (incl. KV cache)':<44}{g(self.sampler.temporaries)}",
+            f"{'  peak (+ resident train state)':<44}{g(self.sampling_peak)}",
+            f"fits: {'YES' if self.fits else 'NO'} (train {self.train_peak / self.budget:.0%}, "
+            f"sampling {self.sampling_peak / self.budget:.0%} of budget)",
+            f"largest micro-batch that fits: {_rows(self.max_micro_batch_rows, 'rows')}",
+            f"largest sampler call that fits: {_rows(self.max_sampler_prompts, 'prompts')}",
+            f"compile time: train {self.train.compile_s:.1f}s, sampler "
+            f"{self.sampler.compile_s:.1f}s (XLA:CPU stand-in devices)",
+        ]
+        return "\n".join(lines)
+
+
+def _rows(value: int | None, unit: str) -> str:
+    if value is None:
+        return "not searched"
+    return f"{value} {unit}" if value > 0 else "none (even the smallest does not fit)"
+
+
+def _sharded_bytes(tree: Any, shardings: Any) -> int:
+    total = 0
+    for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True):
+        total += math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+    return total
+
+
+class _Planner:
+    """Builds and compiles the run's programs for one mesh; caches nothing but the setup."""
+
+    def __init__(self, config, mesh, model_config):
+        self.config, self.mesh, self.model_config = config, mesh, model_config
+        m = config.model
+        dtype, param_dtype = jnp.dtype(m.dtype), jnp.dtype(m.param_dtype)
+        abstract_model = nnx.eval_shape(
+            lambda: Transformer(model_config, dtype=dtype, param_dtype=param_dtype)
+        )
+        self.graphdef, self.params, self.rest = nnx.split(abstract_model, nnx.Param, ...)
+        self.optimizer = make_optimizer(config.optim, total_updates=max(config.run.steps, 1))
+        self.state = jax.eval_shape(lambda p: init_train_state(p, self.optimizer), self.params)
+        self.state_shardings = sh.state_shardings(self.state, mesh)
+        self.param_shardings = sh.param_shardings(self.params, mesh)
+        self.sample_shardings = sh.param_shardings(self.params, mesh, sh.SAMPLE_RULES)
+        self.objective = resolve_objective(
+            config.algo, max_response_length=config.rollout.max_new_tokens
+        )
+
+    def params_bytes(self) -> int:
+        return _sharded_bytes(self.params, self.param_shardings)
+
+    def opt_state_bytes(self) -> int:
+        opt = self.state.opt_state
+        shardings = self.state_shardings.opt_state
+        return _sharded_bytes(opt, shardings) if jax.tree.leaves(opt) else 0
+
+    def sampler_params_bytes(self) -> int:
+        moved = [
+            (x, t)
+            for x, s, t in zip(
+                jax.tree.leaves(self.params),
+                jax.tree.leaves(self.param_shardings),
+                jax.tree.leaves(self.sample_shardings),
+                strict=True,
+            )
+            if s != t
+        ]
+        if not moved:
+            return 0
+        xs, ts = zip(*moved, strict=True)
+        return _sharded_bytes(list(xs), list(ts))
+
+    def train(self, rows: int) -> ProgramMemory:
+        """Compiles the train step for micro-batches of ``rows`` rows (global)."""
+        c = self.config
+        P, G = c.data.max_prompt_length, c.rollout.max_new_tokens
+        mini, micro = c.algo.mini_batches, c.algo.micro_batches
+        bs = sh.batch_sharding(self.mesh)
+        sds = lambda shape, dtype: jax.ShapeDtypeStruct((micro, rows, *shape), dtype, sharding=bs)
+        f32 = lambda: sds((G,), jnp.float32)
+        # The same optional fields the loop passes (see delta_jax.rl.loop): an old-policy pass
+        # when one rollout feeds several updates, sampler-side DelTA under accumulation.
+        uses_delta = self.objective.uses_delta
+        batch = TrainBatch(
+            input_ids=sds((P + G,), jnp.int32),
+            attention_mask=sds((P + G,), jnp.bool_),
+            response_mask=sds((G,), jnp.bool_),
+            advantages=sds((), jnp.float32),
+            old_logprobs=f32() if mini > 1 else None,
+            coefficients=f32() if uses_delta and (mini > 1 or micro > 1) else None,
+            token_mask=sds((G,), jnp.bool_)
+            if mini > 1 and self.objective.uses_forking_mask
+            else None,
+            rollout_logprobs=f32() if c.algo.tis_cap is not None else None,
+            ref_logprobs=f32() if c.algo.kl_coef > 0 else None,
+        )
+        step = make_train_step(
+            self.graphdef,
+            self.optimizer,
+            self.objective,
+            temperature=c.rollout.temperature or 1.0,
+            gen_len=G,
+            jit_kwargs=sh.train_jit_kwargs(self.state, self.mesh),
+        )
+        return _compile(lambda: step.lower(self.state, batch), self.mesh, sh.TRAIN_RULES)
+
+    def _request(self, prompts: int):
+        c, mc = self.config, self.model_config
+        spec = logical_to_mesh(("batch",), sh.SAMPLE_RULES, self.mesh)[0]
+        axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+        request = prepare_request(
+            [[1] * c.data.max_prompt_length] * prompts,
+            max_new_tokens=c.rollout.max_new_tokens,
+            n=c.rollout.samples_per_prompt,
+            stop_token_ids=[0],
+            vocab_size=mc.vocab_size,
+            pad_id=0,
+            buckets=Buckets(),
+            max_cache_length=mc.max_position_embeddings,
+            row_multiple=math.prod(self.mesh.shape[a] for a in axes),
+        )
+        rows = request.prompt_ids.shape[0] * c.rollout.samples_per_prompt
+        return request, rows, request.prompt_ids.shape[1], request.gen_len
+
+    def cache_dtype(self):
+        kind = self.config.rollout.cache_dtype
+        # On a TPU "auto" is bfloat16 (the sampler's default off CPU).
+        return jnp.dtype(jnp.bfloat16 if kind == "auto" else kind)
+
+    def kv_cache_bytes(self, prompts: int) -> int:
+        mc = self.model_config
+        _, rows, P, G = self._request(prompts)
+        shape = (mc.num_layers, rows, P + G, mc.num_kv_heads, mc.head_dim)
+        names = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+        spec = logical_to_mesh(names, sh.SAMPLE_RULES, self.mesh, shape)
+        shard = NamedSharding(self.mesh, spec).shard_shape(shape)
+        return 2 * math.prod(shard) * self.cache_dtype().itemsize
+
+    def sampler(self, prompts: int) -> ProgramMemory:
+        """Compiles the sampler's prefill + decode program for one call of ``prompts`` prompts."""
+        c = self.config
+        request, _, _, gen_len = self._request(prompts)
+
+        def rows(x):
+            names = ("batch",) + (None,) * (x.ndim - 1)
+            spec = logical_to_mesh(names, sh.SAMPLE_RULES, self.mesh, x.shape)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self.mesh, spec))
+
+        params = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            self.params,
+            self.sample_shardings,
+        )
+        strategy = make_strategy(c.rollout.temperature, c.rollout.top_p, c.rollout.top_k)
+        args = (
+            params,
+            self.rest,
+            rows(request.prompt_ids),
+            rows(request.prompt_mask),
+            rows(request.max_new),
+            rows(request.stop_ids),
+            np.uint32(0),
+            strategy,
+        )
+        fn = jax.jit(
+            functools.partial(
+                sampler_lib._program,
+                graphdef=self.graphdef,
+                n=c.rollout.samples_per_prompt,
+                gen_len=gen_len,
+                cache_dtype=self.cache_dtype(),
+                return_hidden=False,
+                pad_id=0,
+            )
+        )
+        return _compile(lambda: fn.lower(*args), self.mesh, sh.SAMPLE_RULES)
+
+
+def _compile(lower: Callable, mesh, rules) -> ProgramMemory:
+    start = time.perf_counter()
+    with sh.use_mesh(mesh, rules):
+        compiled = lower().compile()
+    return ProgramMemory.of(compiled, time.perf_counter() - start)
+
+
+def largest_fitting(
+    measure: Callable[[int], int],
+    unit: int,
+    budget: int,
+    *,
+    start: int,
+    limit: int,
+    max_measures: int = 8,
+) -> int:
+    """Largest multiple of ``unit`` in ``[unit, limit]`` with ``measure(x) <= budget`` (0: none).
+
+    Peak memory grows about linearly with the batch, so a secant through measured sizes lands
+    on (or next to) the answer; bisection takes over when the secant leaves the bracket. Each
+    ``measure`` is a compilation, at most ``max_measures`` of them; the result is the largest
+    size seen to fit.
+
+    Args:
+      measure: size -> bytes (non-decreasing in size).
+      unit: sizes are multiples of it.
+      budget: bytes available.
+      start: a second size to measure besides ``unit`` (e.g. the configured one).
+      limit: the largest size worth considering.
+      max_measures: compilations allowed.
+
+    Example:
+      >>> largest_fitting(lambda x: 10 + 3 * x, 2, 40, start=4, limit=64)
+      10
+    """
+    seen: dict[int, int] = {}
+
+    def peak(x: int) -> int:
+        if x not in seen:
+            seen[x] = measure(x)
+        return seen[x]
+
+    def down(x: float) -> int:
+        return max(unit, min(limit, int(x) // unit * unit))
+
+    if peak(unit) > budget:
+        return 0
+    limit -= limit % unit
+    if limit <= unit:
+        return unit
+    peak(down(max(2 * unit, start)))
+    while len(seen) < max_measures:
+        good = max(x for x in seen if seen[x] <= budget)
+        bad = min((x for x in seen if seen[x] > budget), default=None)
+        if good >= limit or (bad is not None and bad - good <= unit):
+            break
+        # Secant through the best fitting size and its nearest measured neighbour.
+        other = (
+            bad
+            if bad is not None
+            else max(x for x in seen if x < good)
+            if any(x < good for x in seen)
+            else None
+        )
+        slope = 0.0 if other is None else (seen[other] - seen[good]) / (other - good)
+        guess = limit if slope <= 0 else down(good + (budget - seen[good]) / slope)
+        upper = limit if bad is None else bad - unit
+        if guess <= good:
+            guess = good + unit
+        if guess > upper or guess in seen:
+            guess = down(good + (upper - good + unit) / 2)
+            guess = guess if guess > good else good + unit
+        peak(guess)
+    return max(x for x in seen if seen[x] <= budget)
+
+
+def plan(
+    config,
+    topology_name: str,
+    *,
+    model_config=None,
+    headroom: float = 0.95,
+    search: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> PlanReport:
+    """Compiles the run's train step and sampler for ``topology_name`` and reports memory.
+
+    Args:
+      config: the run :class:`~delta_jax.config.Config` (model, batch sizes, ``run.mesh``).
+      topology_name: a TPU slice, e.g. ``"v5p-64"``, ``"v4-32"``, ``"v5e-8"``, ``"v6e-1"``; the
+        process needs that many devices (fake CPU devices: see :func:`main`).
+      model_config: overrides the model resolved from ``config.model.path``.
+      headroom: fraction of HBM the programs may use.
+      search: also search the largest fitting micro-batch and sampler call (more compiles).
+      log: progress messages (e.g. ``print``).
+
+    Returns:
+      A :class:`PlanReport`; ``report.table()`` formats it.
+    """
+    log = log or (lambda _: None)
+    topo = sh.topology(topology_name)
+    mesh = sh.mesh_from_config(config.run.mesh, topology_name=topology_name)
+    model_config = model_config or resolve_model_config(config)
+    planner = _Planner(config, mesh, model_config)
+    c = config
+    rows_per_update = (
+        c.rollout.prompts_per_step * c.rollout.samples_per_prompt // c.algo.mini_batches
+    )
+    micro_rows = rows_per_update // c.algo.micro_batches
+    divisor = sh.batch_divisor(mesh)
+    if micro_rows % divisor:
+        raise ValueError(
+            f"micro-batch of {micro_rows} rows (rollout {rows_per_update} rows per update / "
+            f"algo.micro_batches={c.algo.micro_batches}) does not split over the {divisor} batch "
+            f"shards of mesh {dict(mesh.shape)}"
+        )
+    log(f"compiling train step ({micro_rows} rows per micro-batch) on {topo.chips} devices")
+    train = planner.train(micro_rows)
+    prompts = c.rollout.prompts_per_step
+    log(f"compiling sampler ({prompts} prompts x {c.rollout.samples_per_prompt})")
+    sampler = planner.sampler(prompts)
+    _, _, P, G = planner._request(prompts)
+    report = PlanReport(
+        topology=topo.name,
+        chips=topo.chips,
+        hbm_bytes=topo.hbm_bytes,
+        headroom=headroom,
+        mesh=dict(mesh.shape),
+        model=_describe(c.model.path, model_config),
+        params_bytes=planner.params_bytes(),
+        opt_state_bytes=planner.opt_state_bytes(),
+        micro_batch_rows=micro_rows,
+        train=train,
+        sampler_prompts=prompts,
+        samples_per_prompt=c.rollout.samples_per_prompt,
+        cache_slots=P + G,
+        kv_cache_bytes=planner.kv_cache_bytes(prompts),
+        sampler_params_bytes=planner.sampler_params_bytes(),
+        sampler=sampler,
+        max_micro_batch_rows=None,
+        max_sampler_prompts=None,
+    )
+    if not search:
+        return report
+    budget = report.budget
+    cache = {micro_rows: train.peak}
+
+    def train_peak(rows: int) -> int:
+        if rows not in cache:
+            log(f"  train step with {rows} rows per micro-batch")
+            cache[rows] = planner.train(rows).peak
+        return cache[rows]
+
+    resident = report.sampling_peak - sampler.peak
+    sampled = {prompts: sampler.peak}
+
+    def sampling_peak(n: int) -> int:
+        if n not in sampled:
+            log(f"  sampler with {n} prompts per call")
+            sampled[n] = planner.sampler(n).peak
+        return resident + sampled[n]
+
+    max_rows = largest_fitting(train_peak, divisor, budget, start=micro_rows, limit=rows_per_update)
+    # The sampler's rows (prompts x n) must split over the batch shards too.
+    unit = divisor // math.gcd(divisor, c.rollout.samples_per_prompt)
+    max_prompts = largest_fitting(
+        sampling_peak, unit, budget, start=prompts, limit=max(prompts, unit)
+    )
+    return dataclasses.replace(
+        report, max_micro_batch_rows=max_rows, max_sampler_prompts=max_prompts
+    )
+
+
+def _describe(path: str, mc) -> str:
+    return (
+        f"{path} (L={mc.num_layers} H={mc.hidden_size} F={mc.intermediate_size} "
+        f"N={mc.num_heads} K={mc.num_kv_heads} V={mc.vocab_size})"
+    )
+
+
+def _ensure_devices(count: int) -> None:
+    """Makes this process start JAX with ``count`` fake CPU devices, if JAX has not started."""
+    if xla_bridge.backends_are_initialized():
+        return
+    flags = re.sub(
+        r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
+    )
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Arguments of ``delta-jax plan`` (added to ``parser`` when given)."""
+    parser = parser or argparse.ArgumentParser(
+        prog="delta-jax plan", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--config", default=None, help="YAML run config")
+    parser.add_argument("--topology", required=True, help="TPU slice, e.g. v5p-64, v4-32, v5e-8")
+    parser.add_argument("--headroom", type=float, default=0.95, help="usable fraction of HBM")
+    parser.add_argument("--no-search", action="store_true", help="skip the micro-batch search")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``delta-jax plan --config FILE --topology v5p-64 [section.key=value ...]``."""
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the planner for parsed ``args`` (see :func:`build_parser`); prints the table."""
+    from delta_jax.config import load_config
+
+    if not 0 < args.headroom <= 1:
+        raise ValueError(f"--headroom={args.headroom} must be in (0, 1]")
+    _ensure_devices(sh.topology(args.topology).chips)
+    config = load_config(args.config, args.overrides)
+    report = plan(
+        config,
+        args.topology,
+        headroom=args.headroom,
+        search=not args.no_search,
+        log=lambda msg: print(msg, file=sys.stderr, flush=True),
+    )
+    print(report.table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Memory planner: search logic, known model shapes, and compiled reports (Qwen3-0.6B on v5e-1)."""
+
+import math
+
+import jax
+import pytest
+from flax import nnx
+
+from delta_jax import plan as plan_lib
+from delta_jax import sharding as sh
+from delta_jax.config import load_config
+from delta_jax.models import Transformer
+
+DEMO = "configs/demo.yaml"
+
+
+def _brute(measure, unit, budget, limit):
+    return max((x for x in range(unit, limit + 1, unit) if measure(x) <= budget), default=0)
+
+
+@pytest.mark.parametrize(
+    ("measure", "unit", "budget", "start", "limit"),
+    [
+        (lambda x: 10 + 3 * x, 2, 40, 4, 64),
+        (lambda x: 10 + 3 * x, 2, 9, 4, 64),  # nothing fits
+        (lambda x: 10, 2, 40, 4, 64),  # flat: the limit
+        (lambda x: 5 + x, 4, 1000, 8, 64),
+        (lambda x: 100 + 7 * x + (x // 16) * 50, 8, 2000, 32, 512),  # steps on top of a line
+    ],
+)
+def test_largest_fitting_matches_brute_force(measure, unit, budget, start, limit):
+    calls = []
+
+    def counted(x):
+        calls.append(x)
+        return measure(x)
+
+    got = plan_lib.largest_fitting(counted, unit, budget, start=start, limit=limit)
+    assert got == _brute(measure, unit, budget, limit)
+    assert len(calls) == len(set(calls)) <= 8  # each size compiled at most once
+
+
+def _param_count(c) -> tuple[int, int]:
+    """(total, non-embedding) parameters of a Qwen3 config, counted from the architecture."""
+    H, F, N, K, D, V = (
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.vocab_size,
+    )
+    per_layer = H * N * D + 2 * H * K * D + N * D * H + 3 * H * F + 2 * H + 2 * D
+    body = c.num_layers * per_layer + H
+    embed = V * H * (1 if c.tie_word_embeddings else 2)
+    return body + embed, body
+
+
+def test_known_models_match_published_sizes():
+    # Model cards: Qwen3-0.6B 0.6B total / 0.44B non-embedding; Qwen3-8B 8.2B / 6.95B;
+    # Qwen3-14B 14.8B / 13.2B.
+    for name, total, body in [
+        ("Qwen/Qwen3-0.6B", 0.6e9, 0.44e9),
+        ("Qwen/Qwen3-8B-Base", 8.2e9, 6.95e9),
+        ("Qwen3-14B", 14.8e9, 13.2e9),
+    ]:
+        got_total, got_body = _param_count(plan_lib.known_model_config(name))
+        assert got_total == pytest.approx(total, rel=0.01), name
+        assert got_body == pytest.approx(body, rel=0.01), name
+    with pytest.raises(ValueError, match="known models"):
+        plan_lib.known_model_config("meta/Llama-9-1T")
+
+
+@pytest.fixture(scope="module")
+def qwen06_report():
+    config = load_config(
+        DEMO,
+        [
+            "model.path=Qwen/Qwen3-0.6B",
+            "model.dtype=bfloat16",
+            "model.scan_layers=true",
+            "model.remat=block",
+            "rollout.prompts_per_step=4",
+            "rollout.samples_per_prompt=4",
+            "data.max_prompt_length=16",
+            "rollout.max_new_tokens=16",
+        ],
+    )
+    return plan_lib.plan(config, "v5e-1", search=False)
+
+
+def test_qwen3_06b_on_v5e_1(qwen06_report):
+    r = qwen06_report
+    mc = plan_lib.known_model_config("Qwen/Qwen3-0.6B")
+    total, _ = _param_count(mc)
+    assert (r.chips, r.hbm_bytes, r.mesh) == (1, 16 * 2**30, {"data": 1, "fsdp": 1, "tensor": 1})
+    assert r.params_bytes == 4 * total  # float32 master weights on one chip
+    # AdamW: two float32 moments per parameter plus a few scalar counters.
+    assert 0 <= r.opt_state_bytes - 2 * r.params_bytes <= 64
+    # 4 prompts -> bucket 4, x 4 samples = 16 rows; prompt 16 + generation 16 cache slots.
+    assert r.cache_slots == 32
+    L, K, D = mc.num_layers, mc.num_kv_heads, mc.head_dim
+    assert r.kv_cache_bytes == 2 * L * 16 * 32 * K * D * 2  # k and v, bfloat16
+    assert r.sampler_params_bytes == 0  # one chip: the sampler reads the trainer's buffers
+    # The donated train state is both an argument and (aliased) an output of the step.
+    state = r.params_bytes + r.opt_state_bytes
+    assert r.train.arguments >= state and r.train.aliased >= state
+    assert r.train.temporaries > 0 and r.sampler.temporaries >= r.kv_cache_bytes
+    assert r.fits == (max(r.train_peak, r.sampling_peak) <= 0.95 * 16 * 2**30)
+    table = r.table()
+    assert "Qwen/Qwen3-0.6B (L=28 H=1024" in table and "fits:" in table
+    assert "largest micro-batch that fits: not searched" in table
+
+
+def test_tiny_plan_on_mesh_matches_real_placement():
+    config = load_config(
+        DEMO,
+        [
+            "run.mesh=[2, 2, 2]",
+            "rollout.prompts_per_step=4",
+            "rollout.samples_per_prompt=4",
+            "data.max_prompt_length=16",
+            "rollout.max_new_tokens=16",
+        ],
+    )
+    report = plan_lib.plan(config, "v5e-8", search=True)
+    # Independent per-device bytes: place a real tiny model and measure one device's shards.
+    model = Transformer(plan_lib.resolve_model_config(config))
+    placed = sh.shard_params(nnx.split(model, nnx.Param)[1], sh.make_mesh(2, 2, 2))
+    device = jax.devices()[0]
+    on_device0 = sum(
+        s.data.nbytes
+        for x in jax.tree.leaves(placed)
+        for s in x.addressable_shards
+        if s.device == device
+    )
+    assert report.params_bytes == on_device0
+    mc = model.config
+    # 16 rows over data x fsdp = 4 shards, K = 2 kv heads over tensor = 2; the demo's cache
+    # dtype "auto" is planned as bfloat16, the sampler's default on TPU.
+    assert report.kv_cache_bytes == 2 * mc.num_layers * 4 * 32 * 1 * mc.head_dim * 2
+    # The tiny model fits easily: the searches reach their limits (the whole update, all prompts).
+    assert report.max_micro_batch_rows == 16 and report.max_sampler_prompts == 4
+    assert report.fits
+
+
+def test_plan_errors():
+    config = load_config(
+        DEMO, ["run.mesh=[8, 1, 1]", "rollout.prompts_per_step=1", "rollout.samples_per_prompt=4"]
+    )
+    with pytest.raises(ValueError, match="does not split over the 8 batch shards"):
+        plan_lib.plan(config, "v5e-8", search=False)
+    with pytest.raises(ValueError, match="needs 32 devices"):
+        plan_lib.plan(load_config(DEMO), "v5p-64", search=False)
+    with pytest.raises(ValueError, match="--headroom=1.5"):
+        plan_lib.main(["--topology", "v5e-1", "--headroom", "1.5"])
+
+
+def test_main_prints_table(capsys):
+    assert (
+        plan_lib.main(
+            [
+                "--config",
+                DEMO,
+                "--topology",
+                "v6e-1",
+                "--no-search",
+                "rollout.prompts_per_step=2",
+                "rollout.samples_per_prompt=2",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert out.startswith("demo:tiny (L=2 H=64") and "on v6e-1 (1 chips, 32 GiB HBM" in out
+    assert math.isfinite(float(out.split("fits: ")[1].split("(train ")[1].split("%")[0]))
