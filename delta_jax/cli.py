@@ -137,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_arguments(p)
     p.set_defaults(fn=run_eval_cli)
 
+    p = sub.add_parser("plan", help="per-device memory of a config on a TPU topology")
+    from delta_jax import plan as plan_lib
+
+    plan_lib.build_parser(p)
+    p.set_defaults(fn=plan_lib.run)
+
     p = sub.add_parser("plot", help="learning curves of one or more runs")
     p.add_argument("runs", nargs="+")
     p.add_argument("--out", default="learning_curves.png")
@@ -154,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("absl", "jax._src", "orbax", "httpx", "matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.command != "plan":  # the planner works on fake devices, never a cluster
+        from delta_jax import distributed
+
+        distributed.initialize()
     try:
         return args.fn(args)
     except (ConfigError, FileNotFoundError, ValueError) as e:

@@ -34,13 +34,14 @@ import numpy as np
 import yaml
 from flax import nnx
 
+from delta_jax import sharding as sh
 from delta_jax.checkpoint import Checkpointer
 from delta_jax.config import Config
 from delta_jax.losses import delta_coefficients_microbatched, forking_tokens_mask
 from delta_jax.rl.metrics_log import MetricsLog
 from delta_jax.rl.rollout import Rollout, collect_rollout
 from delta_jax.rl.setup import RunParts, build_run_parts
-from delta_jax.rl.train_step import TrainBatch, init_train_state, make_optimizer, make_train_step
+from delta_jax.rl.train_step import TrainBatch, make_optimizer, make_train_step
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,8 @@ def _old_policy_stats(parts: RunParts, params, rollout: Rollout, micro_rows: int
 
 def train(config: Config) -> TrainResult:
     """Run (or resume) the RL job described by ``config``; returns where its outputs are."""
-    parts = build_run_parts(config)
+    mesh = sh.mesh_from_config(config.run.mesh)
+    parts = build_run_parts(config, mesh=mesh)
     run_dir, cfg = parts.run_dir, config
     rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     mini, micro = cfg.algo.mini_batches, cfg.algo.micro_batches
@@ -150,7 +152,7 @@ def train(config: Config) -> TrainResult:
 
     optimizer = make_optimizer(cfg.optim, total_updates=cfg.run.steps * mini)
     graphdef, params = nnx.split(parts.model, nnx.Param)
-    state = init_train_state(params, optimizer)
+    state, _ = sh.init_sharded_state(params, optimizer, mesh)
     ref_params = jax.tree.map(jnp.copy, params) if cfg.algo.kl_coef > 0 else None
     train_step = make_train_step(
         graphdef,
@@ -158,6 +160,7 @@ def train(config: Config) -> TrainResult:
         parts.objective,
         temperature=cfg.rollout.temperature or 1.0,
         gen_len=gen_len,
+        jit_kwargs=sh.train_jit_kwargs(state, mesh),
     )
 
     ckpt = Checkpointer(
@@ -200,7 +203,7 @@ def train(config: Config) -> TrainResult:
     _CompileCounter.install()
     if cfg.run.eval_every and start == 0:
         # The starting point of the learning curve: the policy before any RL update.
-        metrics_log.log(0, parts.evaluate(state.params, 0))
+        metrics_log.log(0, parts.evaluate(sh.reshard_for_sampling(state.params, mesh), 0))
     step = start
     stopped = False
     with _StopFlag() as stop:
@@ -209,7 +212,7 @@ def train(config: Config) -> TrainResult:
             compiles_before = _CompileCounter.count
             rollout = collect_rollout(
                 sampler=parts.sampler,
-                params=state.params,
+                params=sh.reshard_for_sampling(state.params, mesh),
                 scorer=parts.scorer,
                 tokenizer=parts.tokenizer,
                 prompt_batches=parts.prompt_batches(),
@@ -265,7 +268,8 @@ def train(config: Config) -> TrainResult:
                     rollout_logprobs=_micro(rollout.rollout_logprobs[idx], micro),
                     ref_logprobs=_micro(take(ref_logprobs), micro),
                 )
-                state, step_metrics = train_step(state, batch)
+                with sh.use_mesh(mesh):
+                    state, step_metrics = train_step(state, sh.replicated_to_global(batch, mesh))
                 update_metrics.append(step_metrics)
             update_metrics = jax.device_get(update_metrics)
             for key in update_metrics[0]:
@@ -276,7 +280,7 @@ def train(config: Config) -> TrainResult:
                 metrics["delta/computed_in_loss"] = 1.0
             if cfg.run.eval_every and step % cfg.run.eval_every == 0:
                 t_eval = time.perf_counter()
-                metrics.update(parts.evaluate(state.params, step))
+                metrics.update(parts.evaluate(sh.reshard_for_sampling(state.params, mesh), step))
                 metrics["time/eval"] = time.perf_counter() - t_eval
             metrics["time/step"] = time.perf_counter() - t_step
             metrics["compiles"] = _CompileCounter.count - compiles_before

@@ -94,13 +94,18 @@ def _load_model(config: Config, run_dir: Path):
     m = config.model
     path: str | Path = m.path
     if m.path == DEMO_MODEL:
-        path = warm_up_demo_model(
-            run_dir / "demo_model",
-            steps=m.demo_warmup_steps,
-            lr=m.demo_warmup_lr,
-            noise=m.demo_warmup_noise,
-            seed=config.run.seed,
-        )
+        from delta_jax import distributed
+
+        path = run_dir / "demo_model"
+        if distributed.is_main_process():  # one writer; the others load what it saved
+            warm_up_demo_model(
+                path,
+                steps=m.demo_warmup_steps,
+                lr=m.demo_warmup_lr,
+                noise=m.demo_warmup_noise,
+                seed=config.run.seed,
+            )
+        distributed.barrier("demo-model")
     dtype = jnp.dtype(m.dtype)
     model = from_pretrained(
         str(path),
@@ -129,7 +134,7 @@ def _load_records(config: Config, source: str, split: str, *, eval_set: bool):
     return result.records
 
 
-def build_run_parts(config: Config) -> RunParts:
+def build_run_parts(config: Config, mesh=None) -> RunParts:
     from delta_jax.rewards import RewardScorer
     from delta_jax.sampling import Sampler
 
@@ -179,8 +184,10 @@ def build_run_parts(config: Config) -> RunParts:
         batch_size=config.rollout.prompts_per_step,
         seed=config.run.seed,
         shuffle=d.shuffle,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
+        # Host-replicated rollouts: every process draws the same prompts (the sampler's
+        # program spans all hosts); each feeds its own rows to the train step.
+        process_index=0,
+        process_count=1,
     )
     stop = {tokenizer.eos_token_id, getattr(model.config, "eos_token_id", None)}
     stop_ids = tuple(sorted(int(s) for s in stop if isinstance(s, int | np.integer)))
@@ -189,6 +196,7 @@ def build_run_parts(config: Config) -> RunParts:
         model,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         cache_dtype=None if cache_dtype == "auto" else jnp.dtype(cache_dtype),
+        mesh=mesh,
     )
     objective = resolve_objective(config.algo, max_response_length=config.rollout.max_new_tokens)
     scorer = RewardScorer(

@@ -68,7 +68,10 @@ def test_loop_runs_full_steps_and_logs(tmp_path, demo_model_dir):
     )
     result = loop_mod.train(config)
     rows = read_metrics(result.metrics_path)
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    # Step 0 is the evaluation of the policy before any update (the curve's starting point).
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert "eval/avg@1" in rows[0] and "loss" not in rows[0]
+    rows = rows[1:]
     for row in rows:
         assert REQUIRED_KEYS <= set(row), REQUIRED_KEYS - set(row)
         assert np.isfinite(row["loss"]) and 0.0 <= row["reward_mean"] <= 1.0
@@ -229,3 +232,27 @@ def test_reward_function_that_raises_or_hangs_does_not_stop_the_run(tmp_path, de
     reasons = {k for r in rows for k in r if k.startswith("reward/")}
     assert any("error" in k for k in reasons), reasons
     assert any("timeout" in k for k in reasons), reasons
+
+
+def test_dynamic_sampling_and_reference_kl(tmp_path, demo_model_dir):
+    """The barely warmed-up model never answers right: every group is uninformative, so dynamic
+    sampling uses all its extra rounds and fills the batch (counted); KL to the frozen reference
+    is computed when its coefficient is > 0."""
+    config = load_config(
+        DEMO,
+        tiny_overrides(
+            tmp_path / "run",
+            demo_model_dir,
+            "run.steps=2",
+            "reward.kind=math",
+            "rollout.dynamic_sampling_rounds=2",
+            "algo.kl_coef=0.01",
+        ),
+    )
+    rows = read_metrics(loop_mod.train(config).metrics_path)
+    for row in rows:
+        assert row["dynamic/rounds"] == 3
+        assert row["dynamic/uninformative_filled"] == 4
+        assert row["dynamic/informative_groups"] == 0
+    assert "kl" in rows[0] and rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == ref
+    assert "kl" in rows[1] and np.isfinite(rows[1]["kl"])
