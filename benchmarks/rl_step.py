@@ -16,27 +16,17 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_models import SIZES, bench_config
 from flax import nnx
 
 from delta_jax.config import load_config
 from delta_jax.data import PromptRecord
-from delta_jax.models import ModelConfig, Transformer
+from delta_jax.models import Transformer
 from delta_jax.rewards import RewardScorer
 from delta_jax.rl.objectives import resolve_objective
 from delta_jax.rl.rollout import collect_rollout
 from delta_jax.rl.train_step import TrainBatch, init_train_state, make_optimizer, make_train_step
 from delta_jax.sampling import Sampler
-
-TINY = dict(
-    vocab_size=4096,
-    hidden_size=256,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=64,
-    intermediate_size=768,
-    tie_word_embeddings=True,
-)
 
 
 class IdText:
@@ -58,7 +48,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
 
-    model = Transformer(ModelConfig.tiny("qwen3", **TINY), rngs=nnx.Rngs(0))
+    model = Transformer(bench_config("tiny"), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     cfg = load_config(None, ["algo.loss=delta", "optim.lr=1e-5"])
     optimizer = make_optimizer(cfg.optim, args.steps)
@@ -77,7 +67,7 @@ def main() -> None:
         while True:
             yield [
                 (
-                    rng.integers(3, TINY["vocab_size"], args.prompt_len).tolist(),
+                    rng.integers(3, SIZES["tiny"]["vocab_size"], args.prompt_len).tolist(),
                     PromptRecord(prompt="q", answer=str(rng.integers(0, 100))),
                 )
                 for _ in range(args.prompts)

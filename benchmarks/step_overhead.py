@@ -21,23 +21,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_models import SIZES, bench_config
 from flax import nnx
 
 from delta_jax.config import load_config
-from delta_jax.models import ModelConfig, Transformer
+from delta_jax.models import Transformer
 from delta_jax.rl.objectives import resolve_objective
 from delta_jax.rl.train_step import TrainBatch, init_train_state, make_optimizer, make_train_step
-
-SMALL = dict(
-    vocab_size=32000,
-    hidden_size=1024,
-    num_layers=8,
-    num_heads=16,
-    num_kv_heads=8,
-    head_dim=64,
-    intermediate_size=3072,
-    tie_word_embeddings=True,
-)
 
 
 def main() -> None:
@@ -48,11 +38,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
 
-    model = Transformer(ModelConfig.tiny("qwen3", **SMALL), rngs=nnx.Rngs(0))
+    model = Transformer(bench_config("small"), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     rng = np.random.default_rng(0)
     s = args.prompt + args.gen
-    ids = rng.integers(3, SMALL["vocab_size"], (1, args.rows, s)).astype(np.int32)
+    ids = rng.integers(3, SIZES["small"]["vocab_size"], (1, args.rows, s)).astype(np.int32)
     lengths = rng.integers(args.gen // 2, args.gen + 1, args.rows)
     response = np.arange(args.gen)[None, None] < lengths[None, :, None]
     mask = np.concatenate([np.ones((1, args.rows, args.prompt), bool), response], axis=-1)

@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from delta_jax.data import Adapter, BadRowError
+from delta_jax.data.adapters import require_text
 from delta_jax.rewards import extract_code, run_code
 
 CODE_TIMEOUT_S = 20.0  # all of a problem's plus tests together (MBPP+ has some slow ones)
@@ -54,14 +55,7 @@ MBPP_TEMPLATE = (
 
 
 def _text(row: Mapping[str, Any], col: str, field: str) -> str:
-    value = row[col]
-    if value is None:
-        raise BadRowError(field, "missing", f"column {col!r} is null")
-    if not isinstance(value, str):
-        raise BadRowError(field, "wrong type", f"column {col!r} holds {type(value).__name__}")
-    if not value.strip():
-        raise BadRowError(field, "empty", f"column {col!r} is blank")
-    return value
+    return require_text(row[col], field, col)
 
 
 def _import_lines(source: str) -> str:

@@ -86,7 +86,8 @@ class Adapter:
         return wanted + [c for c in self.optional if c in available and c not in wanted]
 
 
-def _text(value: Any, field: str, col: str) -> str:
+def require_text(value: Any, field: str, col: str) -> str:
+    """``value`` as a non-blank string, else a :class:`BadRowError` naming ``field``/``col``."""
     if value is None:
         raise BadRowError(field, "missing", f"column {col!r} is null")
     if not isinstance(value, str):
@@ -105,7 +106,7 @@ def _answer(value: Any, col: str) -> str:
         return str(value)
     if isinstance(value, float):
         return repr(value)
-    return _text(value, "answer", col).strip()
+    return require_text(value, "answer", col).strip()
 
 
 def _struct(value: Any, field: str, col: str) -> Mapping[str, Any]:
@@ -131,9 +132,9 @@ def _messages(value: Any, col: str) -> tuple[str | None, str]:
             raise BadRowError("prompt", "wrong type", detail)
         role = msg["role"]
         if role == "system" and system is None and user is None and i == 0:
-            system = _text(msg.get("content"), "system", f"{col}[{i}].content")
+            system = require_text(msg.get("content"), "system", f"{col}[{i}].content")
         elif role == "user" and user is None:
-            user = _text(msg.get("content"), "prompt", f"{col}[{i}].content")
+            user = require_text(msg.get("content"), "prompt", f"{col}[{i}].content")
         else:
             raise BadRowError(
                 "prompt", "invalid", f"message {i} has role {role!r}; expected [system], user"
@@ -148,7 +149,7 @@ def _tests_json(value: Any, field: str, col: str) -> str:
     if isinstance(value, Mapping):
         spec, value = value, json.dumps(value)
     else:
-        text = _text(value, field, col)
+        text = require_text(value, field, col)
         try:
             spec = json.loads(text)
         except json.JSONDecodeError as e:
@@ -201,9 +202,9 @@ def generic_adapter(fields: Mapping[str, str] | None = None) -> Adapter:
         if isinstance(value, list | tuple):
             system, prompt = _messages(value, fields["prompt"])
         else:
-            system, prompt = None, _text(value, "prompt", fields["prompt"])
+            system, prompt = None, require_text(value, "prompt", fields["prompt"])
         if "system" in fields and row[fields["system"]] is not None:
-            system = _text(row[fields["system"]], "system", fields["system"])
+            system = require_text(row[fields["system"]], "system", fields["system"])
         answer = _answer(row[fields["answer"]], fields["answer"]) if "answer" in fields else None
         tests = None
         if "tests" in fields:
@@ -215,7 +216,7 @@ def generic_adapter(fields: Mapping[str, str] | None = None) -> Adapter:
 
 def _deepmath(row: Mapping[str, Any]) -> dict:
     return dict(
-        prompt=_text(row["question"], "prompt", "question"),
+        prompt=require_text(row["question"], "prompt", "question"),
         answer=_answer(row["final_answer"], "final_answer"),
         extra=_kept(row, ("difficulty", "topic")),
     )
@@ -237,7 +238,7 @@ def _dapo_math(row: Mapping[str, Any]) -> dict:
 
 
 def _gsm8k(row: Mapping[str, Any]) -> dict:
-    solution = _text(row["answer"], "answer", "answer")
+    solution = require_text(row["answer"], "answer", "answer")
     if "####" not in solution:
         raise BadRowError("answer", "invalid", "column 'answer' has no '#### <number>' line")
     reasoning, _, final = solution.rpartition("####")
@@ -246,7 +247,7 @@ def _gsm8k(row: Mapping[str, Any]) -> dict:
     if not final:
         raise BadRowError("answer", "empty", "nothing after '####' in column 'answer'")
     return dict(
-        prompt=_text(row["question"], "prompt", "question"),
+        prompt=require_text(row["question"], "prompt", "question"),
         answer=final,
         extra={"solution": reasoning.strip()},
     )
@@ -254,7 +255,7 @@ def _gsm8k(row: Mapping[str, Any]) -> dict:
 
 def _math500(row: Mapping[str, Any]) -> dict:
     return dict(
-        prompt=_text(row["problem"], "prompt", "problem"),
+        prompt=require_text(row["problem"], "prompt", "problem"),
         answer=_answer(row["answer"], "answer"),
         extra=_kept(row, ("solution", "subject", "level", "unique_id")),
     )
@@ -271,7 +272,7 @@ def _aime(row: Mapping[str, Any]) -> dict:
         if key in row:
             extra["id"] = row[key]
     return dict(
-        prompt=_text(row[col], "prompt", col),
+        prompt=require_text(row[col], "prompt", col),
         answer=_answer(row[answer_col], answer_col),
         extra=extra,
     )

@@ -1,0 +1,33 @@
+"""Model sizes the benchmarks use (issue figures are quoted for these), in ModelConfig terms.
+
+``tiny``: vocab 4096, hidden 256, 4 layers, 4 heads / 2 KV heads, head dim 64, MLP 768.
+``small``: vocab 32000, hidden 1024, 8 layers, 16 / 8 heads, head dim 64, MLP 3072.
+"""
+
+from delta_jax.models import ModelConfig
+
+SIZES = {
+    "tiny": dict(
+        vocab_size=4096,
+        hidden_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=768,
+    ),
+    "small": dict(
+        vocab_size=32000,
+        hidden_size=1024,
+        num_layers=8,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=64,
+        intermediate_size=3072,
+    ),
+}
+
+
+def bench_config(name: str) -> ModelConfig:
+    """A Qwen3-style config of the named size with tied embeddings."""
+    return ModelConfig.tiny("qwen3", tie_word_embeddings=True, **SIZES[name])
