@@ -8,13 +8,17 @@ imported checkpoints give the same logits.
 
 The L decoder blocks are stored stacked (every block parameter has a leading ``layers`` axis);
 ``config.scan_layers`` chooses ``lax.scan`` over that axis or an unrolled loop, so both variants
-share one parameter layout (and one checkpoint format). The forward pass is a pure function of
-the parameters: ``nnx.split(model, nnx.Param)`` / ``nnx.merge`` inside ``jax.jit`` works.
+share one parameter layout (and one checkpoint format). Calls with a KV cache (inference) always
+unroll: every layer's cache is then its own buffer, updated in place and read by the attention
+dots directly, with no per-step slice or relayout copy of the cache. The forward pass is a pure
+function of the parameters: ``nnx.split(model, nnx.Param)`` / ``nnx.merge`` inside ``jax.jit``
+works.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import flax.struct
@@ -32,14 +36,18 @@ from delta_jax.models.config import ModelConfig
 class KVCache:
     """Key/value cache: K/V of every layer in S slots per row.
 
+    The layout is chosen for decoding speed: one buffer per layer (a stacked ``[L, ...]`` array
+    would be sliced, i.e. copied whole, by every layer at every step), heads before slots so the
+    attention dots read a ``[B, K]`` batch of ``[S, D]`` matrices as stored (no transposed copy).
+
     Attributes:
-      k, v: [L, B, S, K, D] keys (after RoPE) and values.
+      k, v: tuples of L arrays [B, K, S, D]: keys (after RoPE) and values of each layer.
       mask: bool[B, S], True where a slot holds a real token.
       index: int32 scalar, the next slot to write (same for all rows).
     """
 
-    k: Float[Array, "L B S K D"]
-    v: Float[Array, "L B S K D"]
+    k: tuple[Float[Array, "B K S D"], ...]
+    v: tuple[Float[Array, "B K S D"], ...]
     mask: Bool[Array, "B S"]
     index: Int[Array, ""]
 
@@ -150,14 +158,23 @@ class Transformer(nnx.Module):
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
         """An empty cache of ``max_length`` slots per row (``dtype`` defaults to compute dtype)."""
         c = self.config
-        shape = (c.num_layers, batch_size, max_length, c.num_kv_heads, c.head_dim)
+        shape = (batch_size, c.num_kv_heads, max_length, c.head_dim)
         dtype = self.dtype if dtype is None else dtype
         return KVCache(
-            k=jnp.zeros(shape, dtype),
-            v=jnp.zeros(shape, dtype),
+            k=tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers)),
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers)),
             mask=jnp.zeros((batch_size, max_length), bool),
             index=jnp.zeros((), jnp.int32),
         )
+
+    def layer_params(self) -> list[dict[str, jax.Array]]:
+        """Each decoder layer's parameters as separate arrays (slices of the stacked ones).
+
+        For a decode loop on CPU: sliced once before the loop and passed as ``layers``, they are
+        not re-sliced (copied) at every step, which XLA:CPU does not reliably hoist by itself.
+        """
+        params = self.blocks.arrays()
+        return [jax.tree.map(lambda a, i=i: a[i], params) for i in range(self.config.num_layers)]
 
     def __call__(
         self,
@@ -167,6 +184,7 @@ class Transformer(nnx.Module):
         positions: Int[Array, "B T"] | None = None,
         cache: KVCache | None = None,
         return_logits: bool = True,
+        layers: Sequence[dict[str, jax.Array]] | None = None,
     ) -> ModelOutput:
         """Runs the decoder.
 
@@ -182,6 +200,8 @@ class Transformer(nnx.Module):
           positions: int[B, T] RoPE positions (default: see above).
           cache: optional :class:`KVCache` with at least ``index + T`` slots.
           return_logits: False skips the LM head (``logits`` is None).
+          layers: optional per-layer parameters from :meth:`layer_params` (computed once outside
+            a decode loop); None slices the stacked parameters here.
 
         Returns:
           :class:`ModelOutput` (logits [B, T, V], hidden [B, T, H], cache).
@@ -208,8 +228,8 @@ class Transformer(nnx.Module):
             positions = jnp.maximum(before + jnp.cumsum(mask, -1) - 1, 0)
         elif positions.shape != (B, T):
             raise ValueError(f"positions shape {positions.shape} != input_ids shape {(B, T)}")
-        if cache is not None and cache.k.shape[1] != B:
-            raise ValueError(f"cache batch {cache.k.shape[1]} != input_ids batch {B}")
+        if cache is not None and cache.mask.shape[0] != B:
+            raise ValueError(f"cache batch {cache.mask.shape[0]} != input_ids batch {B}")
 
         dtype = self.dtype
         x = jnp.take(self.embed[...], input_ids, axis=0).astype(dtype)
@@ -219,17 +239,15 @@ class Transformer(nnx.Module):
         if cache is None:
             causal = jnp.tril(jnp.ones((T, T), bool))
             attn_mask = causal[None] & mask[:, None, :]
-            kv = None
         else:
             S = cache.mask.shape[1]
             slot_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (0, cache.index))
             causal = jnp.arange(S)[None, :] <= (cache.index + jnp.arange(T))[:, None]
             attn_mask = causal[None] & slot_mask[:, None, :]
-            kv = (cache.k, cache.v)
         index = 0 if cache is None else cache.index
 
-        def block(x, p, layer, kv):
-            return _block(cfg, dtype, p, x, cos, sin, attn_mask, layer, kv, index)
+        def block(x, p, kv):
+            return _block(cfg, dtype, p, x, cos, sin, attn_mask, kv, index)
 
         if cfg.remat == "block":
             block = jax.checkpoint(
@@ -239,19 +257,25 @@ class Transformer(nnx.Module):
             block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
 
         params = self.blocks.arrays()
-        if cfg.scan_layers:
+        new_k, new_v = [], []
+        if cfg.scan_layers and cache is None and layers is None:
 
-            def body(carry, xs):
-                x, kv = carry
-                p, layer = xs
-                x, kv = block(x, p, layer, kv)
-                return (x, kv), None
+            def body(x, p):
+                return block(x, p, None)[0], None
 
-            (x, kv), _ = jax.lax.scan(body, (x, kv), (params, jnp.arange(cfg.num_layers)))
+            x, _ = jax.lax.scan(body, x, params)
         else:
             for layer in range(cfg.num_layers):
-                p = jax.tree.map(lambda a, i=layer: a[i], params)
-                x, kv = block(x, p, layer, kv)
+                p = (
+                    jax.tree.map(lambda a, i=layer: a[i], params)
+                    if layers is None
+                    else layers[layer]
+                )
+                kv = None if cache is None else (cache.k[layer], cache.v[layer])
+                x, kv = block(x, p, kv)
+                if kv is not None:
+                    new_k.append(kv[0])
+                    new_v.append(kv[1])
 
         hidden = _rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, dtype)
         hidden = ax.constrain(hidden, (ax.BATCH, ax.LENGTH, ax.EMBED))
@@ -261,7 +285,9 @@ class Transformer(nnx.Module):
             logits = ax.constrain(logits, (ax.BATCH, ax.LENGTH, ax.VOCAB))
         new_cache = None
         if cache is not None:
-            new_cache = KVCache(k=kv[0], v=kv[1], mask=slot_mask, index=cache.index + T)
+            new_cache = KVCache(
+                k=tuple(new_k), v=tuple(new_v), mask=slot_mask, index=cache.index + T
+            )
         return ModelOutput(logits=logits, hidden=hidden, cache=new_cache)
 
 
@@ -316,8 +342,8 @@ def _rope(x, cos, sin):
     return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
-def _block(cfg: ModelConfig, dtype, p: dict[str, Any], x, cos, sin, attn_mask, layer, kv, index):
-    """One decoder block; ``kv`` is None or the full [L, B, S, K, D] caches (updated in place)."""
+def _block(cfg: ModelConfig, dtype, p: dict[str, Any], x, cos, sin, attn_mask, kv, index):
+    """One decoder block; ``kv`` is None or this layer's ([B, K, S, D], [B, K, S, D]) cache."""
     eps = cfg.rms_norm_eps
     w = {k: v.astype(dtype) for k, v in p.items()}
     h = _rms_norm(x, w["attn_norm"], eps, dtype)
@@ -330,14 +356,17 @@ def _block(cfg: ModelConfig, dtype, p: dict[str, Any], x, cos, sin, attn_mask, l
         q = _rms_norm(q, w["q_norm"], eps, dtype)
         k = _rms_norm(k, w["k_norm"], eps, dtype)
     q = ax.constrain(_rope(q, cos, sin), (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
-    k = _rope(k, cos, sin)
+    k = jnp.swapaxes(_rope(k, cos, sin), 1, 2)  # [B, K, T, D], the cache layout
+    v = jnp.swapaxes(v, 1, 2)
     if kv is not None:
+        # Write first, then attend over the updated cache: the attention dots then read the
+        # DUS result in place (attending to the old cache and the new K/V apart leaves the read
+        # and the in-place write unordered, and XLA copies the whole cache every step).
         ck, cv = kv
-        ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), (layer, 0, index, 0, 0))
-        cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), (layer, 0, index, 0, 0))
+        ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, index, 0))
+        cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, index, 0))
         kv = (ck, cv)
-        k = jax.lax.dynamic_index_in_dim(ck, layer, keepdims=False).astype(dtype)
-        v = jax.lax.dynamic_index_in_dim(cv, layer, keepdims=False).astype(dtype)
+        k, v = ck.astype(dtype), cv.astype(dtype)
     attn = _attention(q, k, v, attn_mask)
     x = x + jnp.einsum("BTND,NDH->BTH", attn, w["wo"])
     x = ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
@@ -350,14 +379,14 @@ def _block(cfg: ModelConfig, dtype, p: dict[str, Any], x, cos, sin, attn_mask, l
 
 
 def _attention(q, k, v, mask):
-    """Grouped-query attention: q [B,T,N,D], k/v [B,S,K,D], mask bool[B,T,S] -> [B,T,N,D]."""
+    """Grouped-query attention: q [B,T,N,D], k/v [B,K,S,D], mask bool[B,T,S] -> [B,T,N,D]."""
     B, T, N, D = q.shape
-    K = k.shape[2]
+    K = k.shape[1]
     q = q.reshape(B, T, K, N // K, D)
-    scores = jnp.einsum("BTKGD,BSKD->BKGTS", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("BTKGD,BKSD->BKGTS", q, k, preferred_element_type=jnp.float32)
     scores = scores * (D**-0.5)
     # A finite fill keeps rows with no visible key (padded queries) finite: uniform weights.
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v)
+    out = jnp.einsum("BKGTS,BKSD->BTKGD", probs, v)
     return out.reshape(B, T, N, D)
