@@ -302,8 +302,10 @@ def test_cli_two_processes_match_one_process_and_resume(tmp_path):
     got = _cli(tmp_path / "two", STEPS + 1, 2, model)  # resumes from the step-3 checkpoint
     assert [row["step"] for row in got] == list(range(1, STEPS + 2))
     for g, w in zip(got, want, strict=True):
-        keys = {k for k in w if not k.startswith("time/")}
-        assert keys == {k for k in g if not k.startswith("time/")}
+        # Timings and compile counts depend on the process layout, not on the maths.
+        own = lambda row: {k for k in row if not k.startswith("time/") and k != "compiles"}
+        keys = own(w)
+        assert keys == own(g)
         for key in sorted(keys):
             if isinstance(w[key], int | float):
                 np.testing.assert_allclose(

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 from flax.core import spmd
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Bool, Float, Int
 
@@ -77,6 +78,13 @@ SAMPLING_RULES: tuple[tuple[str, Any], ...] = (
     ("cache_length", None),
 )
 _CACHE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")  # each layer's K / V
+
+
+def _to_host(array: jax.Array) -> np.ndarray:
+    """A device array as NumPy; arrays spanning several processes are gathered first."""
+    if isinstance(array, jax.Array) and not array.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+    return np.asarray(array)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,10 +123,10 @@ class SamplerOutput:
     @functools.cached_property
     def lengths(self) -> list[int]:
         """Generated tokens per real row."""
-        return np.asarray(self.length_array)[: self.num_rows].tolist()
+        return _to_host(self.length_array)[: self.num_rows].tolist()
 
     def _ragged(self, array: jax.Array) -> list[list]:
-        host = np.asarray(array)
+        host = _to_host(array)
         return [host[r, :length].tolist() for r, length in enumerate(self.lengths)]
 
     @functools.cached_property
