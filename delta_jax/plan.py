@@ -362,6 +362,8 @@ class _Planner:
                 cache_dtype=self.cache_dtype(),
                 return_hidden=False,
                 pad_id=0,
+                # The accelerator path: layer weights are read in place, no per-call copy.
+                hoist_layers=False,
             )
         )
         return _compile(lambda: fn.lower(*args), self.mesh, sh.SAMPLE_RULES)
