@@ -2,9 +2,9 @@
 
 Both sides sample at temperature 1 with no truncation from the same architecture (random
 weights), prompt length 64, exactly 128 new tokens (no stop token), batch 1 / 8 / 64, on two
-configs (tiny and small, see ``CONFIGS``). PyTorch runs with 2 threads. The first call of each
-shape is reported apart (for us it includes XLA compilation); the throughput is the best of
-``--repeats`` later calls (on a shared machine the minimum is the least disturbed figure).
+configs (tiny and small, see ``bench_models.SIZES``). PyTorch runs with 2 threads. The first
+call of each shape is reported apart (for us it includes XLA compilation); the throughput is the
+best of ``--repeats`` later calls (on a shared machine the minimum is the least disturbed figure).
 
 The machine's float32 matmul throughput is measured with a jitted square matmul, and each of
 our rows is also given as a fraction of it: "% matmul" counts the forward FLOPs of the generated
@@ -27,53 +27,29 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_models import SIZES, bench_config
 
 from delta_jax.models import ModelConfig, Transformer
 from delta_jax.sampling import Buckets, Sampler
 
-CONFIGS = {
-    "tiny": dict(
-        vocab_size=4096,
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=768,
-    ),
-    "small": dict(
-        vocab_size=32000,
-        hidden_size=1024,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=64,
-        intermediate_size=3072,
-    ),
-}
-
 
 def hf_config(name: str):
+    """The transformers config of a benchmark size: the same hyperparameters as ours."""
     import transformers
 
-    return transformers.Qwen3Config(
-        **CONFIGS[name],
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
+    hf = bench_config(name).to_hf()
+    hf.update(max_position_embeddings=1024, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    return transformers.Qwen3Config(**hf)
 
 
 def flops_per_token(name: str, context: int) -> float:
     """Forward FLOPs of one decoded token: 2 x (matmul weights) + attention over ``context``."""
-    c = CONFIGS[name]
+    c = SIZES[name]
     h, d, f = c["hidden_size"], c["head_dim"], c["intermediate_size"]
-    n, k = c["num_attention_heads"], c["num_key_value_heads"]
+    n, k = c["num_heads"], c["num_kv_heads"]
     per_layer = h * n * d * 2 + h * k * d * 2 + 3 * h * f
     attention = 2 * n * d * context  # scores and weighted values
-    return 2.0 * (c["num_hidden_layers"] * (per_layer + attention) + h * c["vocab_size"])
+    return 2.0 * (c["num_layers"] * (per_layer + attention) + h * c["vocab_size"])
 
 
 def matmul_gflops(size: int = 2048, repeats: int = 5) -> float:
