@@ -45,6 +45,7 @@ def token_logprobs(
     return_entropy: bool = False,
     return_hidden: bool = False,
     chunk_size: int | None = None,
+    score_from: int = 0,
 ) -> LogprobOutput:
     """Log-probabilities of ``targets`` under the model, chunked over tokens.
 
@@ -62,6 +63,9 @@ def token_logprobs(
       return_entropy: also return the entropy of each position's distribution.
       return_hidden: also return the final hidden state [B, T, H].
       chunk_size: tokens per LM-head chunk (default: 2**27 // V).
+      score_from: score only positions ``t >= score_from`` (e.g. a response after a prompt of
+        that length): the LM head never runs on the others, and every output covers
+        ``T - score_from`` positions.
 
     Returns:
       :class:`LogprobOutput`; values at padded positions are finite but meaningless.
@@ -76,13 +80,16 @@ def token_logprobs(
         raise ValueError(f"targets shape {targets.shape} != input_ids shape {input_ids.shape}")
     if isinstance(temperature, (int, float)) and temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
+    if not 0 <= score_from < input_ids.shape[1]:
+        raise ValueError(f"score_from={score_from} must be in [0, {input_ids.shape[1]})")
     out = model(input_ids, attention_mask=attention_mask, positions=positions, return_logits=False)
-    B, T, H = out.hidden.shape
+    hidden = out.hidden[:, score_from:]
+    B, T, H = hidden.shape
     w = lm_head_weight(model).astype(model.dtype)
     lp, ent = chunked_logprobs(
-        out.hidden.reshape(B * T, H),
+        hidden.reshape(B * T, H),
         w,
-        targets.reshape(B * T),
+        targets[:, score_from:].reshape(B * T),
         temperature=temperature,
         return_entropy=return_entropy,
         chunk_size=chunk_size,
@@ -90,7 +97,7 @@ def token_logprobs(
     return LogprobOutput(
         logprobs=lp.reshape(B, T),
         entropy=None if ent is None else ent.reshape(B, T),
-        hidden=out.hidden if return_hidden else None,
+        hidden=hidden if return_hidden else None,
     )
 
 

@@ -123,10 +123,9 @@ def response_logprobs(
         temperature=temperature,
         return_entropy=return_entropy,
         return_hidden=return_hidden,
+        score_from=input_ids.shape[1] - 1 - gen_len,  # the LM head skips the prompt
     )
-    start = input_ids.shape[1] - 1 - gen_len
-    cut = lambda x: None if x is None else x[:, start:]
-    return cut(out.logprobs), cut(out.entropy), cut(out.hidden)
+    return out.logprobs, out.entropy, out.hidden
 
 
 def _combine_metrics(stacked: dict[str, jax.Array]) -> dict[str, jax.Array]:

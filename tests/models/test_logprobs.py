@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from delta_jax.models import ModelConfig, chunked_logprobs, lm_head_weight, token_logprobs
+from delta_jax.models import (
+    ModelConfig,
+    Transformer,
+    chunked_logprobs,
+    lm_head_weight,
+    token_logprobs,
+)
 from tests.models.hf_helpers import padded_batch, random_model
 
 TEMPERATURE = 0.7
@@ -118,3 +124,28 @@ def test_bad_arguments(setup):
         token_logprobs(model, ids, targets, temperature=0.0)
     with pytest.raises(ValueError, match="chunk_size"):
         chunked_logprobs(jnp.ones((3, 4)), jnp.ones((4, 5)), jnp.zeros(3, jnp.int32), chunk_size=0)
+
+
+def test_score_from_equals_slicing_the_full_result():
+    """``score_from`` skips the LM head on the first positions and changes nothing else."""
+    model = Transformer(ModelConfig.tiny("qwen3"), rngs=nnx.Rngs(3))
+    ids = jax.random.randint(jax.random.key(1), (2, 12), 1, 256)
+    mask = jnp.ones((2, 11), bool).at[0, :3].set(False)
+    full = token_logprobs(
+        model, ids[:, :-1], ids[:, 1:], attention_mask=mask, return_entropy=True, return_hidden=True
+    )
+    part = token_logprobs(
+        model,
+        ids[:, :-1],
+        ids[:, 1:],
+        attention_mask=mask,
+        return_entropy=True,
+        return_hidden=True,
+        score_from=5,
+    )
+    assert part.logprobs.shape == (2, 6)
+    np.testing.assert_allclose(part.logprobs, full.logprobs[:, 5:], atol=1e-6)
+    np.testing.assert_allclose(part.entropy, full.entropy[:, 5:], atol=1e-6)
+    np.testing.assert_allclose(part.hidden, full.hidden[:, 5:], atol=1e-6)
+    with pytest.raises(ValueError, match="score_from"):
+        token_logprobs(model, ids[:, :-1], ids[:, 1:], score_from=11)
