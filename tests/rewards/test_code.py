@@ -238,6 +238,11 @@ def test_unprivileged_bootstrap_isolates_through_a_user_namespace():
         "print(x * 2)\n"
     )
     program.chmod(0o644)
+    # The unprivileged user runs its own readable copy of the bootstrap: the checkout may sit in
+    # a directory `nobody` cannot enter (e.g. `mktemp -d`, mode 700).
+    boot = workdir / "boot.py"
+    shutil.copyfile(_BOOT, boot)
+    boot.chmod(0o644)
     job = {
         "program": str(program),
         "cases": [{"stdin": "3", "expected": "6"}],
@@ -253,7 +258,7 @@ def test_unprivileged_bootstrap_isolates_through_a_user_namespace():
     }
     try:
         proc = subprocess.run(
-            ["/usr/bin/python3", "-I", "-S", _BOOT],
+            ["/usr/bin/python3", "-I", "-S", str(boot)],
             input=json.dumps(job),
             capture_output=True,
             text=True,
