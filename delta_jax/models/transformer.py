@@ -37,16 +37,20 @@ class KVCache:
     """Key/value cache: K/V of every layer in S slots per row.
 
     The layout is chosen for decoding speed: one buffer per layer (a stacked ``[L, ...]`` array
-    would be sliced, i.e. copied whole, by every layer at every step), heads before slots so the
-    attention dots read a ``[B, K]`` batch of ``[S, D]`` matrices as stored (no transposed copy).
+    would be sliced, i.e. copied whole, by every layer at every step), heads before slots, and
+    keys stored transposed (``[D, S]`` per head) so that both attention dots are plain batched
+    matmuls over operands read as stored: ``q [G, D] @ k [D, S]`` and ``p [G, S] @ v [S, D]``.
+    (With keys as ``[S, D]`` the score dot contracts the minor dimension of both operands, which
+    XLA:CPU runs 2.5x slower, repacking the whole cache at every step.)
 
     Attributes:
-      k, v: tuples of L arrays [B, K, S, D]: keys (after RoPE) and values of each layer.
+      k: tuple of L arrays [B, K, D, S]: keys (after RoPE) of each layer, transposed.
+      v: tuple of L arrays [B, K, S, D]: values of each layer.
       mask: bool[B, S], True where a slot holds a real token.
       index: int32 scalar, the next slot to write (same for all rows).
     """
 
-    k: tuple[Float[Array, "B K S D"], ...]
+    k: tuple[Float[Array, "B K D S"], ...]
     v: tuple[Float[Array, "B K S D"], ...]
     mask: Bool[Array, "B S"]
     index: Int[Array, ""]
@@ -158,11 +162,12 @@ class Transformer(nnx.Module):
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
         """An empty cache of ``max_length`` slots per row (``dtype`` defaults to compute dtype)."""
         c = self.config
-        shape = (batch_size, c.num_kv_heads, max_length, c.head_dim)
+        k_shape = (batch_size, c.num_kv_heads, c.head_dim, max_length)
+        v_shape = (batch_size, c.num_kv_heads, max_length, c.head_dim)
         dtype = self.dtype if dtype is None else dtype
         return KVCache(
-            k=tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers)),
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers)),
+            k=tuple(jnp.zeros(k_shape, dtype) for _ in range(c.num_layers)),
+            v=tuple(jnp.zeros(v_shape, dtype) for _ in range(c.num_layers)),
             mask=jnp.zeros((batch_size, max_length), bool),
             index=jnp.zeros((), jnp.int32),
         )
@@ -343,7 +348,7 @@ def _rope(x, cos, sin):
 
 
 def _block(cfg: ModelConfig, dtype, p: dict[str, Any], x, cos, sin, attn_mask, kv, index):
-    """One decoder block; ``kv`` is None or this layer's ([B, K, S, D], [B, K, S, D]) cache."""
+    """One decoder block; ``kv`` is None or this layer's ([B, K, D, S], [B, K, S, D]) cache."""
     eps = cfg.rms_norm_eps
     w = {k: v.astype(dtype) for k, v in p.items()}
     h = _rms_norm(x, w["attn_norm"], eps, dtype)
@@ -356,19 +361,27 @@ def _block(cfg: ModelConfig, dtype, p: dict[str, Any], x, cos, sin, attn_mask, k
         q = _rms_norm(q, w["q_norm"], eps, dtype)
         k = _rms_norm(k, w["k_norm"], eps, dtype)
     q = ax.constrain(_rope(q, cos, sin), (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
-    k = jnp.swapaxes(_rope(k, cos, sin), 1, 2)  # [B, K, T, D], the cache layout
-    v = jnp.swapaxes(v, 1, 2)
-    if kv is not None:
+    k = _rope(k, cos, sin)
+    v = jnp.swapaxes(v, 1, 2)  # [B, K, T, D]
+    if kv is None:
+        k = jnp.swapaxes(k, 1, 2)  # [B, K, T, D]
+        keys_transposed = False
+    else:
         # Write first, then attend over the updated cache: the attention dots then read the
         # DUS result in place (attending to the old cache and the new K/V apart leaves the read
         # and the in-place write unordered, and XLA copies the whole cache every step).
         ck, cv = kv
-        ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, index, 0))
+        k = jnp.transpose(k, (0, 2, 3, 1))  # [B, K, D, T], the cache's key layout
+        ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, index))
         cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, index, 0))
         kv = (ck, cv)
         k, v = ck.astype(dtype), cv.astype(dtype)
-    attn = _attention(q, k, v, attn_mask)
-    x = x + jnp.einsum("BTND,NDH->BTH", attn, w["wo"])
+        keys_transposed = True
+    attn = _attention(q, k, v, attn_mask, keys_transposed=keys_transposed)
+    # Contract the flattened (head, head_dim) pair as one axis: given the pair, XLA:CPU reorders
+    # it and copies (transposes) the whole output projection at every call.
+    B, T, N, D = attn.shape
+    x = x + jnp.einsum("BTE,EH->BTH", attn.reshape(B, T, N * D), w["wo"].reshape(N * D, -1))
     x = ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
     h = _rms_norm(x, w["mlp_norm"], eps, dtype)
     gate = jnp.einsum("BTH,HF->BTF", h, w["w_gate"])
@@ -378,15 +391,27 @@ def _block(cfg: ModelConfig, dtype, p: dict[str, Any], x, cos, sin, attn_mask, k
     return ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED)), kv
 
 
-def _attention(q, k, v, mask):
-    """Grouped-query attention: q [B,T,N,D], k/v [B,K,S,D], mask bool[B,T,S] -> [B,T,N,D]."""
+def _attention(q, k, v, mask, *, keys_transposed=False):
+    """Grouped-query attention: q [B,T,N,D], v [B,K,S,D], mask bool[B,T,S] -> [B,T,N,D].
+
+    ``k`` is [B,K,S,D], or [B,K,D,S] with ``keys_transposed`` (the cache layout). Both dots are
+    written with the ``[B, K]`` batch dims leading and the query rows (T x G) merged, the
+    canonical batched-matmul form: XLA:CPU then runs them as plain batched matmuls (an einsum
+    with ``T`` between the batch dims made it transpose each layer's cache at every decode step),
+    and for ``T = 1`` the query transposes are free bitcasts.
+    """
     B, T, N, D = q.shape
-    K = k.shape[1]
-    q = q.reshape(B, T, K, N // K, D)
-    scores = jnp.einsum("BTKGD,BKSD->BKGTS", q, k, preferred_element_type=jnp.float32)
+    K, S = k.shape[1], v.shape[2]
+    G = N // K
+    batch = ((0, 1), (0, 1))
+    q = jnp.swapaxes(q.reshape(B, T, K, G, D), 1, 2).reshape(B, K, T * G, D)
+    key_dim = 2 if keys_transposed else 3
+    scores = jax.lax.dot_general(
+        q, k, (((3,), (key_dim,)), batch), preferred_element_type=jnp.float32
+    ).reshape(B, K, T, G, S)
     scores = scores * (D**-0.5)
     # A finite fill keeps rows with no visible key (padded queries) finite: uniform weights.
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("BKGTS,BKSD->BTKGD", probs, v)
-    return out.reshape(B, T, N, D)
+    scores = jnp.where(mask[:, None, :, None, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(B, K, T * G, S)
+    out = jax.lax.dot_general(probs, v, (((3,), (2,)), batch))  # [B, K, T*G, D]
+    return jnp.swapaxes(out.reshape(B, K, T, G, D), 1, 2).reshape(B, T, N, D)

@@ -77,7 +77,8 @@ SAMPLING_RULES: tuple[tuple[str, Any], ...] = (
     ("length", None),
     ("cache_length", None),
 )
-_CACHE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")  # each layer's K / V
+_K_CACHE_AXES = ("batch", "kv_heads", "head_dim", "cache_length")  # each layer's keys
+_V_CACHE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")  # and values
 
 
 def _to_host(array: jax.Array) -> np.ndarray:
@@ -203,14 +204,15 @@ def _program(
     def rep(x: jax.Array, axis: int) -> jax.Array:
         return x if n == 1 else jnp.repeat(x, n, axis=axis)
 
-    def grow(prefilled: jax.Array) -> jax.Array:
-        """[Bp, K, P, D] prompt K or V -> [R, K, P + G, D] decode cache (slots >= P empty)."""
-        slots = ((0, 0), (0, 0), (0, gen_len), (0, 0))
-        return constrain(jnp.pad(rep(prefilled, axis=0), slots), _CACHE_AXES)
+    def grow(prefilled: jax.Array, names: tuple[str, ...]) -> jax.Array:
+        """Prompt K or V of ``Bp`` rows and P slots -> ``R`` rows and P + G slots (>= P empty)."""
+        slots = [(0, 0)] * prefilled.ndim
+        slots[names.index("cache_length")] = (0, gen_len)
+        return constrain(jnp.pad(rep(prefilled, axis=0), slots), names)
 
     cache = pre.cache.replace(
-        k=tuple(grow(k) for k in pre.cache.k),
-        v=tuple(grow(v) for v in pre.cache.v),
+        k=tuple(grow(k, _K_CACHE_AXES) for k in pre.cache.k),
+        v=tuple(grow(v, _V_CACHE_AXES) for v in pre.cache.v),
         mask=jnp.pad(rep(prompt_mask, axis=0), ((0, 0), (0, gen_len))),
     )
     # Cast once, outside the loop (per step it would re-read and re-write the whole head). A tied
