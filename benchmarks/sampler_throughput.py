@@ -11,6 +11,17 @@ our rows is also given as a fraction of it: "% matmul" counts the forward FLOPs 
 tokens only (tokens/s x FLOPs/token), "+prefill %" adds the prompt prefill that every call also
 does (the compute-bound row is small, batch 64).
 
+Two ceilings put each row in context, both measured on this machine:
+
+* "mem roof": the tokens/s a decoder cannot beat when every step streams all float32 weights
+  (tied head included) plus each row's K/V from memory at the measured read bandwidth (a
+  jitted sum over 1 GiB). Small models at batch 1 are bound by this.
+* "mm alone %": the decode step's weight matmuls run alone (every layer's q/k/v/o and MLP
+  projections and the LM head at M = batch, jitted, no attention, norms or sampling), as a
+  percentage of the square matmul's GFLOP/s. In the compute-bound rows this is the realistic
+  ceiling of "% matmul" at that batch; at tiny sizes per-op overheads dominate instead and it
+  is no bound.
+
 Usage::
 
     python benchmarks/sampler_throughput.py                 # the full table
@@ -60,6 +71,65 @@ def matmul_gflops(size: int = 2048, repeats: int = 5) -> float:
     mm(a, b).block_until_ready()
     best = min(_timed(lambda: mm(a, b).block_until_ready()) for _ in range(repeats))
     return 2 * size**3 / best / 1e9
+
+
+def read_bandwidth(mib: int = 1024, repeats: int = 7) -> float:
+    """Best-of-``repeats`` memory read bandwidth in GB/s: a jitted sum over ``mib`` MiB."""
+    x = jnp.ones((mib * 2**18,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    return (
+        x.nbytes / min(_timed(lambda: total(x).block_until_ready()) for _ in range(repeats)) / 1e9
+    )
+
+
+def bytes_per_step(name: str, batch: int, context: int) -> float:
+    """Bytes one decode step must read: all matmul weights (f32) + each row's K/V."""
+    c = SIZES[name]
+    h, d, f = c["hidden_size"], c["head_dim"], c["intermediate_size"]
+    n, k, layers = c["num_heads"], c["num_kv_heads"], c["num_layers"]
+    weights = layers * (h * n * d * 2 + h * k * d * 2 + 3 * h * f) + h * c["vocab_size"]
+    kv = 2 * layers * k * d * context
+    return 4.0 * (weights + batch * kv)
+
+
+def matmul_only_tps(name: str, batch: int, steps: int = 10, repeats: int = 3) -> float:
+    """Tokens/s of the decode step's weight matmuls alone at M = ``batch`` (see module doc)."""
+    c = SIZES[name]
+    h, d, f, v = c["hidden_size"], c["head_dim"], c["intermediate_size"], c["vocab_size"]
+    n, k = c["num_heads"], c["num_kv_heads"]
+    key = jax.random.key(0)
+
+    def w(i, shape):
+        return 0.02 * jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
+
+    layers = [
+        [
+            w(7 * i + j, s)
+            for j, s in enumerate(
+                [(h, n * d), (h, k * d), (h, k * d), (n * d, h), (h, f), (h, f), (f, h)]
+            )
+        ]
+        for i in range(c["num_layers"])
+    ]
+    head = w(10**6, (v, h))
+
+    @jax.jit
+    def run(x, layers, head):
+        def step(_, x):
+            for wq, wk, wv, wo, wg, wu, wd in layers:
+                q, kk, vv = x @ wq, x @ wk, x @ wv
+                x = x + (q + jnp.tile(kk + vv, (1, n // k))) @ wo
+                x = x + ((x @ wg) * (x @ wu)) @ wd
+            logits = jnp.einsum("BH,VH->BV", x, head)
+            return x + logits[:, :h] * 1e-3
+
+        return jax.lax.fori_loop(0, steps, step, x)
+
+    x = jnp.ones((batch, h), jnp.float32)
+    run(x, layers, head).block_until_ready()
+    best = min(_timed(lambda: run(x, layers, head).block_until_ready()) for _ in range(repeats))
+    return batch * steps / best
 
 
 def _timed(fn) -> float:
@@ -142,13 +212,15 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
 
     gflops = matmul_gflops()
+    bandwidth = read_bandwidth()
     print(f"backend {jax.default_backend()}, devices {jax.device_count()}")
     print(f"float32 matmul (2048^3, jitted): {gflops:.1f} GFLOP/s")
+    print(f"memory read bandwidth (1 GiB jitted sum): {bandwidth:.1f} GB/s")
     print(f"prompt {args.prompt_len}, new tokens {args.new_tokens}, best of {args.repeats}")
     header = (
         f"{'config':6} {'batch':>5} | {'ours tok/s':>10} {'first s':>8} | {'hf tok/s':>9} "
         f"{'first s':>8} | {'speedup':>7} | {'ours GFLOP/s':>12} {'% matmul':>8} "
-        f"{'+prefill %':>14}"
+        f"{'+prefill %':>10} | {'mem roof':>8} {'mm alone %':>10}"
     )
     print(header)
     print("-" * len(header))
@@ -171,10 +243,14 @@ def main() -> None:
                 hf_first, hf_t = hf[batch]
                 hf_tps = batch * args.new_tokens / hf_t
                 hf_cols = f"{hf_tps:9.1f} {hf_first:8.2f} | {tps / hf_tps:6.2f}x"
+            context = args.prompt_len + args.new_tokens // 2
+            roof = batch * bandwidth * 1e9 / bytes_per_step(name, batch, context)
+            alone = matmul_only_tps(name, batch) * flops_per_token(name, 0) / 1e9 / gflops
             print(
                 f"{name:6} {batch:5d} | {tps:10.1f} {first:8.2f} | {hf_cols} | "
                 f"{achieved:12.1f} {100 * achieved / gflops:7.1f}% "
-                f"{100 * with_prefill / gflops:13.1f}%",
+                f"{100 * with_prefill / gflops:9.1f}% | {roof:8.1f} "
+                f"{100 * alone:9.1f}%",
                 flush=True,
             )
 
