@@ -245,7 +245,7 @@ def make_train_step(
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, batch)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
         updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
