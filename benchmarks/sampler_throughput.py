@@ -53,14 +53,20 @@ def hf_config(name: str):
     return transformers.Qwen3Config(**hf)
 
 
-def flops_per_token(name: str, context: int) -> float:
-    """Forward FLOPs of one decoded token: 2 x (matmul weights) + attention over ``context``."""
+def matmul_weights(name: str) -> int:
+    """Weights one decoded token multiplies: every layer's q/k/v/o and MLP, and the LM head."""
     c = SIZES[name]
     h, d, f = c["hidden_size"], c["head_dim"], c["intermediate_size"]
     n, k = c["num_heads"], c["num_kv_heads"]
     per_layer = h * n * d * 2 + h * k * d * 2 + 3 * h * f
-    attention = 2 * n * d * context  # scores and weighted values
-    return 2.0 * (c["num_layers"] * (per_layer + attention) + h * c["vocab_size"])
+    return c["num_layers"] * per_layer + h * c["vocab_size"]
+
+
+def flops_per_token(name: str, context: int) -> float:
+    """Forward FLOPs of one decoded token: 2 x (matmul weights) + attention over ``context``."""
+    c = SIZES[name]
+    attention = 2 * c["num_heads"] * c["head_dim"] * context  # scores and weighted values
+    return 2.0 * (matmul_weights(name) + c["num_layers"] * attention)
 
 
 def matmul_gflops(size: int = 2048, repeats: int = 5) -> float:
@@ -86,11 +92,8 @@ def read_bandwidth(mib: int = 1024, repeats: int = 7) -> float:
 def bytes_per_step(name: str, batch: int, context: int) -> float:
     """Bytes one decode step must read: all matmul weights (f32) + each row's K/V."""
     c = SIZES[name]
-    h, d, f = c["hidden_size"], c["head_dim"], c["intermediate_size"]
-    n, k, layers = c["num_heads"], c["num_kv_heads"], c["num_layers"]
-    weights = layers * (h * n * d * 2 + h * k * d * 2 + 3 * h * f) + h * c["vocab_size"]
-    kv = 2 * layers * k * d * context
-    return 4.0 * (weights + batch * kv)
+    kv = 2 * c["num_layers"] * c["num_kv_heads"] * c["head_dim"] * context
+    return 4.0 * (matmul_weights(name) + batch * kv)
 
 
 def matmul_only_tps(name: str, batch: int, steps: int = 10, repeats: int = 3) -> float:
@@ -231,7 +234,8 @@ def main() -> None:
             hf = bench_hf(name, batches, args.prompt_len, args.new_tokens, args.repeats)
         # Mean attention context over the generated tokens; the prefill's work is counted in a
         # second column (each call also prefills batch x prompt tokens).
-        flops = flops_per_token(name, args.prompt_len + args.new_tokens // 2)
+        context = args.prompt_len + args.new_tokens // 2
+        flops = flops_per_token(name, context)
         prefill_flops = args.prompt_len * flops_per_token(name, args.prompt_len // 2)
         for batch in batches:
             first, t = ours[batch]
@@ -243,7 +247,6 @@ def main() -> None:
                 hf_first, hf_t = hf[batch]
                 hf_tps = batch * args.new_tokens / hf_t
                 hf_cols = f"{hf_tps:9.1f} {hf_first:8.2f} | {tps / hf_tps:6.2f}x"
-            context = args.prompt_len + args.new_tokens // 2
             roof = batch * bandwidth * 1e9 / bytes_per_step(name, batch, context)
             alone = matmul_only_tps(name, batch) * flops_per_token(name, 0) / 1e9 / gflops
             print(

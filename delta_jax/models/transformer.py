@@ -31,6 +31,10 @@ from jaxtyping import Array, Bool, Float, Int
 from delta_jax.models import axes as ax
 from delta_jax.models.config import ModelConfig
 
+# Logical axes of each layer's cached keys and values (the layout :class:`KVCache` describes).
+KEY_CACHE_AXES = (ax.BATCH, ax.KV_HEADS, ax.HEAD_DIM, ax.CACHE_LENGTH)
+VALUE_CACHE_AXES = (ax.BATCH, ax.KV_HEADS, ax.CACHE_LENGTH, ax.HEAD_DIM)
+
 
 @flax.struct.dataclass
 class KVCache:

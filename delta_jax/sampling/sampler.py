@@ -49,6 +49,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from delta_jax.models import KVCache, Transformer, lm_head_weight
 from delta_jax.models.axes import constrain, logical_to_mesh
+from delta_jax.models.transformer import KEY_CACHE_AXES, VALUE_CACHE_AXES
 from delta_jax.sampling.buckets import Buckets, RequestArrays, prepare_request
 from delta_jax.sampling.strategies import (
     Categorical,
@@ -77,8 +78,6 @@ SAMPLING_RULES: tuple[tuple[str, Any], ...] = (
     ("length", None),
     ("cache_length", None),
 )
-_K_CACHE_AXES = ("batch", "kv_heads", "head_dim", "cache_length")  # each layer's keys
-_V_CACHE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")  # and values
 
 
 def _to_host(array: jax.Array) -> np.ndarray:
@@ -211,8 +210,8 @@ def _program(
         return constrain(jnp.pad(rep(prefilled, axis=0), slots), names)
 
     cache = pre.cache.replace(
-        k=tuple(grow(k, _K_CACHE_AXES) for k in pre.cache.k),
-        v=tuple(grow(v, _V_CACHE_AXES) for v in pre.cache.v),
+        k=tuple(grow(k, KEY_CACHE_AXES) for k in pre.cache.k),
+        v=tuple(grow(v, VALUE_CACHE_AXES) for v in pre.cache.v),
         mask=jnp.pad(rep(prompt_mask, axis=0), ((0, 0), (0, gen_len))),
     )
     # Cast once, outside the loop (per step it would re-read and re-write the whole head). A tied
