@@ -41,6 +41,7 @@ def token_logprobs(
     *,
     attention_mask: Bool[Array, "B T"] | Int[Array, "B T"] | None = None,
     positions: Int[Array, "B T"] | None = None,
+    segment_ids: Int[Array, "B T"] | None = None,
     temperature: float | Float[Array, ""] = 1.0,
     return_entropy: bool = False,
     return_hidden: bool = False,
@@ -59,6 +60,7 @@ def token_logprobs(
       targets: int[B, T] tokens to score (usually ``input_ids`` shifted left by one).
       attention_mask: [B, T] real-token mask, as for the model.
       positions: int[B, T] positions, as for the model.
+      segment_ids: int[B, T] packed-row segment ids (0 = padding), as for the model.
       temperature: positive scalar dividing the logits.
       return_entropy: also return the entropy of each position's distribution.
       return_hidden: also return the final hidden state [B, T, H].
@@ -82,7 +84,13 @@ def token_logprobs(
         raise ValueError(f"temperature must be positive, got {temperature}")
     if not 0 <= score_from < input_ids.shape[1]:
         raise ValueError(f"score_from={score_from} must be in [0, {input_ids.shape[1]})")
-    out = model(input_ids, attention_mask=attention_mask, positions=positions, return_logits=False)
+    out = model(
+        input_ids,
+        attention_mask=attention_mask,
+        positions=positions,
+        segment_ids=segment_ids,
+        return_logits=False,
+    )
     hidden = out.hidden[:, score_from:]
     B, T, H = hidden.shape
     w = lm_head_weight(model).astype(model.dtype)

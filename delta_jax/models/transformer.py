@@ -191,6 +191,7 @@ class Transformer(nnx.Module):
         *,
         attention_mask: Bool[Array, "B T"] | Int[Array, "B T"] | None = None,
         positions: Int[Array, "B T"] | None = None,
+        segment_ids: Int[Array, "B T"] | None = None,
         cache: KVCache | None = None,
         return_logits: bool = True,
         layers: Sequence[dict[str, jax.Array]] | None = None,
@@ -203,10 +204,17 @@ class Transformer(nnx.Module):
         real tokens before each token (``max(cumsum(mask) - 1, 0)``, counting cached ones), which
         is right for left-padded prompts and right-padded responses.
 
+        Packed rows: ``segment_ids`` numbers the sequences sharing a row (1, 2, ...; 0 marks
+        padding). Token t then attends to tokens s <= t of its own segment only, positions
+        default to the index within the segment, and ``attention_mask`` defaults to
+        ``segment_ids > 0``.
+
         Args:
           input_ids: int[B, T] token ids.
           attention_mask: [B, T] bool or int, 1 for real tokens (default: all real).
           positions: int[B, T] RoPE positions (default: see above).
+          segment_ids: int[B, T] sequence number of each token in a packed row, 0 = padding
+            (without a cache only).
           cache: optional :class:`KVCache` with at least ``index + T`` slots.
           return_logits: False skips the LM head (``logits`` is None).
           layers: optional per-layer parameters from :meth:`layer_params` (computed once outside
@@ -219,6 +227,17 @@ class Transformer(nnx.Module):
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {input_ids.shape}")
         B, T = input_ids.shape
+        if segment_ids is not None:
+            if cache is not None:
+                raise ValueError("segment_ids (packed rows) cannot be combined with a KV cache")
+            if segment_ids.shape != (B, T):
+                raise ValueError(
+                    f"segment_ids shape {segment_ids.shape} != input_ids shape {(B, T)}"
+                )
+            if attention_mask is None:
+                attention_mask = segment_ids > 0
+            if positions is None:
+                positions = segment_positions(segment_ids)
         if attention_mask is None:
             attention_mask = jnp.ones((B, T), bool)
         if attention_mask.shape != (B, T):
@@ -248,6 +267,8 @@ class Transformer(nnx.Module):
         if cache is None:
             causal = jnp.tril(jnp.ones((T, T), bool))
             attn_mask = causal[None] & mask[:, None, :]
+            if segment_ids is not None:
+                attn_mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
         else:
             S = cache.mask.shape[1]
             slot_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (0, cache.index))
@@ -298,6 +319,20 @@ class Transformer(nnx.Module):
                 k=tuple(new_k), v=tuple(new_v), mask=slot_mask, index=cache.index + T
             )
         return ModelOutput(logits=logits, hidden=hidden, cache=new_cache)
+
+
+def segment_positions(segment_ids: Int[Array, "B T"]) -> Int[Array, "B T"]:
+    """Index of each token within its segment of a packed row (padding, id 0, gets 0).
+
+    Segments are contiguous runs of one id: the position restarts wherever the id changes.
+    """
+    T = segment_ids.shape[1]
+    idx = jnp.arange(T, dtype=jnp.int32)[None, :]
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1
+    )
+    start_of = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+    return jnp.where(segment_ids > 0, idx - start_of, 0)
 
 
 def lm_head_weight(model: Transformer) -> Float[Array, "H V"]:

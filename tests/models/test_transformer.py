@@ -273,3 +273,39 @@ def test_real_config_parameter_counts(name):
     if pub_non_emb is not None:
         non_emb = (total - embeddings) / 1e9
         assert abs(non_emb - float(pub_non_emb)) <= _tolerance(pub_non_emb), non_emb
+
+
+def test_packed_rows_equal_separate_sequences():
+    """Segments packed into one row give each sequence's own logits (tolerance 1e-5, f32)."""
+    from delta_jax.models.transformer import segment_positions
+
+    cfg = ModelConfig.tiny("qwen3", vocab_size=128)
+    model = random_model(cfg)
+    graphdef, state = nnx.split(model)
+    rng = np.random.RandomState(1)
+    lengths = [5, 3, 7]
+    seqs = [rng.randint(1, cfg.vocab_size, n).astype(np.int32) for n in lengths]
+    T = sum(lengths) + 2  # two padding slots at the end
+    ids = np.zeros((1, T), np.int32)
+    seg = np.zeros((1, T), np.int32)
+    start = 0
+    for i, s in enumerate(seqs):
+        ids[0, start : start + len(s)] = s
+        seg[0, start : start + len(s)] = i + 1
+        start += len(s)
+    pos = np.asarray(segment_positions(jnp.asarray(seg)))
+    np.testing.assert_array_equal(pos[0], [0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 0, 0])
+
+    @jax.jit
+    def packed(state, ids, seg):
+        return nnx.merge(graphdef, state)(ids, segment_ids=seg).logits
+
+    got = np.asarray(packed(state, jnp.asarray(ids), jnp.asarray(seg)))
+    start = 0
+    for s in seqs:
+        want, _ = _full(graphdef, state, jnp.asarray(s[None]), jnp.ones((1, len(s)), bool))
+        np.testing.assert_allclose(got[0, start : start + len(s)], np.asarray(want)[0], atol=1e-5)
+        start += len(s)
+    assert np.isfinite(got).all()
+    with pytest.raises(ValueError, match="segment_ids shape"):
+        model(jnp.asarray(ids), segment_ids=jnp.asarray(seg[:, :-1]))
