@@ -39,7 +39,11 @@ class ModelConfigSection:
     dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     scan_layers: bool = False
-    remat: Literal["none", "block", "full"] = "none"
+    remat: Literal["none", "block", "matmuls", "full"] = "none"
+    # Attention implementation (delta_jax.models.attention): auto | dense | chunked | splash |
+    # cudnn, and the block length of chunked / splash.
+    attention: Literal["auto", "dense", "chunked", "splash", "cudnn"] = "auto"
+    attention_block: int = 512
     # Supervised warm-up steps for the demo model (ignored for real checkpoints).
     demo_warmup_steps: int = 400
     demo_warmup_lr: float = 3e-3

@@ -97,7 +97,12 @@ def known_model_config(name: str, **runtime):
 def resolve_model_config(config):
     """The run's ``ModelConfig``: local/cached ``config.json``, demo model, or a known model."""
     m = config.model
-    runtime = dict(scan_layers=m.scan_layers, remat=m.remat)
+    runtime = dict(
+        scan_layers=m.scan_layers,
+        remat=m.remat,
+        attention=m.attention,
+        attention_block=m.attention_block,
+    )
     if m.path == "demo:tiny":
         return ModelConfig.tiny("qwen3", **runtime)
     try:

@@ -17,8 +17,11 @@ import json
 import os
 from typing import Any, Literal
 
+from delta_jax.models.attention import IMPLS, Impl, check_block
+
 Family = Literal["qwen3", "qwen2", "llama"]
-Remat = Literal["none", "block", "full"]
+Remat = Literal["none", "block", "matmuls", "full"]
+REMAT_POLICIES = ("none", "block", "matmuls", "full")
 
 # Hugging Face `architectures` entry -> our family.
 SUPPORTED_ARCHITECTURES: dict[str, Family] = {
@@ -47,8 +50,14 @@ class ModelConfig:
       max_position_embeddings: context length recorded in the HF config.
       bos_token_id, eos_token_id, pad_token_id: copied through to the exported config.
       scan_layers: run the blocks with ``lax.scan`` (one compiled block) instead of unrolled.
-      remat: "none"; "block" = each block recomputed in the backward pass except its matmul
-        outputs against weights; "full" = each block recomputed from its input only.
+      remat: "none"; "block" = each block recomputed in the backward pass except the outputs
+        of its dots without batch dimensions (XLA's classification: the weight matmuls);
+        "matmuls" = each block recomputed except the outputs of its weight matmuls and of its
+        attention (tagged by name), so nothing of size ``T x T`` is kept and the attention is
+        not run again; "full" = each block recomputed from its input only.
+      attention: attention implementation, one of
+        :data:`delta_jax.models.attention.IMPLS` (see that module).
+      attention_block: query / key block length of the ``chunked`` and ``splash`` attention.
     """
 
     family: Family
@@ -71,6 +80,8 @@ class ModelConfig:
     pad_token_id: int | None = None
     scan_layers: bool = False
     remat: Remat = "none"
+    attention: Impl = "auto"
+    attention_block: int = 512
 
     def __post_init__(self):
         if self.family not in _ARCH_OF_FAMILY:
@@ -92,8 +103,14 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
-        if self.remat not in ("none", "block", "full"):
-            raise ValueError(f"remat={self.remat!r}; expected 'none', 'block' or 'full'")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"model.remat={self.remat!r}; expected one of {REMAT_POLICIES}")
+        if self.attention not in IMPLS:
+            raise ValueError(f"model.attention={self.attention!r}; expected one of {IMPLS}")
+        if self.attention == "splash":
+            check_block(self.attention_block)
+        elif self.attention_block <= 0:
+            raise ValueError(f"model.attention_block={self.attention_block} must be positive")
         if self.rope_scaling is not None:
             object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
@@ -115,7 +132,8 @@ class ModelConfig:
 
         Args:
           config: the parsed dict, a path to config.json, or a model directory holding one.
-          **runtime: runtime options (``scan_layers``, ``remat``).
+          **runtime: runtime options (``scan_layers``, ``remat``, ``attention``,
+            ``attention_block``).
 
         Returns:
           The ``ModelConfig``.

@@ -233,7 +233,9 @@ def from_pretrained(
       mesh: optional mesh; each tensor is placed with the sharding its logical axes get under
         ``rules`` (default :data:`delta_jax.models.axes.DEFAULT_RULES`). None: default device.
       rules: logical-to-mesh rules used with ``mesh``.
-      **runtime_options: ``scan_layers``, ``remat``.
+      **runtime_options: ``scan_layers``, ``remat``, ``attention`` (``auto``, ``dense``,
+        ``chunked``, ``splash``, ``cudnn``; see :mod:`delta_jax.models.attention`),
+        ``attention_block``.
 
     Returns:
       The :class:`Transformer` with the checkpoint's weights.

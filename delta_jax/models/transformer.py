@@ -4,7 +4,10 @@ Pre-norm blocks ``x += Attn(RMSNorm(x)); x += SwiGLU(RMSNorm(x))`` with grouped-
 rotate-half RoPE (optionally llama3/linear frequency scaling), Qwen3's per-head q/k RMSNorm and
 Qwen2's q/k/v bias, all selected by :class:`ModelConfig` flags. The numerics follow the
 ``transformers`` implementations (RMSNorm in float32 then cast, softmax in float32) so that
-imported checkpoints give the same logits.
+imported checkpoints give the same logits. Attention without a cache (training, scoring) is
+``config.attention``'s implementation from :mod:`delta_jax.models.attention` (dense, chunked,
+Pallas splash on TPU, cuDNN on GPU); with a KV cache (sampling) it is the decode path, laid out
+for XLA:CPU.
 
 The L decoder blocks are stored stacked (every block parameter has a leading ``layers`` axis);
 ``config.scan_layers`` chooses ``lax.scan`` over that axis or an unrolled loop, so both variants
@@ -26,9 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Bool, Float, Int
 
 from delta_jax.models import axes as ax
+from delta_jax.models.attention import attention
 from delta_jax.models.config import ModelConfig
 
 # Logical axes of each layer's cached keys and values (the layout :class:`KVCache` describes).
@@ -265,26 +270,21 @@ class Transformer(nnx.Module):
         cos, sin = _rope_tables(cfg, positions, dtype)
 
         if cache is None:
-            causal = jnp.tril(jnp.ones((T, T), bool))
-            attn_mask = causal[None] & mask[:, None, :]
-            if segment_ids is not None:
-                attn_mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
+            # Padding (mask 0) becomes segment 0, a segment of its own (see models.attention).
+            segments = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids
+            segments = jnp.where(mask, segments, 0).astype(jnp.int32)
+            slot_mask = None
         else:
             S = cache.mask.shape[1]
             slot_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (0, cache.index))
             causal = jnp.arange(S)[None, :] <= (cache.index + jnp.arange(T))[:, None]
-            attn_mask = causal[None] & slot_mask[:, None, :]
+            segments = causal[None] & slot_mask[:, None, :]  # bool[B, T, S] over cache slots
         index = 0 if cache is None else cache.index
 
         def block(x, p, kv):
-            return _block(cfg, dtype, p, x, cos, sin, attn_mask, kv, index)
+            return _block(cfg, dtype, p, x, cos, sin, segments, kv, index)
 
-        if cfg.remat == "block":
-            block = jax.checkpoint(
-                block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-            )
-        elif cfg.remat == "full":
-            block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
+        block = _remat(block, cfg.remat)
 
         params = self.blocks.arrays()
         new_k, new_v = [], []
@@ -386,14 +386,41 @@ def _rope(x, cos, sin):
     return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
-def _block(cfg: ModelConfig, dtype, p: dict[str, Any], x, cos, sin, attn_mask, kv, index):
-    """One decoder block; ``kv`` is None or this layer's ([B, K, D, S], [B, K, S, D]) cache."""
+def _remat(block, policy: str):
+    """Wraps a decoder block in ``jax.checkpoint`` as ``model.remat`` says (see ModelConfig)."""
+    if policy == "block":
+        policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        return jax.checkpoint(block, policy=policy)
+    if policy == "matmuls":
+        names = jax.checkpoint_policies.save_only_these_names(_MATMUL, _ATTENTION)
+        return jax.checkpoint(block, policy=names)
+    if policy == "full":
+        return jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
+    return block
+
+
+# Names of the values remat="matmuls" keeps: weight-matmul outputs and attention outputs.
+_MATMUL, _ATTENTION = "matmul", "attention"
+
+
+def _matmul(spec: str, x, w):
+    return checkpoint_name(jnp.einsum(spec, x, w), _MATMUL)
+
+
+def _block(cfg: ModelConfig, dtype, p: dict[str, Any], x, cos, sin, segments, kv, index):
+    """One decoder block.
+
+    Without a cache (``kv`` None) ``segments`` is int[B, T] (segment ids, 0 = padding) and the
+    attention is ``cfg.attention``'s. With a cache ``kv`` is this layer's ([B, K, D, S],
+    [B, K, S, D]) cache, ``segments`` the bool[B, T, S] visibility of the slots, and the
+    attention is the decode path (:func:`_cached_attention`).
+    """
     eps = cfg.rms_norm_eps
     w = {k: v.astype(dtype) for k, v in p.items()}
     h = _rms_norm(x, w["attn_norm"], eps, dtype)
-    q = jnp.einsum("BTH,HND->BTND", h, w["wq"])
-    k = jnp.einsum("BTH,HKD->BTKD", h, w["wk"])
-    v = jnp.einsum("BTH,HKD->BTKD", h, w["wv"])
+    q = _matmul("BTH,HND->BTND", h, w["wq"])
+    k = _matmul("BTH,HKD->BTKD", h, w["wk"])
+    v = _matmul("BTH,HKD->BTKD", h, w["wv"])
     if cfg.qkv_bias:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     if cfg.qk_norm:
@@ -401,52 +428,70 @@ def _block(cfg: ModelConfig, dtype, p: dict[str, Any], x, cos, sin, attn_mask, k
         k = _rms_norm(k, w["k_norm"], eps, dtype)
     q = ax.constrain(_rope(q, cos, sin), (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
     k = _rope(k, cos, sin)
-    v = jnp.swapaxes(v, 1, 2)  # [B, K, T, D]
     if kv is None:
-        k = jnp.swapaxes(k, 1, 2)  # [B, K, T, D]
-        keys_transposed = False
+        out = attention(
+            q, k, v, segments, impl=cfg.attention, block=cfg.attention_block, name=_ATTENTION
+        )
+        x = x + _matmul("BTND,NDH->BTH", checkpoint_name(out, _ATTENTION), w["wo"])
     else:
-        # Write first, then attend over the updated cache: the attention dots then read the
-        # DUS result in place (attending to the old cache and the new K/V apart leaves the read
-        # and the in-place write unordered, and XLA copies the whole cache every step).
-        ck, cv = kv
-        k = jnp.transpose(k, (0, 2, 3, 1))  # [B, K, D, T], the cache's key layout
-        ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, index))
-        cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, index, 0))
-        kv = (ck, cv)
-        k, v = ck.astype(dtype), cv.astype(dtype)
-        keys_transposed = True
-    attn = _attention(q, k, v, attn_mask, keys_transposed=keys_transposed)
-    # Contract the flattened (head, head_dim) pair as one axis: given the pair, XLA:CPU reorders
-    # it and copies (transposes) the whole output projection at every call.
-    B, T, N, D = attn.shape
-    x = x + jnp.einsum("BTE,EH->BTH", attn.reshape(B, T, N * D), w["wo"].reshape(N * D, -1))
+        out, kv = _cached_attention(q, k, v, kv, segments, index, w["wo"])
+        x = x + out
     x = ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
     h = _rms_norm(x, w["mlp_norm"], eps, dtype)
-    gate = jnp.einsum("BTH,HF->BTF", h, w["w_gate"])
-    up = jnp.einsum("BTH,HF->BTF", h, w["w_up"])
+    gate = _matmul("BTH,HF->BTF", h, w["w_gate"])
+    up = _matmul("BTH,HF->BTF", h, w["w_up"])
     act = ax.constrain(jax.nn.silu(gate) * up, (ax.BATCH, ax.LENGTH, ax.MLP))
-    x = x + jnp.einsum("BTF,FH->BTH", act, w["w_down"])
+    x = x + _matmul("BTF,FH->BTH", act, w["w_down"])
     return ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED)), kv
 
 
-def _attention(q, k, v, mask, *, keys_transposed=False):
-    """Grouped-query attention: q [B,T,N,D], v [B,K,S,D], mask bool[B,T,S] -> [B,T,N,D].
+def _cached_attention(q, k, v, kv, visible, index, wo):
+    """The decode path: writes K/V at ``index`` into the cache, attends, projects -> [B, T, H].
 
-    ``k`` is [B,K,S,D], or [B,K,D,S] with ``keys_transposed`` (the cache layout). Both dots are
-    written with the ``[B, K]`` batch dims leading and the query rows (T x G) merged, the
-    canonical batched-matmul form: XLA:CPU then runs them as plain batched matmuls (an einsum
-    with ``T`` between the batch dims made it transpose each layer's cache at every decode step),
-    and for ``T = 1`` the query transposes are free bitcasts.
+    Its layout serves XLA:CPU, which runs the sampler's decode loop on CPU: keys are cached
+    transposed (see :class:`KVCache`), the two dots are canonical batched matmuls with the query
+    rows merged, and the output projection contracts the flattened (head, head_dim) pair (given
+    the pair, XLA:CPU transposes the whole projection at every call).
+
+    Args:
+      q: [B, T, N, D]; k, v: [B, T, K, D], the new tokens' keys and values.
+      kv: this layer's cache ([B, K, D, S], [B, K, S, D]).
+      visible: bool[B, T, S], slot s visible to query t.
+      index: the first slot to write.
+      wo: [N, D, H] output projection.
+
+    Returns:
+      (attention output projected, [B, T, H]; the updated cache).
+    """
+    # Write first, then attend over the updated cache: the attention dots then read the
+    # DUS result in place (attending to the old cache and the new K/V apart leaves the read
+    # and the in-place write unordered, and XLA copies the whole cache every step).
+    ck, cv = kv
+    k = jnp.transpose(k, (0, 2, 3, 1))  # [B, K, D, T], the cache's key layout
+    v = jnp.swapaxes(v, 1, 2)  # [B, K, T, D]
+    ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, index))
+    cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, index, 0))
+    attn = _attend_cache(q, ck.astype(q.dtype), cv.astype(q.dtype), visible)
+    B, T, N, D = attn.shape
+    out = jnp.einsum("BTE,EH->BTH", attn.reshape(B, T, N * D), wo.reshape(N * D, -1))
+    return out, (ck, cv)
+
+
+def _attend_cache(q, k, v, mask):
+    """Attention over cache slots: q [B,T,N,D], k [B,K,D,S], v [B,K,S,D], mask [B,T,S] -> [B,T,N,D].
+
+    Both dots are written with the ``[B, K]`` batch dims leading and the query rows (T x G)
+    merged, the canonical batched-matmul form: XLA:CPU then runs them as plain batched matmuls
+    (an einsum with ``T`` between the batch dims made it transpose each layer's cache at every
+    decode step), and for ``T = 1`` the query transposes are free bitcasts.
     """
     B, T, N, D = q.shape
     K, S = k.shape[1], v.shape[2]
     G = N // K
     batch = ((0, 1), (0, 1))
     q = jnp.swapaxes(q.reshape(B, T, K, G, D), 1, 2).reshape(B, K, T * G, D)
-    key_dim = 2 if keys_transposed else 3
     scores = jax.lax.dot_general(
-        q, k, (((3,), (key_dim,)), batch), preferred_element_type=jnp.float32
+        q, k, (((3,), (2,)), batch), preferred_element_type=jnp.float32
     ).reshape(B, K, T, G, S)
     scores = scores * (D**-0.5)
     # A finite fill keeps rows with no visible key (padded queries) finite: uniform weights.

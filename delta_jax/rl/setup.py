@@ -113,6 +113,8 @@ def _load_model(config: Config, run_dir: Path):
         param_dtype=jnp.dtype(m.param_dtype),
         scan_layers=m.scan_layers,
         remat=m.remat,
+        attention=m.attention,
+        attention_block=m.attention_block,
     )
     return model, load_tokenizer(str(path))
 
