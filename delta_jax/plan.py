@@ -2,9 +2,16 @@
 
 ``delta-jax plan --config configs/qwen3_8b_delta.yaml --topology v5p-64`` builds the model
 abstractly (``nnx.eval_shape``, no weights allocated), lowers and compiles the run's train step
-and its sampler program for the real shapes on a mesh of stand-in devices (one fake CPU device
-per chip of the slice), and reads each program's per-device memory from XLA's buffer assignment
-(``compiled.memory_analysis()``):
+and its sampler program for the real shapes, and reads each program's per-device memory from the
+compiler's buffer assignment (``compiled.memory_analysis()``). Two compilers:
+
+* the TPU compiler (when ``libtpu`` is importable: ``pip install "delta-jax[tpu]"``): the programs
+  are compiled, compile-only, for the slice's real topology
+  (``jax.experimental.topologies.get_topology_desc``), no TPU attached; the figures are what the
+  TPU program needs (Pallas kernels such as splash attention included);
+* otherwise XLA:CPU on stand-in devices (one fake CPU device per chip): an estimate.
+
+The figures:
 
 * parameters and optimiser state: exact, from the shardings (``delta_jax.sharding``);
 * train step: arguments + outputs - donated aliases + temporaries (activations, gradients);
@@ -14,10 +21,10 @@ per chip of the slice), and reads each program's per-device memory from XLA's bu
 Then it searches the largest micro-batch (rows per gradient-accumulation step) and the largest
 number of prompts per sampler call that fit in the chip's HBM (times ``headroom``).
 
-The numbers are XLA:CPU's plan of the SPMD-partitioned per-device program. Parameter, optimiser
-and KV-cache bytes are what a TPU holds; temporaries depend on the backend's fusion and layout
-decisions and are an estimate of the TPU figure (typically within tens of percent), not a
-guarantee.
+Parameter, optimiser and KV-cache bytes are exact (shapes and shardings). Temporaries depend on
+the compiler's fusion and layout decisions: from the TPU compiler they are the TPU's; from
+XLA:CPU an estimate (and XLA:CPU runs Pallas TPU kernels in interpret mode, so ``auto``
+attention plans as ``chunked`` there).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.metadata
+import importlib.util
 import math
 import os
 import re
@@ -43,6 +52,7 @@ from jax.sharding import NamedSharding
 from delta_jax import sharding as sh
 from delta_jax.models import ModelConfig, Transformer, resolve_model_dir
 from delta_jax.models.axes import logical_to_mesh
+from delta_jax.models.transformer import KEY_CACHE_AXES, VALUE_CACHE_AXES
 from delta_jax.rl.objectives import resolve_objective
 from delta_jax.rl.train_step import TrainBatch, init_train_state, make_optimizer, make_train_step
 from delta_jax.sampling import sampler as sampler_lib
@@ -113,13 +123,19 @@ def resolve_model_config(config):
 
 @dataclasses.dataclass(frozen=True)
 class ProgramMemory:
-    """Per-device bytes of one compiled program (XLA buffer assignment)."""
+    """Per-device bytes of one compiled program (XLA buffer assignment).
+
+    ``out_of_memory``: the TPU compiler refused the program (it does not fit the chip's HBM);
+    ``temporaries`` is then the requirement its error message states and the other fields are 0,
+    so ``peak`` is a lower bound.
+    """
 
     arguments: int
     outputs: int
     aliased: int
     temporaries: int
     compile_s: float
+    out_of_memory: bool = False
 
     @property
     def peak(self) -> int:
@@ -145,6 +161,7 @@ class PlanReport:
     chips: int
     hbm_bytes: int
     headroom: float
+    compiler: str
     mesh: dict[str, int]
     model: str
     params_bytes: int
@@ -173,40 +190,57 @@ class PlanReport:
         # The train state stays resident while sampling; the sampler's own argument bytes
         # already hold its parameters (a resharded copy, or the same buffers when no leaf moves).
         shared = self.params_bytes if self.sampler_params_bytes == 0 else 0
+        shared = 0 if self.sampler.out_of_memory else shared  # no argument bytes counted
         return self.params_bytes + self.opt_state_bytes + self.sampler.peak - shared
 
     @property
     def fits(self) -> bool:
         return max(self.train_peak, self.sampling_peak) <= self.budget
 
+    @property
+    def headroom_bytes(self) -> int:
+        """Budget left at the larger of the two peaks (negative: does not fit)."""
+        return self.budget - max(self.train_peak, self.sampling_peak)
+
     def table(self) -> str:
-        """The report as an aligned text table (GiB per device)."""
+        """The report as an aligned text table (GiB per device, and where each figure is from)."""
         g = lambda b: f"{b / _GiB:8.2f}"
         mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
+        exact, comp = "exact (shapes x shardings)", self.compiler_name
+        row = lambda label, b, src: f"{label:<40}{g(b)}  {src}"
+        oom = " (TPU compiler: out of memory, a lower bound)"
+        train_src = comp + (oom if self.train.out_of_memory else "")
+        sampler_src = comp + (oom if self.sampler.out_of_memory else "")
         lines = [
-            f"{self.model} on {self.topology} ({self.chips} chips, {self.hbm_bytes / _GiB:.0f} "
+            f"{self.model} on {self.topology} ({self.chips} devices, {self.hbm_bytes / _GiB:.0f} "
             f"GiB HBM each; budget {self.headroom:.0%} = {self.budget / _GiB:.1f} GiB); mesh "
             f"{mesh}",
-            f"{'per device':<44}{'GiB':>8}",
-            f"{'parameters (train placement)':<44}{g(self.params_bytes)}",
-            f"{'optimizer state':<44}{g(self.opt_state_bytes)}",
+            f"compiler: {self.compiler}",
+            f"{'per device':<40}{'GiB':>8}  source",
+            row("parameters (train placement)", self.params_bytes, exact),
+            row("optimizer state", self.opt_state_bytes, exact),
             f"train step, micro-batch {self.micro_batch_rows} rows:",
-            f"{'  activations / temporaries':<44}{g(self.train.temporaries)}",
-            f"{'  peak (state + batch + temporaries)':<44}{g(self.train_peak)}",
+            row("  train temporaries", self.train.temporaries, train_src),
+            row("  peak (state + batch + temporaries)", self.train_peak, train_src),
             f"sampler, {self.sampler_prompts} prompts x {self.samples_per_prompt} samples, "
             f"{self.cache_slots} cache slots:",
-            f"{'  KV cache':<44}{g(self.kv_cache_bytes)}",
-            f"{'  parameters (sampling copy)':<44}{g(self.sampler_params_bytes)}",
-            f"{'  temporaries (incl. KV cache)':<44}{g(self.sampler.temporaries)}",
-            f"{'  peak (+ resident train state)':<44}{g(self.sampling_peak)}",
+            row("  KV cache", self.kv_cache_bytes, exact),
+            row("  parameters (sampling copy)", self.sampler_params_bytes, exact),
+            row("  sampler temporaries (incl. KV cache)", self.sampler.temporaries, sampler_src),
+            row("  peak (+ resident train state)", self.sampling_peak, sampler_src),
+            row("headroom (budget - larger peak)", self.headroom_bytes, comp),
             f"fits: {'YES' if self.fits else 'NO'} (train {self.train_peak / self.budget:.0%}, "
             f"sampling {self.sampling_peak / self.budget:.0%} of budget)",
             f"largest micro-batch that fits: {_rows(self.max_micro_batch_rows, 'rows')}",
             f"largest sampler call that fits: {_rows(self.max_sampler_prompts, 'prompts')}",
             f"compile time: train {self.train.compile_s:.1f}s, sampler "
-            f"{self.sampler.compile_s:.1f}s (XLA:CPU stand-in devices)",
+            f"{self.sampler.compile_s:.1f}s ({comp})",
         ]
         return "\n".join(lines)
+
+    @property
+    def compiler_name(self) -> str:
+        return "TPU compiler" if self.compiler.startswith("TPU") else "XLA:CPU estimate"
 
 
 def _rows(value: int | None, unit: str) -> str:
@@ -324,13 +358,16 @@ class _Planner:
         return jnp.dtype(jnp.bfloat16 if kind == "auto" else kind)
 
     def kv_cache_bytes(self, prompts: int) -> int:
+        """Per-device bytes of the sampler's cache, in the model's layout (one K and one V
+        buffer per layer, ``KEY_CACHE_AXES`` / ``VALUE_CACHE_AXES``)."""
         mc = self.model_config
         _, rows, P, G = self._request(prompts)
-        shape = (mc.num_layers, rows, P + G, mc.num_kv_heads, mc.head_dim)
-        names = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
-        spec = logical_to_mesh(names, sh.SAMPLE_RULES, self.mesh, shape)
-        shard = NamedSharding(self.mesh, spec).shard_shape(shape)
-        return 2 * math.prod(shard) * self.cache_dtype().itemsize
+        B, K, D, S = rows, mc.num_kv_heads, mc.head_dim, P + G
+        total = 0
+        for names, shape in ((KEY_CACHE_AXES, (B, K, D, S)), (VALUE_CACHE_AXES, (B, K, S, D))):
+            spec = logical_to_mesh(names, sh.SAMPLE_RULES, self.mesh, shape)
+            total += math.prod(NamedSharding(self.mesh, spec).shard_shape(shape))
+        return mc.num_layers * total * self.cache_dtype().itemsize
 
     def sampler(self, prompts: int) -> ProgramMemory:
         """Compiles the sampler's prefill + decode program for one call of ``prompts`` prompts."""
@@ -374,10 +411,71 @@ class _Planner:
         return _compile(lambda: fn.lower(*args), self.mesh, sh.SAMPLE_RULES)
 
 
+def tpu_compiler_available() -> bool:
+    """Whether the TPU compiler (``libtpu``, the ``tpu`` extra) can be loaded."""
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def resolve_compiler(compiler: str) -> tuple[str, str]:
+    """``("tpu" | "cpu", why)`` for ``--compiler auto | tpu | cpu``."""
+    if compiler not in ("auto", "tpu", "cpu"):
+        raise ValueError(f"--compiler={compiler!r}; expected 'auto', 'tpu' or 'cpu'")
+    if compiler == "cpu":
+        return "cpu", "--compiler cpu"
+    if tpu_compiler_available():
+        return "tpu", f"libtpu {importlib.metadata.version('libtpu')}"
+    if compiler == "tpu":
+        raise ValueError('--compiler tpu needs libtpu: pip install "delta-jax[tpu]"')
+    return "cpu", 'libtpu not importable (pip install "delta-jax[tpu]" for TPU figures)'
+
+
+def _chip_grid(chips: int, dims: int) -> tuple[int, ...]:
+    """Physical chip grid of a slice (2D for v5e / v6e, 3D for v4 / v5p): near-square / cube."""
+    if chips & (chips - 1):
+        raise ValueError(f"{chips} chips: the planner knows power-of-two slices only")
+    grid = [1] * dims
+    while math.prod(grid) < chips:
+        grid[grid.index(min(grid))] *= 2
+    return tuple(grid)
+
+
+def tpu_topology_devices(topology_name: str) -> tuple[str, list]:
+    """Compile-only devices of a slice from the TPU compiler: ``(topology, devices)``.
+
+    Example: ``v5p-64`` (32 chips) -> ``"v5p:2x4x4"``; ``v5e-8`` -> ``"v5e:2x4"``.
+    """
+    from jax.experimental import topologies
+
+    # Compile-only use touches no chip: several processes (parallel plans, tests) may load it.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    chips = sh.topology(topology_name).chips
+    gen = topology_name.strip().lower().split("-")[0].replace("v5litepod", "v5e")
+    grid = _chip_grid(chips, 3 if gen in ("v4", "v5p") else 2)
+    name = f"{gen}:{'x'.join(map(str, grid))}"
+    kwargs = {}
+    if chips < 4:  # the default host bounds (2x2x1) do not divide a smaller slice
+        kwargs["chips_per_host_bounds"] = (*grid, 1, 1)[:3]
+    desc = topologies.get_topology_desc(topology_name=name, platform="tpu", **kwargs)
+    return name, list(desc.devices)
+
+
+# The TPU compiler's refusal: "... required for HLO temporaries (334.10G) exceeds available HBM".
+_OOM = re.compile(r"RESOURCE_EXHAUSTED: .*?HLO temporaries \(([\d.]+)([KMGT])\)")
+
+
 def _compile(lower: Callable, mesh, rules) -> ProgramMemory:
     start = time.perf_counter()
     with sh.use_mesh(mesh, rules):
-        compiled = lower().compile()
+        lowered = lower()
+        try:
+            compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as err:
+            match = _OOM.search(str(err))
+            if match is None:
+                raise
+            scale = 1024 ** "KMGT".index(match.group(2)) * 1024
+            need = int(float(match.group(1)) * scale)
+            return ProgramMemory(0, 0, 0, need, time.perf_counter() - start, out_of_memory=True)
     return ProgramMemory.of(compiled, time.perf_counter() - start)
 
 
@@ -457,17 +555,21 @@ def plan(
     model_config=None,
     headroom: float = 0.95,
     search: bool = True,
+    compiler: str = "auto",
     log: Callable[[str], None] | None = None,
 ) -> PlanReport:
     """Compiles the run's train step and sampler for ``topology_name`` and reports memory.
 
     Args:
       config: the run :class:`~delta_jax.config.Config` (model, batch sizes, ``run.mesh``).
-      topology_name: a TPU slice, e.g. ``"v5p-64"``, ``"v4-32"``, ``"v5e-8"``, ``"v6e-1"``; the
-        process needs that many devices (fake CPU devices: see :func:`main`).
+      topology_name: a TPU slice, e.g. ``"v5p-64"``, ``"v4-32"``, ``"v5e-8"``, ``"v6e-1"``. With
+        the XLA:CPU estimate the process needs that many devices (fake CPU devices: see
+        :func:`main`).
       model_config: overrides the model resolved from ``config.model.path``.
       headroom: fraction of HBM the programs may use.
       search: also search the largest fitting micro-batch and sampler call (more compiles).
+      compiler: "tpu" (compile-only for the slice, needs libtpu), "cpu" (XLA:CPU estimate on
+        stand-in devices) or "auto" (tpu when libtpu is importable).
       log: progress messages (e.g. ``print``).
 
     Returns:
@@ -475,7 +577,16 @@ def plan(
     """
     log = log or (lambda _: None)
     topo = sh.topology(topology_name)
-    mesh = sh.mesh_from_config(config.run.mesh, topology_name=topology_name)
+    kind, why = resolve_compiler(compiler)
+    if kind == "tpu":
+        grid, devices = tpu_topology_devices(topology_name)
+        mesh = sh.make_mesh(*config.run.mesh, devices=devices)
+        described = f"TPU compiler, compile-only for {grid} ({why})"
+    else:
+        mesh = sh.mesh_from_config(config.run.mesh, topology_name=topology_name)
+        devices = list(mesh.devices.flat)
+        described = f"XLA:CPU on {len(devices)} stand-in devices, an estimate ({why})"
+    log(f"compiler: {described}")
     model_config = model_config or resolve_model_config(config)
     planner = _Planner(config, mesh, model_config)
     c = config
@@ -490,7 +601,7 @@ def plan(
             f"algo.micro_batches={c.algo.micro_batches}) does not split over the {divisor} batch "
             f"shards of mesh {dict(mesh.shape)}"
         )
-    log(f"compiling train step ({micro_rows} rows per micro-batch) on {topo.chips} devices")
+    log(f"compiling train step ({micro_rows} rows per micro-batch) on {len(devices)} devices")
     train = planner.train(micro_rows)
     prompts = c.rollout.prompts_per_step
     log(f"compiling sampler ({prompts} prompts x {c.rollout.samples_per_prompt})")
@@ -498,9 +609,11 @@ def plan(
     _, _, P, G = planner._request(prompts)
     report = PlanReport(
         topology=topo.name,
-        chips=topo.chips,
-        hbm_bytes=topo.hbm_bytes,
+        chips=len(devices),
+        # v4's compile-only topology has one device per TensorCore (two per chip).
+        hbm_bytes=topo.hbm_bytes * topo.chips // len(devices),
         headroom=headroom,
+        compiler=described,
         mesh=dict(mesh.shape),
         model=_describe(c.model.path, model_config),
         params_bytes=planner.params_bytes(),
@@ -555,7 +668,7 @@ def _describe(path: str, mc) -> str:
 
 
 def _ensure_devices(count: int) -> None:
-    """Makes this process start JAX with ``count`` fake CPU devices, if JAX has not started."""
+    """Makes this process start JAX on CPU with ``count`` fake devices, if JAX has not started."""
     if xla_bridge.backends_are_initialized():
         return
     flags = re.sub(
@@ -575,6 +688,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--topology", required=True, help="TPU slice, e.g. v5p-64, v4-32, v5e-8")
     parser.add_argument("--headroom", type=float, default=0.95, help="usable fraction of HBM")
     parser.add_argument("--no-search", action="store_true", help="skip the micro-batch search")
+    parser.add_argument(
+        "--compiler",
+        default="auto",
+        choices=("auto", "tpu", "cpu"),
+        help="tpu: the TPU compiler, compile-only (needs libtpu); cpu: XLA:CPU estimate; "
+        "auto: tpu when libtpu is importable",
+    )
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return parser
 
@@ -590,13 +710,16 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.headroom <= 1:
         raise ValueError(f"--headroom={args.headroom} must be in (0, 1]")
-    _ensure_devices(sh.topology(args.topology).chips)
+    kind, _ = resolve_compiler(args.compiler)
+    # Compile-only TPU planning keeps the default backend on CPU (no TPU probing).
+    _ensure_devices(sh.topology(args.topology).chips if kind == "cpu" else 1)
     config = load_config(args.config, args.overrides)
     report = plan(
         config,
         args.topology,
         headroom=args.headroom,
         search=not args.no_search,
+        compiler=kind,
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
     )
     print(report.table())

@@ -86,7 +86,7 @@ def qwen06_report():
             "rollout.max_new_tokens=16",
         ],
     )
-    return plan_lib.plan(config, "v5e-1", search=False)
+    return plan_lib.plan(config, "v5e-1", search=False, compiler="cpu")
 
 
 def test_qwen3_06b_on_v5e_1(qwen06_report):
@@ -123,7 +123,7 @@ def test_tiny_plan_on_mesh_matches_real_placement():
             "rollout.max_new_tokens=16",
         ],
     )
-    report = plan_lib.plan(config, "v5e-8", search=True)
+    report = plan_lib.plan(config, "v5e-8", search=True, compiler="cpu")
     # Independent per-device bytes: place a real tiny model and measure one device's shards.
     model = Transformer(plan_lib.resolve_model_config(config))
     placed = sh.shard_params(nnx.split(model, nnx.Param)[1], sh.make_mesh(2, 2, 2))
@@ -149,9 +149,9 @@ def test_plan_errors():
         DEMO, ["run.mesh=[8, 1, 1]", "rollout.prompts_per_step=1", "rollout.samples_per_prompt=4"]
     )
     with pytest.raises(ValueError, match="does not split over the 8 batch shards"):
-        plan_lib.plan(config, "v5e-8", search=False)
+        plan_lib.plan(config, "v5e-8", search=False, compiler="cpu")
     with pytest.raises(ValueError, match="needs 32 devices"):
-        plan_lib.plan(load_config(DEMO), "v5p-64", search=False)
+        plan_lib.plan(load_config(DEMO), "v5p-64", search=False, compiler="cpu")
     with pytest.raises(ValueError, match="--headroom=1.5"):
         plan_lib.main(["--topology", "v5e-1", "--headroom", "1.5"])
 
@@ -165,6 +165,8 @@ def test_main_prints_table(capsys):
                 "--topology",
                 "v6e-1",
                 "--no-search",
+                "--compiler",
+                "cpu",
                 "rollout.prompts_per_step=2",
                 "rollout.samples_per_prompt=2",
             ]
@@ -174,3 +176,22 @@ def test_main_prints_table(capsys):
     out = capsys.readouterr().out
     assert out.startswith("demo:tiny (L=2 H=64") and "on v6e-1 (1 chips, 32 GiB HBM" in out
     assert math.isfinite(float(out.split("fits: ")[1].split("(train ")[1].split("%")[0]))
+    assert "compiler: XLA:CPU on 1 stand-in devices, an estimate (--compiler cpu)" in out
+    assert "train temporaries" in out and "XLA:CPU estimate" in out.split("train temporaries")[1]
+
+
+def test_without_libtpu_plan_says_it_used_the_cpu_estimate(monkeypatch):
+    monkeypatch.setattr(plan_lib, "tpu_compiler_available", lambda: False)
+    kind, why = plan_lib.resolve_compiler("auto")
+    assert kind == "cpu" and why.startswith("libtpu not importable")
+    with pytest.raises(ValueError, match="--compiler tpu needs libtpu"):
+        plan_lib.resolve_compiler("tpu")
+
+
+def test_chip_grids_of_slices():
+    assert plan_lib._chip_grid(32, 3) == (4, 4, 2)  # v5p-64
+    assert plan_lib._chip_grid(4, 3) == (2, 2, 1)  # v5p-8
+    assert plan_lib._chip_grid(8, 2) == (4, 2)  # v5e-8
+    assert plan_lib._chip_grid(1, 2) == (1, 1)
+    with pytest.raises(ValueError, match="power-of-two"):
+        plan_lib._chip_grid(6, 2)

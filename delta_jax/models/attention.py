@@ -26,7 +26,6 @@ Implementations (``model.attention``):
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Literal
 
@@ -210,8 +209,8 @@ def chunked(q, k, v, segment_ids, *, block: int = 512):
     return out.swapaxes(0, 1).reshape(B, Tp, N, D)[:, :T]
 
 
-@functools.lru_cache(maxsize=32)
 def _splash_kernel(heads: int, length: int, block: int, interpret: bool, name: str | None):
+    # Built at every trace: the kernel holds its mask tables as arrays of the trace.
     mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((length, length))] * heads)
     sizes = splash_lib.BlockSizes(
         block_q=block,
@@ -223,16 +222,14 @@ def _splash_kernel(heads: int, length: int, block: int, interpret: bool, name: s
         block_q_dq=block,
         block_kv_dq=block,
     )
-    # Concrete mask tables even when first built inside a trace: the kernel is cached and reused.
-    with jax.ensure_compile_time_eval():
-        return splash_lib.make_splash_mha(
-            mask,
-            head_shards=1,
-            q_seq_shards=1,
-            block_sizes=sizes,
-            interpret=interpret,
-            residual_checkpoint_name=name,
-        )
+    return splash_lib.make_splash_mha(
+        mask,
+        head_shards=1,
+        q_seq_shards=1,
+        block_sizes=sizes,
+        interpret=interpret,
+        residual_checkpoint_name=name,
+    )
 
 
 def splash(q, k, v, segment_ids, *, block: int = 512, name: str | None = None):
