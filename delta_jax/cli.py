@@ -36,11 +36,11 @@ def _restore_policy(run_dir: Path, step: int | None):
     from flax import nnx
 
     from delta_jax.checkpoint import Checkpointer
-    from delta_jax.rl.setup import _load_model
-    from delta_jax.rl.train_step import init_train_state, make_optimizer
+    from delta_jax.rl.setup import load_model
+    from delta_jax.rl.state import init_train_state, make_optimizer
 
     config = load_config(run_dir / "config.yaml")
-    model, tokenizer = _load_model(config, run_dir)
+    model, tokenizer = load_model(config, run_dir)
     ckpt = Checkpointer(run_dir / "checkpoints", keep_last=config.run.keep_last)
     step = ckpt.latest_step() if step is None else step
     if step is None:
@@ -70,12 +70,14 @@ def _load_model_and_tokenizer(path: str):
 
 def _cmd_sample(args) -> int:
     from delta_jax.models import apply_chat_template
+    from delta_jax.rl.setup import special_token_ids
     from delta_jax.sampling import Sampler
 
     model, tokenizer = _load_model_and_tokenizer(args.model)
     text = args.prompt if args.raw else apply_chat_template(tokenizer, args.prompt)
     prompt = tokenizer.encode(text, add_special_tokens=False)
-    out = Sampler(model, pad_token_id=tokenizer.pad_token_id or 0).generate(
+    pad_id, stop_ids = special_token_ids(tokenizer, model)
+    out = Sampler(model, pad_token_id=pad_id).generate(
         [prompt],
         n=args.n,
         max_new_tokens=args.max_new_tokens,
@@ -83,7 +85,7 @@ def _cmd_sample(args) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
-        stop_token_ids=(tokenizer.eos_token_id,),
+        stop_token_ids=stop_ids,
     )
     for i, tokens in enumerate(out.tokens):
         print(f"--- sample {i} ({out.lengths[i]} tokens)")

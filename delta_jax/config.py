@@ -110,7 +110,12 @@ class AlgoConfigSection:
     clip_eps_low: float | None = None
     clip_eps_high: float | None = None
     dual_clip_c: float | None = 10.0
-    aggregation: str | None = None
+    aggregation: (
+        Literal[
+            "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+        ]
+        | None
+    ) = None
     # DelTA (DELTA_SPEC §3/§6).
     refine_steps: int = 1
     lam_min: float = 0.8
@@ -130,6 +135,11 @@ class AlgoConfigSection:
     # micro-batches per update.
     mini_batches: int = 1
     micro_batches: int = 1
+    # Pack prompt+response sequences first-fit-decreasing into rows of `tokens_per_row` input
+    # positions for the update (false: one sequence per row, padded to the longest possible).
+    packing: bool = True
+    # None: the longest possible sequence, data.max_prompt_length + rollout.max_new_tokens - 1.
+    tokens_per_row: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,6 +372,12 @@ def validate(config: Config) -> None:
     if a.lam_min > a.lam_max or a.lam_min < 0:
         raise ConfigError(
             f"algo.lam_min={a.lam_min} / algo.lam_max={a.lam_max}: need 0 <= min <= max"
+        )
+    longest = config.data.max_prompt_length + r.max_new_tokens - 1
+    if a.tokens_per_row is not None and a.tokens_per_row < longest:
+        raise ConfigError(
+            f"algo.tokens_per_row={a.tokens_per_row} must hold the longest sequence "
+            f"(data.max_prompt_length + rollout.max_new_tokens - 1 = {longest})"
         )
     if a.refine_steps < 0:
         raise ConfigError(f"algo.refine_steps={a.refine_steps} must be >= 0")

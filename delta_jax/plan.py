@@ -53,8 +53,9 @@ from delta_jax import sharding as sh
 from delta_jax.models import ModelConfig, Transformer, resolve_model_dir
 from delta_jax.models.axes import logical_to_mesh
 from delta_jax.models.transformer import KEY_CACHE_AXES, VALUE_CACHE_AXES
-from delta_jax.rl.objectives import resolve_objective
-from delta_jax.rl.train_step import TrainBatch, init_train_state, make_optimizer, make_train_step
+from delta_jax.rl.state import init_train_state, make_optimizer
+from delta_jax.rl.train_step import abstract_batch, make_train_step
+from delta_jax.rl.update_plan import UpdatePlan
 from delta_jax.sampling import sampler as sampler_lib
 from delta_jax.sampling.buckets import Buckets, prepare_request
 from delta_jax.sampling.strategies import make_strategy
@@ -272,9 +273,7 @@ class _Planner:
         self.state_shardings = sh.state_shardings(self.state, mesh)
         self.param_shardings = sh.param_shardings(self.params, mesh)
         self.sample_shardings = sh.param_shardings(self.params, mesh, sh.SAMPLE_RULES)
-        self.objective = resolve_objective(
-            config.algo, max_response_length=config.rollout.max_new_tokens
-        )
+        self.update_plan = UpdatePlan.from_config(config)
 
     def params_bytes(self) -> int:
         return _sharded_bytes(self.params, self.param_shardings)
@@ -301,43 +300,23 @@ class _Planner:
         return _sharded_bytes(list(xs), list(ts))
 
     def train(self, rows: int) -> ProgramMemory:
-        """Compiles the train step for micro-batches of ``rows`` rows (global)."""
-        c = self.config
-        P, G = c.data.max_prompt_length, c.rollout.max_new_tokens
-        mini, micro = c.algo.mini_batches, c.algo.micro_batches
-        bs = sh.batch_sharding(self.mesh)
-        sds = lambda shape, dtype: jax.ShapeDtypeStruct((micro, rows, *shape), dtype, sharding=bs)
-        f32 = lambda: sds((G,), jnp.float32)
-        # The same optional fields the loop passes (see delta_jax.rl.loop): an old-policy pass
-        # when one rollout feeds several updates, sampler-side DelTA under accumulation.
-        uses_delta = self.objective.uses_delta
-        batch = TrainBatch(
-            input_ids=sds((P + G,), jnp.int32),
-            attention_mask=sds((P + G,), jnp.bool_),
-            response_mask=sds((G,), jnp.bool_),
-            advantages=sds((), jnp.float32),
-            old_logprobs=f32() if mini > 1 else None,
-            coefficients=f32() if uses_delta and (mini > 1 or micro > 1) else None,
-            token_mask=sds((G,), jnp.bool_)
-            if mini > 1 and self.objective.uses_forking_mask
-            else None,
-            rollout_logprobs=f32() if c.algo.tis_cap is not None else None,
-            ref_logprobs=f32() if c.algo.kl_coef > 0 else None,
-        )
+        """Compiles the train step for micro-batches of ``rows`` rows (global).
+
+        Rows are sequences (padded layout) or packed rows of ``algo.tokens_per_row`` (at most one
+        per sequence), and the batch carries the fields the update plan feeds it.
+        """
+        batch = abstract_batch(self.update_plan, rows, sh.batch_sharding(self.mesh))
         step = make_train_step(
             self.graphdef,
             self.optimizer,
-            self.objective,
-            temperature=c.rollout.temperature or 1.0,
-            gen_len=G,
+            self.update_plan,
+            mesh=self.mesh,
             jit_kwargs=sh.train_jit_kwargs(self.state, self.mesh),
         )
         return _compile(lambda: step.lower(self.state, batch), self.mesh, sh.TRAIN_RULES)
 
     def _request(self, prompts: int):
         c, mc = self.config, self.model_config
-        spec = logical_to_mesh(("batch",), sh.SAMPLE_RULES, self.mesh)[0]
-        axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
         request = prepare_request(
             [[1] * c.data.max_prompt_length] * prompts,
             max_new_tokens=c.rollout.max_new_tokens,
@@ -347,7 +326,7 @@ class _Planner:
             pad_id=0,
             buckets=Buckets(),
             max_cache_length=mc.max_position_embeddings,
-            row_multiple=math.prod(self.mesh.shape[a] for a in axes),
+            row_multiple=sh.batch_divisor(self.mesh, sh.SAMPLE_RULES),
         )
         rows = request.prompt_ids.shape[0] * c.rollout.samples_per_prompt
         return request, rows, request.prompt_ids.shape[1], request.gen_len

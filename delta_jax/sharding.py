@@ -8,8 +8,8 @@ MLP columns and the vocabulary). Arrays are placed by the logical names their di
 
 * :data:`TRAIN_RULES` (the models package's :data:`~delta_jax.models.axes.DEFAULT_RULES`): rows over
   ``(data, fsdp)``, hidden over ``fsdp``, heads / MLP / vocab over ``tensor``;
-* :data:`SAMPLE_RULES` (the sampler's ``SAMPLING_RULES``): the same, except that nothing is split
-  over the hidden dimension, so that a decode step pays no FSDP gather.
+* :data:`SAMPLE_RULES` (used by the sampler): the same, except that nothing is split over the
+  hidden dimension, so that a decode step pays no FSDP gather.
 
 :func:`reshard_for_sampling` moves only the parameters whose placement differs between the two
 tables, on device. In a multi-process (multi-host) run every process calls the same functions with
@@ -19,7 +19,7 @@ the same arguments; per-process batches become global arrays with
 Example:
   >>> mesh = make_mesh(2, 2, 2)  # doctest: +SKIP
   >>> params = shard_params(params, mesh)  # doctest: +SKIP
-  >>> step = make_train_step(graphdef, opt, objective, temperature=1.0, gen_len=G,
+  >>> step = make_train_step(graphdef, opt, update_plan,
   ...                        jit_kwargs=train_jit_kwargs(state, mesh))  # doctest: +SKIP
 """
 
@@ -40,11 +40,24 @@ from flax.core import spmd
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from delta_jax.models.axes import BATCH, DEFAULT_RULES, Rules, logical_to_mesh
-from delta_jax.sampling.sampler import SAMPLING_RULES
 
 AXES = ("data", "fsdp", "tensor")
 TRAIN_RULES: Rules = DEFAULT_RULES
-SAMPLE_RULES: Rules = SAMPLING_RULES
+# Logical axis -> mesh axes while sampling. Unlike training, nothing is sharded over the hidden
+# dimension (no FSDP gathers per decode step): rows spread over every data-like axis, heads and
+# the vocabulary over ``tensor``; the cache follows its rows and KV heads.
+SAMPLE_RULES: Rules = (
+    ("batch", ("data", "fsdp")),
+    ("kv_heads", "tensor"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("embed", None),
+    ("head_dim", None),
+    ("layers", None),
+    ("length", None),
+    ("cache_length", None),
+)
 
 _GiB = 1024**3
 
@@ -291,9 +304,18 @@ def batch_sharding(mesh: Mesh, rules: Rules = TRAIN_RULES) -> NamedSharding:
 
 def batch_divisor(mesh: Mesh, rules: Rules = TRAIN_RULES) -> int:
     """How many shards the batch rows are split into (rows must be a multiple of it)."""
-    axes = batch_spec(mesh, rules)[1]
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-    return math.prod(mesh.shape[a] for a in axes)
+    return math.prod(mesh.shape[a] for a in batch_axes(mesh, rules))
+
+
+def batch_axes(mesh: Mesh, rules: Rules = TRAIN_RULES) -> tuple[str, ...]:
+    """The mesh axes the batch rows are split over (e.g. ``("data", "fsdp")``)."""
+    axes = logical_to_mesh((BATCH,), rules, mesh)[0]
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def rows_sharding(mesh: Mesh, row_axis: int, rules: Rules = TRAIN_RULES) -> NamedSharding:
+    """Sharding of an array whose dimension ``row_axis`` holds batch rows (the rest replicated)."""
+    return NamedSharding(mesh, PartitionSpec(*([None] * row_axis), batch_spec(mesh, rules)[1]))
 
 
 def train_jit_kwargs(abstract_state: Any, mesh: Mesh, rules: Rules = TRAIN_RULES) -> dict:
@@ -306,27 +328,6 @@ def train_jit_kwargs(abstract_state: Any, mesh: Mesh, rules: Rules = TRAIN_RULES
     return dict(
         in_shardings=(state, batch_sharding(mesh, rules)), out_shardings=(state, replicated)
     )
-
-
-def init_sharded_state(params: Any, optimizer: Any, mesh: Mesh, rules: Rules = TRAIN_RULES):
-    """``init_train_state`` run on device with every leaf created in its final sharding.
-
-    Args:
-      params: the parameter state (any placement; it is resharded by its metadata).
-      optimizer: the optax transformation.
-      mesh, rules: placement.
-
-    Returns:
-      ``(state, shardings)``: the ``TrainState`` and its sharding pytree.
-    """
-    from delta_jax.rl.train_step import init_train_state
-
-    params = shard_params(params, mesh, rules)
-    abstract = jax.eval_shape(lambda p: init_train_state(p, optimizer), params)
-    shardings = state_shardings(abstract, mesh, rules)
-    with use_mesh(mesh, rules):
-        state = jax.jit(lambda p: init_train_state(p, optimizer), out_shardings=shardings)(params)
-    return state, shardings
 
 
 def reshard_for_sampling(

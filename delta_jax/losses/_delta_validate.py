@@ -161,7 +161,9 @@ def check_chunks(
             h = _array(f"hidden{tag}", h, (b, t, width), ("float",), ref)
             width, src = h.shape[2], f"hidden{tag}"
         ref = f"logprobs{tag} {(b, t)}"
-        adv = _array(f"advantages{tag}", advantages[i], (b,), ("float", "int"), ref)
+        # Per response [b], or per token [b, t] (packed rows hold several responses).
+        adv_shape = (b, t) if jnp.ndim(advantages[i]) == 2 else (b,)
+        adv = _array(f"advantages{tag}", advantages[i], adv_shape, ("float", "int"), ref)
         m = _array(f"mask{tag}", masks[i], (b, t), ("float", "int", "bool"), ref)
         ids = logits = top = None
         if proxy == "hidden_topk":

@@ -60,7 +60,9 @@ def _solve(chunks: list[Chunk], lm_head: Array | None, opts: _Options):
         reduce = lambda x: x
 
     masks = [c.mask != 0 for c in chunks]
-    advs = [c.advantages.astype(_F32) for c in chunks]
+    # Per-token advantages [b, T]: a per-response [b] one is broadcast along its tokens.
+    advs = [jnp.broadcast_to(c.advantages.astype(_F32).reshape(c.mask.shape[0], -1), c.mask.shape)
+            for c in chunks]  # fmt: skip
     if opts.proxy == "lm_head_row":
         scales = [
             jnp.where(m, -jnp.expm1(c.logprobs.astype(_F32)), 0.0)
@@ -79,9 +81,9 @@ def _solve(chunks: list[Chunk], lm_head: Array | None, opts: _Options):
     # Row 0 is the positive side P, row 1 the negative side N: [2, b, T] per chunk.
     sides, masses = [], []
     for a, m in zip(advs, masks, strict=True):
-        side = jnp.stack([m & (a[:, None] > 0), m & (a[:, None] < 0)])
+        side = jnp.stack([m & (a > 0), m & (a < 0)])
         sides.append(side)
-        masses.append(jnp.where(side, jnp.abs(a)[None, :, None], 0.0))
+        masses.append(jnp.where(side, jnp.abs(a)[None], 0.0))
 
     def total(chunked):
         return reduce(sum(jnp.sum(x, axis=(-2, -1)) for x in chunked))
@@ -227,7 +229,7 @@ def delta_coefficients_microbatched(
       hiddens: per micro-batch ``[b_i, T_i, H]`` hidden states; may be ``None`` with
         ``proxy="hidden_topk"``.
       logprobs: per micro-batch ``[b_i, T_i]`` old-policy log-probs of the sampled tokens.
-      advantages: per micro-batch ``[b_i]`` sequence advantages.
+      advantages: per micro-batch ``[b_i]`` sequence advantages (or ``[b_i, T_i]`` per token).
       masks: per micro-batch ``[b_i, T_i]``, nonzero on real response tokens.
       token_ids: per micro-batch ``[b_i, T_i]``; only with ``proxy="hidden_topk"``.
       topk_logits: per micro-batch ``[b_i, T_i, k]``; only with ``proxy="hidden_topk"``.
@@ -270,7 +272,7 @@ def delta_coefficients_microbatched(
 def delta_coefficients(
     hidden: Float[ArrayLike, "B T H"] | None,
     logprobs: Float[ArrayLike, "B T"],
-    advantages: Float[ArrayLike, " B"],
+    advantages: Float[ArrayLike, " B"] | Float[ArrayLike, "B T"],
     mask: ArrayLike,
     *,
     refine_steps: int = 1,
@@ -320,7 +322,9 @@ def delta_coefficients(
         positions, any float dtype. With ``proxy="hidden_topk"`` it is not used and may be None
         (if given, its shape is checked against ``lm_head``).
       logprobs: ``[B, T]`` old-policy log-probs of the sampled tokens.
-      advantages: ``[B]`` sequence-level advantages ``Â``.
+      advantages: ``[B]`` sequence-level advantages ``Â``, or ``[B, T]`` per token (packed rows
+        holding several responses: each token carries its response's advantage; every
+        statistic is a sum over tokens, so the result does not depend on the layout).
       mask: ``[B, T]``, nonzero on real response tokens.
       refine_steps: K, the number of centroid refinements (paper: 0-3).
       lam_min: λ for a score of 0 (and for zero-advantage tokens).

@@ -106,7 +106,28 @@ def _masked_extreme(x: Array, valid: Array, fn) -> Array:
     return jnp.where(jnp.any(valid), fn(jnp.where(valid, x, fill)), 0).astype(x.dtype)
 
 
-def loss_normalizer(mask: ArrayLike, aggregation: str = "token-mean") -> Float[Array, ""]:
+def _segment_keys(segment_ids: ArrayLike, shape: tuple[int, ...]) -> tuple[Array, int]:
+    """One integer per (row, segment) of a packed ``[B, T]`` layout, and how many there can be."""
+    seg = jnp.asarray(segment_ids)
+    if seg.shape != shape or not jnp.issubdtype(seg.dtype, jnp.integer):
+        raise ValueError(
+            f"segment_ids must be integer with shape {shape}, got {seg.dtype}{seg.shape}"
+        )
+    B, T = shape
+    return (jnp.arange(B)[:, None] * (T + 1) + seg).reshape(-1), B * (T + 1)
+
+
+def _per_response_sum(x: Array, segment_ids: ArrayLike | None) -> Array:
+    """``Σ_t x`` of each token's response, broadcast to its tokens: the row, or its segment."""
+    if segment_ids is None:
+        return jnp.broadcast_to(jnp.sum(x, axis=-1, keepdims=True), x.shape)
+    keys, n = _segment_keys(segment_ids, x.shape)
+    return jax.ops.segment_sum(x.reshape(-1), keys, num_segments=n)[keys].reshape(x.shape)
+
+
+def loss_normalizer(
+    mask: ArrayLike, aggregation: str = "token-mean", segment_ids: ArrayLike | None = None
+) -> Float[Array, ""]:
     """Default denominator of :func:`policy_loss` for one batch.
 
     ``Σ_{b,t} mask`` for ``"token-mean"``; for the ``seq-mean-*`` modes, the number of responses
@@ -118,6 +139,8 @@ def loss_normalizer(mask: ArrayLike, aggregation: str = "token-mean") -> Float[A
     Args:
       mask: ``[B, T]`` valid-token mask (non-zero = valid).
       aggregation: one of :data:`AGGREGATIONS`.
+      segment_ids: optional ``[B, T]`` integers in ``[0, T]``: packed rows, where each
+        ``(row, segment id)`` is one response (see :func:`policy_loss`).
 
     Returns:
       A ``float32`` scalar.
@@ -134,7 +157,11 @@ def loss_normalizer(mask: ArrayLike, aggregation: str = "token-mean") -> Float[A
     valid = _valid_mask("mask", mask, mask.shape)
     if aggregation == "token-mean":
         return jnp.sum(valid).astype(jnp.float32)
-    return jnp.sum(jnp.any(valid, axis=-1)).astype(jnp.float32)
+    if segment_ids is None:
+        return jnp.sum(jnp.any(valid, axis=-1)).astype(jnp.float32)
+    keys, n = _segment_keys(segment_ids, mask.shape)
+    has_tokens = jax.ops.segment_max(valid.reshape(-1).astype(jnp.int32), keys, num_segments=n)
+    return jnp.sum(jnp.maximum(has_tokens, 0)).astype(jnp.float32)
 
 
 def _aggregate(
@@ -143,9 +170,17 @@ def _aggregate(
     aggregation: str,
     normalizer,
     max_response_length,
+    segment_ids=None,
 ) -> Float[Array, ""]:
     """Sums ``per_token`` (zero off ``valid``) as ``aggregation`` says, over the normaliser."""
     if aggregation == "token-mean":
+        total = jnp.sum(per_token)
+    elif segment_ids is not None:  # packed rows: each token carries its response's share
+        if aggregation == "seq-mean-token-mean":
+            lengths = _per_response_sum(valid.astype(per_token.dtype), segment_ids)
+            per_token = per_token / jnp.maximum(lengths, 1)
+        elif aggregation == "seq-mean-token-sum-norm":
+            per_token = per_token / jnp.asarray(max_response_length, per_token.dtype)
         total = jnp.sum(per_token)
     else:
         per_seq = jnp.sum(per_token, axis=-1)
@@ -156,7 +191,7 @@ def _aggregate(
             per_seq = per_seq / jnp.asarray(constant, per_seq.dtype)
         total = jnp.sum(per_seq)
     if normalizer is None:
-        normalizer = loss_normalizer(valid, aggregation)
+        normalizer = loss_normalizer(valid, aggregation, segment_ids)
     normalizer = jnp.asarray(normalizer, total.dtype)
     # Empty batch: the numerator is 0 too, and 0 is the documented loss.
     return total / jnp.where(normalizer > 0, normalizer, 1)
@@ -186,6 +221,7 @@ def policy_loss(
     kl_estimator: str = "k3",
     entropy: Float[Array, "B T"] | None = None,
     entropy_coef: float = 0.0,
+    segment_ids: ArrayLike | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """Clipped (PPO/DAPO), GSPO or SAPO policy-gradient loss with optional per-token weights.
 
@@ -238,6 +274,11 @@ def policy_loss(
       kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
       entropy: optional ``[B, T]`` per-token entropy of the current policy (differentiable).
       entropy_coef: ``η``, weight of the entropy bonus (needs ``entropy`` when non-zero).
+      segment_ids: optional ``[B, T]`` integers in ``[0, T]`` for packed rows, which hold several
+        responses: response = ``(row, segment id)`` instead of row, for the ``seq-mean-*``
+        aggregations, their default ``N`` and GSPO's sequence ratio (``advantages`` are then
+        per token, ``[B, T]``). Token-mean results do not depend on it. ``seq-mean-token-sum-norm``
+        then needs ``max_response_length``.
 
     Returns:
       ``(loss, metrics)``: the scalar loss and a dict of scalars, each over the valid tokens
@@ -302,6 +343,9 @@ def policy_loss(
     _check_number("sapo_tau_neg", sapo_tau_neg, low=0.0)
     if max_response_length is not None:
         _check_number("max_response_length", max_response_length, low=0.0)
+    elif segment_ids is not None and aggregation == "seq-mean-token-sum-norm":
+        raise ValueError("aggregation='seq-mean-token-sum-norm' with segment_ids needs "
+                         "max_response_length")  # fmt: skip
     if tis_cap is not None:
         if rollout is None:
             raise ValueError("tis_cap was given without rollout_logprobs")
@@ -314,8 +358,8 @@ def policy_loss(
     adv = jnp.where(valid, adv if coef is None else adv * coef, 0)
     token_log_ratio = jnp.clip(jnp.where(valid, lp - old, 0), -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     if loss_type == "gspo":
-        lengths = jnp.maximum(jnp.sum(valid, axis=-1, keepdims=True), 1).astype(dtype)
-        seq_log_ratio = jnp.sum(jnp.where(valid, lp - old, 0), axis=-1, keepdims=True) / lengths
+        lengths = jnp.maximum(_per_response_sum(valid.astype(dtype), segment_ids), 1)
+        seq_log_ratio = _per_response_sum(jnp.where(valid, lp - old, 0), segment_ids) / lengths
         lp_valid = jnp.where(valid, lp, 0)
         # Value s_i, gradient s_i ∇logπ_t: the GSPO-token form.
         log_ratio = jnp.clip(
@@ -349,7 +393,9 @@ def policy_loss(
 
     def agg(per_token):
         per_token = jnp.where(keep, per_token, 0)
-        return _aggregate(per_token, valid, aggregation, normalizer, max_response_length)
+        return _aggregate(
+            per_token, valid, aggregation, normalizer, max_response_length, segment_ids
+        )
 
     pg_loss = agg(surrogate)
     loss = pg_loss

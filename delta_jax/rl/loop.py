@@ -1,18 +1,21 @@
-"""The RL outer loop: prompts -> rollouts -> rewards -> DelTA update -> metrics -> checkpoints.
+"""The RL outer loop: rollout -> score -> prepare -> update(s) -> log/save.
 
-One RL step:
+One RL step (:func:`train`), each stage a function below, in this order:
 
-1. take ``prompts_per_step`` prompts from the grain pipeline and sample ``n`` responses each with
-   the sampler, reading the trainer's current parameters (no copy);
-2. score them (process pool, timeouts), add the overlong penalty, compute group advantages
-   (dynamic sampling when configured);
-3. when the rollout batch feeds several updates (``algo.mini_batches > 1``): one old-policy pass
-   gives the old log-probs and — for DelTA — the hidden states, from which the coefficients are
-   computed **once** for the rollout batch and held fixed (DELTA_SPEC §4); when one update uses
-   the whole batch, the jitted loss computes them from its own forward pass (no extra pass);
-   with gradient accumulation (``algo.micro_batches > 1``) and one update, they come from the
-   sampler's hidden states — again no extra model pass;
-4. apply the updates, log, evaluate, checkpoint.
+1. **rollout + score** (:func:`delta_jax.rl.rollout.collect_rollout`): ``prompts_per_step``
+   prompts from the grain pipeline, ``n`` responses each from the sampler (reading the trainer's
+   current parameters, no copy), rewards (process pool, timeouts) plus the overlong penalty, group
+   advantages, dynamic sampling when configured. Sequences, log-probs and hidden states stay on
+   device; the host reads the token ids only to decode the text the rewards need;
+2. **prepare** (:func:`_prepare`): the sequences go into the update's rows — packed
+   first-fit-decreasing into ``algo.tokens_per_row`` (``algo.packing``), or one padded per row —
+   by one on-device gather (:mod:`delta_jax.rl.packing`); then, as the
+   :class:`~delta_jax.rl.update_plan.UpdatePlan` says, DelTA coefficients from the sampler's
+   hidden states, or the old-policy pass (old log-probs, coefficients once per rollout batch),
+   and the reference pass (:mod:`delta_jax.rl.prepare`);
+3. **update(s)** (:func:`_update`): ``algo.mini_batches`` optimiser updates, each accumulating
+   ``algo.micro_batches`` micro-batches; metrics reduced by meaning;
+4. **log / evaluate / save** (:func:`_finish_step`).
 
 Resume is exact: sampling seeds derive from (seed, step), the data iterator state is saved with
 the parameters and optimiser state, and metrics lines after the restored step are dropped.
@@ -37,11 +40,14 @@ from flax import nnx
 from delta_jax import sharding as sh
 from delta_jax.checkpoint import Checkpointer
 from delta_jax.config import Config
-from delta_jax.losses import delta_coefficients_microbatched, forking_tokens_mask
 from delta_jax.rl.metrics_log import MetricsLog
+from delta_jax.rl.packing import make_assemble, plan_rows
+from delta_jax.rl.prepare import make_prepare, make_sampler_coefficients
 from delta_jax.rl.rollout import Rollout, collect_rollout
 from delta_jax.rl.setup import RunParts, build_run_parts
-from delta_jax.rl.train_step import TrainBatch, make_optimizer, make_train_step
+from delta_jax.rl.state import TrainState, init_sharded_state, make_optimizer
+from delta_jax.rl.train_step import TrainBatch, combine_metrics, make_train_step
+from delta_jax.rl.update_plan import UpdatePlan
 
 log = logging.getLogger(__name__)
 
@@ -101,81 +107,96 @@ class _StopFlag:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def _micro(x: np.ndarray | jax.Array | None, micro: int):
-    """[rows, ...] -> [micro, rows // micro, ...]."""
-    if x is None:
-        return None
-    return jnp.asarray(x).reshape(micro, x.shape[0] // micro, *x.shape[1:])
+@dataclasses.dataclass
+class _Run:
+    """A run's fixed parts and its evolving train state."""
 
-
-def _old_policy_stats(parts: RunParts, params, rollout: Rollout, micro_rows: int) -> dict:
-    """Old log-probs, entropy and DelTA coefficients of a rollout batch, one forward per chunk."""
-    logps, entropies, hiddens = [], [], []
-    for start in range(0, rollout.input_ids.shape[0], micro_rows):
-        sl = slice(start, start + micro_rows)
-        logp, entropy, hidden = parts.old_pass(
-            params, jnp.asarray(rollout.input_ids[sl]), jnp.asarray(rollout.attention_mask[sl])
-        )
-        logps.append(logp)
-        entropies.append(entropy)
-        hiddens.append(hidden)
-    out: dict[str, Any] = {"old_logprobs": jnp.concatenate(logps)}
-    mask = jnp.asarray(rollout.response_mask)
-    if parts.objective.uses_forking_mask:
-        out["token_mask"] = forking_tokens_mask(
-            jnp.concatenate(entropies), mask, top_q=parts.objective.forking_top_q
-        )
-    if parts.objective.uses_delta:
-        adv = jnp.asarray(rollout.advantages)
-        chunks = lambda x: [x[s : s + micro_rows] for s in range(0, x.shape[0], micro_rows)]
-        coefs, diag = delta_coefficients_microbatched(
-            hiddens,
-            logps,
-            chunks(adv),
-            chunks(mask),
-            return_diagnostics=True,
-            **parts.objective.delta_kwargs,
-        )
-        out["coefficients"] = jnp.concatenate(coefs)
-        out["delta_diagnostics"] = diag
-    return out
+    config: Config
+    mesh: Any
+    parts: RunParts
+    plan: UpdatePlan
+    state: TrainState
+    ref_params: Any  # the frozen reference policy (plan.reference), else None
+    train_step: Any
+    prepare: Any
+    assemble: Any
+    sampler_coefficients: Any
+    checkpointer: Checkpointer
+    metrics_log: MetricsLog
+    start: int
 
 
 def train(config: Config) -> TrainResult:
     """Run (or resume) the RL job described by ``config``; returns where its outputs are."""
-    mesh = sh.mesh_from_config(config.run.mesh)
-    parts = build_run_parts(config, mesh=mesh)
-    run_dir, cfg = parts.run_dir, config
-    rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
-    mini, micro = cfg.algo.mini_batches, cfg.algo.micro_batches
-    gen_len = cfg.rollout.max_new_tokens
+    run = _start(config)
+    cfg, writer = config, jax.process_index() == 0
+    progress = None
+    if writer and cfg.run.progress:
+        from tqdm import tqdm
 
-    optimizer = make_optimizer(cfg.optim, total_updates=cfg.run.steps * mini)
+        progress = tqdm(total=cfg.run.steps, initial=run.start, desc="rl", dynamic_ncols=True)
+    _CompileCounter.install()
+    if cfg.run.eval_every and run.start == 0:
+        # The starting point of the learning curve: the policy before any RL update.
+        run.metrics_log.log(0, _evaluate(run, 0))
+    step, stopped = run.start, False
+    with _StopFlag() as stop:
+        for step in range(run.start + 1, cfg.run.steps + 1):
+            t_step, compiles = time.perf_counter(), _CompileCounter.count
+            rollout = _rollout(run, step)
+            t_update = time.perf_counter()
+            batch, metrics = _prepare(run, rollout, step)
+            metrics.update(_update(run, batch))
+            metrics["time/update"] = time.perf_counter() - t_update
+            row = _finish_step(run, step, metrics, t_step, compiles, stop.requested)
+            if progress is not None:
+                loss = row.get("loss") or 0
+                progress.set_postfix(reward=f"{row['reward_mean']:.3f}", loss=f"{loss:.4f}")
+                progress.update(1)
+            if stop.requested:
+                stopped = True
+                break
+    run.checkpointer.close()
+    run.parts.close()
+    run.metrics_log.close()
+    if progress is not None:
+        progress.close()
+    plot_path = None
+    if writer:
+        from delta_jax.diagnostics.plots import plot_runs
+
+        plot_path = plot_runs([run.parts.run_dir], run.parts.run_dir / "learning_curve.png")
+    return TrainResult(
+        run_dir=run.parts.run_dir,
+        last_step=step,
+        metrics_path=run.metrics_log.path,
+        checkpoint_dir=run.checkpointer.directory,
+        plot_path=plot_path,
+        stopped_early=stopped,
+    )
+
+
+def _start(cfg: Config) -> _Run:
+    """Mesh, run parts, update plan, compiled programs, train state (restored when resuming)."""
+    mesh = sh.mesh_from_config(cfg.run.mesh)
+    parts = build_run_parts(cfg, mesh=mesh)
+    plan = UpdatePlan.from_config(cfg)
+    optimizer = make_optimizer(cfg.optim, total_updates=cfg.run.steps * plan.mini_batches)
     graphdef, params = nnx.split(parts.model, nnx.Param)
-    state, _ = sh.init_sharded_state(params, optimizer, mesh)
-    ref_params = jax.tree.map(jnp.copy, params) if cfg.algo.kl_coef > 0 else None
-    train_step = make_train_step(
-        graphdef,
-        optimizer,
-        parts.objective,
-        temperature=cfg.rollout.temperature or 1.0,
-        gen_len=gen_len,
-        jit_kwargs=sh.train_jit_kwargs(state, mesh),
-    )
-
+    state, _ = init_sharded_state(params, optimizer, mesh)
     ckpt = Checkpointer(
-        run_dir / "checkpoints", keep_last=cfg.run.keep_last, best_metric=cfg.run.best_metric
+        parts.run_dir / "checkpoints", keep_last=cfg.run.keep_last, best_metric=cfg.run.best_metric
     )
-    start = 0
-    latest = ckpt.latest_step()
-    if latest is not None:
-        state, host = ckpt.restore(latest, state)
+    start = ckpt.latest_step() or 0
+    # The reference is the initial policy, also when resuming.
+    ref_params = jax.tree.map(jnp.copy, state.params) if plan.reference else None
+    if start:
+        state, host = ckpt.restore(start, state)
         parts.pipeline.set_state(host["data"])
-        start = latest
         log.info("resumed from %s at step %d", ckpt.directory, start)
     writer = jax.process_index() == 0
     metrics_log = MetricsLog(
-        run_dir,
+        parts.run_dir,
         enabled=writer,
         tensorboard=cfg.run.tensorboard,
         wandb=cfg.run.wandb,
@@ -183,138 +204,118 @@ def train(config: Config) -> TrainResult:
         config=cfg.to_dict(),
     )
     if writer:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-
-    inline_delta = parts.objective.uses_delta and mini == 1 and micro == 1
-    use_sampler_hidden = parts.objective.uses_delta and mini == 1 and micro > 1
-    need_old_pass = mini > 1
-    sampling = dict(
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-        stop_token_ids=parts.stop_token_ids,
+        (parts.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return _Run(
+        config=cfg,
+        mesh=mesh,
+        parts=parts,
+        plan=plan,
+        state=state,
+        ref_params=ref_params,
+        train_step=make_train_step(
+            graphdef, optimizer, plan, mesh=mesh, jit_kwargs=sh.train_jit_kwargs(state, mesh)
+        ),
+        prepare=make_prepare(graphdef, plan, mesh=mesh),
+        assemble=make_assemble(plan, sh.rows_sharding(mesh, row_axis=2)),
+        sampler_coefficients=make_sampler_coefficients(plan, mesh=mesh),
+        checkpointer=ckpt,
+        metrics_log=metrics_log,
+        start=start,
     )
-    progress = None
-    if writer and cfg.run.progress:
-        from tqdm import tqdm
 
-        progress = tqdm(total=cfg.run.steps, initial=start, desc="rl", dynamic_ncols=True)
 
-    _CompileCounter.install()
-    if cfg.run.eval_every and start == 0:
-        # The starting point of the learning curve: the policy before any RL update.
-        metrics_log.log(0, parts.evaluate(sh.reshard_for_sampling(state.params, mesh), 0))
-    step = start
-    stopped = False
-    with _StopFlag() as stop:
-        for step in range(start + 1, cfg.run.steps + 1):
-            t_step = time.perf_counter()
-            compiles_before = _CompileCounter.count
-            rollout = collect_rollout(
-                sampler=parts.sampler,
-                params=sh.reshard_for_sampling(state.params, mesh),
-                scorer=parts.scorer,
-                tokenizer=parts.tokenizer,
-                prompt_batches=parts.prompt_batches(),
-                n=cfg.rollout.samples_per_prompt,
-                prompt_len=parts.prompt_len,
-                gen_len=gen_len,
-                sampling=sampling,
-                seed=cfg.run.seed * 1_000_003 + step,
-                advantage=cfg.algo.advantage,
-                overlong=(cfg.reward.overlong_buffer, cfg.reward.overlong_factor),
-                dynamic_rounds=cfg.rollout.dynamic_sampling_rounds,
-                return_hidden=use_sampler_hidden,
-            )
-            t_update = time.perf_counter()
-            fixed: dict[str, Any] = {}
-            metrics: dict[str, Any] = dict(rollout.stats)
-            if need_old_pass:
-                fixed = _old_policy_stats(parts, state.params, rollout, rows // mini // micro)
-                metrics["delta/computed_per_rollout"] = float(parts.objective.uses_delta)
-            elif use_sampler_hidden:
-                coefs, diag = parts.delta_from_hidden(
-                    rollout.hidden,
-                    jnp.asarray(rollout.rollout_logprobs),
-                    jnp.asarray(rollout.advantages),
-                    jnp.asarray(rollout.response_mask),
-                )
-                fixed = {"coefficients": coefs, "delta_diagnostics": diag}
-            if "delta_diagnostics" in fixed:
-                metrics.update(
-                    {f"delta/{k}": float(v) for k, v in fixed.pop("delta_diagnostics").items()}
-                )
-            ref_logprobs = None
-            if ref_params is not None:
-                ref_logprobs = parts.ref_logprobs(ref_params, rollout, rows // mini // micro)
-            order = np.random.default_rng(cfg.run.seed * 7919 + step).permutation(rows)
-            if mini == 1:
-                order = np.arange(rows)
-            update_metrics = []
-            for m in range(mini):
-                idx = order[m * (rows // mini) : (m + 1) * (rows // mini)]
-
-                def take(x, idx=idx):
-                    return None if x is None else x[idx]
-
-                batch = TrainBatch(
-                    input_ids=_micro(rollout.input_ids[idx], micro),
-                    attention_mask=_micro(rollout.attention_mask[idx], micro),
-                    response_mask=_micro(rollout.response_mask[idx], micro),
-                    advantages=_micro(rollout.advantages[idx], micro),
-                    old_logprobs=_micro(take(fixed.get("old_logprobs")), micro),
-                    coefficients=_micro(take(fixed.get("coefficients")), micro),
-                    token_mask=_micro(take(fixed.get("token_mask")), micro),
-                    rollout_logprobs=_micro(rollout.rollout_logprobs[idx], micro),
-                    ref_logprobs=_micro(take(ref_logprobs), micro),
-                )
-                with sh.use_mesh(mesh):
-                    state, step_metrics = train_step(state, sh.replicated_to_global(batch, mesh))
-                update_metrics.append(step_metrics)
-            update_metrics = jax.device_get(update_metrics)
-            for key in update_metrics[0]:
-                metrics[key] = float(np.mean([m[key] for m in update_metrics]))
-            metrics["updates_skipped_total"] = int(state.skipped)
-            metrics["time/update"] = time.perf_counter() - t_update
-            if inline_delta:
-                metrics["delta/computed_in_loss"] = 1.0
-            if cfg.run.eval_every and step % cfg.run.eval_every == 0:
-                t_eval = time.perf_counter()
-                metrics.update(parts.evaluate(sh.reshard_for_sampling(state.params, mesh), step))
-                metrics["time/eval"] = time.perf_counter() - t_eval
-            metrics["time/step"] = time.perf_counter() - t_step
-            metrics["compiles"] = _CompileCounter.count - compiles_before
-            row = metrics_log.log(step, metrics)
-            if progress is not None:
-                progress.set_postfix(
-                    reward=f"{row['reward_mean']:.3f}", loss=f"{row.get('loss') or 0:.4f}"
-                )
-                progress.update(1)
-            if step % cfg.run.save_every == 0 or step == cfg.run.steps or stop.requested:
-                ckpt.save(
-                    step,
-                    state,
-                    host={"data": parts.pipeline.get_state(), "step": step, "seed": cfg.run.seed},
-                    metrics={k: v for k, v in row.items() if isinstance(v, int | float)},
-                )
-            if stop.requested:
-                stopped = True
-                break
-    ckpt.close()
-    parts.close()
-    metrics_log.close()
-    if progress is not None:
-        progress.close()
-    plot_path = None
-    if writer:
-        from delta_jax.diagnostics.plots import plot_runs
-
-        plot_path = plot_runs([run_dir], run_dir / "learning_curve.png")
-    return TrainResult(
-        run_dir=run_dir,
-        last_step=step,
-        metrics_path=metrics_log.path,
-        checkpoint_dir=ckpt.directory,
-        plot_path=plot_path,
-        stopped_early=stopped,
+def _rollout(run: _Run, step: int) -> Rollout:
+    """Sample and score one rollout batch with the current parameters."""
+    cfg, parts = run.config, run.parts
+    return collect_rollout(
+        sampler=parts.sampler,
+        params=sh.reshard_for_sampling(run.state.params, run.mesh),
+        scorer=parts.scorer,
+        tokenizer=parts.tokenizer,
+        prompt_batches=parts.prompt_batches(),
+        n=cfg.rollout.samples_per_prompt,
+        prompt_len=parts.prompt_len,
+        gen_len=cfg.rollout.max_new_tokens,
+        sampling=dict(
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
+            stop_token_ids=parts.stop_token_ids,
+        ),
+        seed=cfg.run.seed * 1_000_003 + step,
+        advantage=cfg.algo.advantage,
+        overlong=(cfg.reward.overlong_buffer, cfg.reward.overlong_factor),
+        dynamic_rounds=cfg.rollout.dynamic_sampling_rounds,
+        return_hidden=run.plan.coefficients == "sampler",
     )
+
+
+def _prepare(run: _Run, rollout: Rollout, step: int) -> tuple[TrainBatch, dict[str, Any]]:
+    """The rollout in the update's rows ``[mini, M, b, ...]``, with the plan's fixed inputs."""
+    plan, metrics = run.plan, dict(rollout.stats)
+    advantages = jnp.asarray(rollout.advantages)
+    coefficients, diagnostics = None, {}
+    if plan.coefficients == "sampler":
+        coefficients, diagnostics = run.sampler_coefficients(
+            rollout.hidden, rollout.rollout_logprobs, advantages, jnp.asarray(rollout.lengths)
+        )
+    order = np.arange(plan.rows)
+    if plan.mini_batches > 1:
+        order = np.random.default_rng(run.config.run.seed * 7919 + step).permutation(plan.rows)
+    unit = plan.micro_batches * sh.batch_divisor(run.mesh)
+    index, layout_stats = plan_rows(plan, order, rollout.prompt_lengths, rollout.lengths, unit)
+    metrics.update(layout_stats)
+    index = sh.replicated_to_global(index, run.mesh, row_axis=2)
+    batch = run.assemble(
+        rollout.sequences, rollout.rollout_logprobs, advantages, coefficients, index
+    )
+    if plan.old_pass or plan.reference:
+        with sh.use_mesh(run.mesh):
+            batch, diagnostics = run.prepare(run.state.params, run.ref_params, batch)
+    metrics.update({f"delta/{k}": v for k, v in diagnostics.items()})
+    if plan.coefficients in ("sampler", "old_pass"):
+        metrics["delta/computed_per_rollout"] = 1.0
+    elif plan.coefficients == "in_loss":
+        metrics["delta/computed_in_loss"] = 1.0
+    return batch, metrics
+
+
+def _update(run: _Run, batch: TrainBatch) -> dict[str, float]:
+    """The plan's optimiser updates, one per mini-batch; their metrics reduced by meaning."""
+    per_update = []
+    for m in range(run.plan.mini_batches):
+        with sh.use_mesh(run.mesh):
+            run.state, metrics = run.train_step(run.state, jax.tree.map(lambda x, m=m: x[m], batch))
+        per_update.append(metrics)
+    per_update = jax.device_get(per_update)  # one transfer, after the last update
+    stacked = {k: np.stack([u[k] for u in per_update]) for k in per_update[0]}
+    means = ("loss", "pg_loss", "grad_norm", "update_skipped")
+    metrics = combine_metrics(stacked, means=means)
+    metrics.pop("tokens")
+    metrics["updates_skipped_total"] = int(run.state.skipped)
+    return {k: float(v) if not isinstance(v, int) else v for k, v in metrics.items()}
+
+
+def _evaluate(run: _Run, step: int) -> dict[str, float]:
+    return run.parts.evaluate(sh.reshard_for_sampling(run.state.params, run.mesh), step)
+
+
+def _finish_step(run: _Run, step, metrics, t_step, compiles, stopping) -> dict[str, Any]:
+    """Evaluate when due, log the step's metrics, save when due; returns the logged row."""
+    cfg = run.config
+    metrics = {k: v for k, v in metrics.items()}
+    if cfg.run.eval_every and step % cfg.run.eval_every == 0:
+        t_eval = time.perf_counter()
+        metrics.update(_evaluate(run, step))
+        metrics["time/eval"] = time.perf_counter() - t_eval
+    metrics["time/step"] = time.perf_counter() - t_step
+    metrics["compiles"] = _CompileCounter.count - compiles
+    row = run.metrics_log.log(step, metrics)
+    if step % cfg.run.save_every == 0 or step == cfg.run.steps or stopping:
+        run.checkpointer.save(
+            step,
+            run.state,
+            host={"data": run.parts.pipeline.get_state(), "step": step, "seed": cfg.run.seed},
+            metrics={k: v for k, v in row.items() if isinstance(v, int | float)},
+        )
+    return row

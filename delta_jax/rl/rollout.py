@@ -1,4 +1,4 @@
-"""From prompts to a scored, padded rollout batch (host side of one RL step).
+"""From prompts to a scored rollout batch whose tensors stay on device.
 
 Sampling -> decoding -> rewards (+ DAPO overlong penalty) -> group advantages, with DAPO's
 dynamic sampling: groups whose rewards are all equal carry no learning signal, so further rounds
@@ -6,16 +6,18 @@ of prompts are sampled until the batch holds ``prompts_per_step`` informative gr
 limit is hit (then the batch is filled with uninformative groups, counted, so its shape — and the
 compiled update — never changes).
 
-All arrays leave here padded to fixed training shapes (prompt ``P``, response ``G``) so the
-jitted update compiles once per run.
+The host reads the sampled token ids (the rewards need text) and the lengths; the sequences,
+log-probs and hidden states stay on device, gathered into the fixed padded layout (prompt ``P``,
+response ``G``) by one jitted program.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -27,19 +29,17 @@ from delta_jax.losses import advantages as adv_lib
 
 @dataclasses.dataclass
 class Rollout:
-    """A scored rollout batch of ``B = prompts x n`` rows (prompt-major)."""
+    """A scored rollout batch of ``B = prompts x n`` sequences (prompt-major)."""
 
-    input_ids: np.ndarray  # int32[B, P + G]: left-padded prompt ++ right-padded response
-    attention_mask: np.ndarray  # bool[B, P + G]
-    response_mask: np.ndarray  # bool[B, G]
-    rollout_logprobs: np.ndarray  # f32[B, G]: sampler's untruncated log-probs
+    sequences: jax.Array  # int32[B, P + G] device: left-padded prompt ++ right-padded response
+    rollout_logprobs: jax.Array  # f32[B, G] device: sampler's untruncated log-probs
+    hidden: jax.Array | None  # [B, G, H] device: sampler hidden states, when asked for
+    prompt_lengths: np.ndarray  # int32[B]
+    lengths: np.ndarray  # int32[B] response tokens
     rewards: np.ndarray  # f32[B] (overlong penalty included)
     advantages: np.ndarray  # f32[B]
-    lengths: np.ndarray  # int32[B]
-    hidden: jax.Array | None  # [B, G, H] sampler hidden states, when asked for
     records: list[PromptRecord]  # one per row
     responses: list[str]
-    response_tokens: list[list[int]]
     stats: dict[str, float]
 
 
@@ -51,30 +51,28 @@ ADVANTAGE_FNS: dict[str, Callable] = {
 }
 
 
-def pad_rows(
-    prompts: Sequence[Sequence[int]],
-    responses: Sequence[Sequence[int]],
-    *,
-    prompt_len: int,
-    gen_len: int,
-    pad_id: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Left-pad prompts to ``prompt_len`` and right-pad responses to ``gen_len``."""
-    rows = len(prompts)
-    ids = np.full((rows, prompt_len + gen_len), pad_id, np.int32)
-    mask = np.zeros((rows, prompt_len + gen_len), bool)
-    response_mask = np.zeros((rows, gen_len), bool)
-    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        if len(p) > prompt_len or len(r) > gen_len:
-            raise ValueError(
-                f"row {i}: prompt {len(p)} > {prompt_len} or response {len(r)} > {gen_len}"
-            )
-        ids[i, prompt_len - len(p) : prompt_len] = p
-        mask[i, prompt_len - len(p) : prompt_len] = True
-        ids[i, prompt_len : prompt_len + len(r)] = r
-        mask[i, prompt_len : prompt_len + len(r)] = True
-        response_mask[i, : len(r)] = True
-    return ids, mask, response_mask
+@functools.partial(jax.jit, static_argnames=("prompt_len", "gen_len"))
+def _padded_rows(outputs, rows, *, prompt_len: int, gen_len: int):
+    """Rows ``rows`` of the sampler outputs of every round, in the fixed ``P`` / ``G`` layout."""
+
+    def fit(x, width, left):  # crop or pad axis 1 to ``width``
+        have = x.shape[1]
+        if have >= width:
+            return x[:, have - width :] if left else x[:, :width]
+        pad = [(0, 0)] * x.ndim
+        pad[1] = (width - have, 0) if left else (0, width - have)
+        return jnp.pad(x, pad)
+
+    cat = lambda xs: jnp.concatenate(xs)[rows]
+    sequences = cat(
+        [
+            jnp.concatenate([fit(p, prompt_len, True), fit(t, gen_len, False)], 1)
+            for p, t, _, _ in outputs
+        ]
+    )
+    logprobs = cat([fit(lp, gen_len, False) for _, _, lp, _ in outputs])
+    hidden = None if outputs[0][3] is None else cat([fit(h, gen_len, False) for *_, h in outputs])
+    return sequences, logprobs, hidden
 
 
 def collect_rollout(
@@ -96,57 +94,24 @@ def collect_rollout(
 ) -> Rollout:
     """Sample, score and assemble one rollout batch (see module docstring)."""
     stats: Counter = Counter()
-    kept: list[dict] = []  # per-group dicts of rows
+    kept: list[dict] = []  # per-group dicts: where its rows are, and their host-side results
     spare: list[dict] = []
-    wanted = None
-    t_sample = t_reward = 0.0
+    outputs, offset, wanted = [], 0, None
     for round_ in range(dynamic_rounds + 1):
         pairs = next(prompt_batches)
         wanted = wanted or len(pairs)
-        t0 = time.perf_counter()
-        out = sampler.generate(
-            [ids for ids, _ in pairs],
-            n=n,
-            max_new_tokens=gen_len,
-            seed=seed * 1000 + round_,
-            return_hidden=return_hidden,
-            params=params,
-            **sampling,
+        out, groups = _sample_and_score(
+            sampler, params, scorer, tokenizer, pairs, n, gen_len, sampling,
+            seed * 1000 + round_, overlong, return_hidden, stats,
+        )  # fmt: skip
+        outputs.append(
+            (out.prompt_array, out.token_array, out.untruncated_logprob_array, out.hidden_array)
         )
-        texts = tokenizer.batch_decode(out.tokens, skip_special_tokens=True)
-        t1 = time.perf_counter()
-        records = [rec for _, rec in pairs for _ in range(n)]
-        items = [{"answer": r.answer, "tests": r.tests, **r.extra} for r in records]
-        scored = scorer.score([r.prompt for r in records], texts, items)
-        t2 = time.perf_counter()
-        t_sample += t1 - t0
-        t_reward += t2 - t1
-        stats.update({f"reward/{k}": v for k, v in scored.counts.items()})
-        rewards = np.asarray(scored.rewards, np.float32)
-        if overlong is not None and overlong[0] > 0:
-            rewards = rewards + np.asarray(
-                adv_lib.overlong_penalty(
-                    jnp.asarray(out.lengths),
-                    max_response_length=gen_len,
-                    buffer=overlong[0],
-                    factor=overlong[1],
-                )
-            )
-        informative = np.asarray(adv_lib.informative_groups(jnp.asarray(rewards), n))
-        hidden = out.hidden_array if return_hidden else None
-        for g, (prompt_ids, _) in enumerate(pairs):
-            rows = slice(g * n, (g + 1) * n)
-            group = dict(
-                prompt_ids=prompt_ids,
-                tokens=out.tokens[rows],
-                logprobs=out.untruncated_logprobs[rows],
-                rewards=rewards[rows],
-                lengths=list(out.lengths[rows]),
-                records=records[rows],
-                texts=texts[rows],
-                hidden=None if hidden is None else hidden[rows],
-            )
-            (kept if informative[g] or dynamic_rounds == 0 else spare).append(group)
+        for g, group in enumerate(groups):
+            group["rows"] = offset + g * n + np.arange(n)
+            informative = np.ptp(group["rewards"]) > 0
+            (kept if informative or dynamic_rounds == 0 else spare).append(group)
+        offset += out.token_array.shape[0]
         stats["dynamic/rounds"] = round_ + 1
         if len(kept) >= wanted:
             break
@@ -155,27 +120,15 @@ def collect_rollout(
         kept.extend(spare[: wanted - len(kept)])
     kept = kept[:wanted]
     stats["dynamic/informative_groups"] = int(sum(np.ptp(g["rewards"]) > 0 for g in kept))
-
-    prompts = [g["prompt_ids"] for g in kept for _ in range(n)]
-    tokens = [t for g in kept for t in g["tokens"]]
-    ids, mask, response_mask = pad_rows(
-        prompts, tokens, prompt_len=prompt_len, gen_len=gen_len, pad_id=tokenizer.pad_token_id
+    rows = np.concatenate([g["rows"] for g in kept])
+    sequences, logprobs, hidden = _padded_rows(
+        tuple(outputs), rows, prompt_len=prompt_len, gen_len=gen_len
     )
-    logprobs = np.zeros((len(tokens), gen_len), np.float32)
-    for i, lp in enumerate(g_lp for g in kept for g_lp in g["logprobs"]):
-        logprobs[i, : len(lp)] = lp
+    joined = lambda key: [x for g in kept for x in g[key]]
     rewards = np.concatenate([g["rewards"] for g in kept]).astype(np.float32)
-    advantages = np.asarray(ADVANTAGE_FNS[advantage](jnp.asarray(rewards), n), np.float32)
-    hidden = None
-    if return_hidden:
-        hidden = jnp.concatenate([g["hidden"] for g in kept], axis=0)
-        pad = gen_len - hidden.shape[1]
-        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))) if pad > 0 else hidden[:, :gen_len]
-    lengths = np.asarray([n_ for g in kept for n_ in g["lengths"]], np.int32)
+    lengths = np.asarray(joined("lengths"), np.int32)
     stats.update(
         {
-            "time/rollout": t_sample,
-            "time/reward": t_reward,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
             "response_length_mean": float(lengths.mean()),
@@ -184,16 +137,58 @@ def collect_rollout(
         }
     )
     return Rollout(
-        input_ids=ids,
-        attention_mask=mask,
-        response_mask=response_mask,
+        sequences=sequences,
         rollout_logprobs=logprobs,
-        rewards=rewards,
-        advantages=advantages,
-        lengths=lengths,
         hidden=hidden,
-        records=[r for g in kept for r in g["records"]],
-        responses=[t for g in kept for t in g["texts"]],
-        response_tokens=tokens,
+        prompt_lengths=np.asarray([len(g["prompt_ids"]) for g in kept for _ in range(n)], np.int32),
+        lengths=lengths,
+        rewards=rewards,
+        advantages=np.asarray(ADVANTAGE_FNS[advantage](jnp.asarray(rewards), n), np.float32),
+        records=joined("records"),
+        responses=joined("texts"),
         stats=dict(stats),
     )
+
+
+def _sample_and_score(
+    sampler, params, scorer, tokenizer, pairs, n, gen_len, sampling, seed, overlong, hidden, stats
+):
+    """One sampler call and its rewards; returns the output and one dict per prompt group."""
+    t0 = time.perf_counter()
+    out = sampler.generate(
+        [ids for ids, _ in pairs],
+        n=n,
+        max_new_tokens=gen_len,
+        seed=seed,
+        return_hidden=hidden,
+        params=params,
+        **sampling,
+    )
+    texts = tokenizer.batch_decode(out.tokens, skip_special_tokens=True)  # the host's only read
+    t1 = time.perf_counter()
+    records = [rec for _, rec in pairs for _ in range(n)]
+    items = [{"answer": r.answer, "tests": r.tests, **r.extra} for r in records]
+    scored = scorer.score([r.prompt for r in records], texts, items)
+    stats["time/rollout"] += t1 - t0
+    stats["time/reward"] += time.perf_counter() - t1
+    stats.update({f"reward/{k}": v for k, v in scored.counts.items()})
+    rewards = np.asarray(scored.rewards, np.float32)
+    if overlong is not None and overlong[0] > 0:
+        rewards = rewards + np.asarray(
+            adv_lib.overlong_penalty(
+                jnp.asarray(out.lengths),
+                max_response_length=gen_len,
+                buffer=overlong[0],
+                factor=overlong[1],
+            )
+        )
+    return out, [
+        dict(
+            prompt_ids=prompt_ids,
+            rewards=rewards[g * n : (g + 1) * n],
+            lengths=list(out.lengths[g * n : (g + 1) * n]),
+            records=records[g * n : (g + 1) * n],
+            texts=texts[g * n : (g + 1) * n],
+        )
+        for g, (prompt_ids, _) in enumerate(pairs)
+    ]

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from delta_jax.config import Config, ConfigError
 from delta_jax.data import PromptPipeline, PromptRecord, encode_prompts, load_records
-from delta_jax.losses import delta_coefficients
-from delta_jax.rl.objectives import Objective, resolve_objective
-from delta_jax.rl.train_step import make_old_pass
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from delta_jax.models import Transformer
+    from delta_jax.rewards import RewardScorer
+    from delta_jax.sampling import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -26,14 +29,14 @@ DEMO_DATA = "demo:arithmetic"
 
 @dataclasses.dataclass
 class RunParts:
-    """Everything the loop needs besides the train state."""
+    """Everything the loop needs besides the train state and the update plan."""
 
     config: Config
     run_dir: Path
-    model: Any
-    tokenizer: Any
-    sampler: Any
-    scorer: Any
+    model: Transformer
+    tokenizer: PreTrainedTokenizerBase
+    sampler: Sampler
+    scorer: RewardScorer
     pipeline: PromptPipeline
     prompt_ids: list[list[int]]
     records: list[PromptRecord]
@@ -41,26 +44,11 @@ class RunParts:
     eval_records: list[PromptRecord]
     prompt_len: int
     stop_token_ids: tuple[int, ...]
-    objective: Objective
-    old_pass: Callable
-    delta_from_hidden: Callable
 
     def prompt_batches(self) -> Iterator[list[tuple[list[int], PromptRecord]]]:
         """Batches of ``(prompt ids, record)`` drawn from the (checkpointable) pipeline."""
         while True:
             yield [(self.prompt_ids[i], self.records[i]) for i in next(self.pipeline)]
-
-    def ref_logprobs(self, ref_params, rollout, micro_rows: int) -> jax.Array:
-        """Reference-policy log-probs of the rollout's responses (for the KL penalty)."""
-        out = []
-        for s in range(0, rollout.input_ids.shape[0], micro_rows):
-            logp, _, _ = self.old_pass(
-                ref_params,
-                jnp.asarray(rollout.input_ids[s : s + micro_rows]),
-                jnp.asarray(rollout.attention_mask[s : s + micro_rows]),
-            )
-            out.append(logp)
-        return jnp.concatenate(out)
 
     def evaluate(self, params, step: int) -> dict[str, float]:
         """Mean reward on the held-out prompts (the sampling settings of the run)."""
@@ -87,7 +75,16 @@ class RunParts:
         self.scorer.close()
 
 
-def _load_model(config: Config, run_dir: Path):
+def special_token_ids(tokenizer, model) -> tuple[int, tuple[int, ...]]:
+    """``(pad id, stop ids)`` of a policy: the tokenizer's and the model config's EOS ids."""
+    stop = {tokenizer.eos_token_id, getattr(model.config, "eos_token_id", None)}
+    stop_ids = tuple(sorted(int(s) for s in stop if isinstance(s, int | np.integer)))
+    pad = tokenizer.pad_token_id
+    return (pad if pad is not None else 0), stop_ids
+
+
+def load_model(config: Config, run_dir: Path):
+    """The run's policy and tokenizer (the demo model is warmed up once, by process 0)."""
     from delta_jax.demo import warm_up_demo_model
     from delta_jax.models import from_pretrained, load_tokenizer
 
@@ -142,7 +139,7 @@ def build_run_parts(config: Config, mesh=None) -> RunParts:
 
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = _load_model(config, run_dir)
+    model, tokenizer = load_model(config, run_dir)
     d = config.data
     template = d.template
     if d.source == DEMO_DATA and template is None:
@@ -191,29 +188,16 @@ def build_run_parts(config: Config, mesh=None) -> RunParts:
         process_index=0,
         process_count=1,
     )
-    stop = {tokenizer.eos_token_id, getattr(model.config, "eos_token_id", None)}
-    stop_ids = tuple(sorted(int(s) for s in stop if isinstance(s, int | np.integer)))
+    pad_id, stop_ids = special_token_ids(tokenizer, model)
     cache_dtype = config.rollout.cache_dtype
     sampler = Sampler(
         model,
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        pad_token_id=pad_id,
         cache_dtype=None if cache_dtype == "auto" else jnp.dtype(cache_dtype),
         mesh=mesh,
     )
-    objective = resolve_objective(config.algo, max_response_length=config.rollout.max_new_tokens)
     scorer = RewardScorer(
         config.reward.kind, num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s
-    )
-    old_pass = make_old_pass(
-        _graphdef(model),
-        temperature=config.rollout.temperature or 1.0,
-        gen_len=config.rollout.max_new_tokens,
-        return_entropy=objective.uses_forking_mask,
-    )
-    delta_from_hidden = jax.jit(
-        lambda h, lp, a, m: delta_coefficients(
-            h, lp, a, m, return_diagnostics=True, **objective.delta_kwargs
-        )
     )
     return RunParts(
         config=config,
@@ -229,13 +213,4 @@ def build_run_parts(config: Config, mesh=None) -> RunParts:
         eval_records=evals.records if evals else [],
         prompt_len=d.max_prompt_length,
         stop_token_ids=stop_ids,
-        objective=objective,
-        old_pass=old_pass,
-        delta_from_hidden=delta_from_hidden,
     )
-
-
-def _graphdef(model):
-    from flax import nnx
-
-    return nnx.split(model, nnx.Param)[0]

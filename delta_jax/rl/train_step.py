@@ -1,18 +1,17 @@
-"""The pure, jitted policy-gradient update.
+"""The pure, jitted policy-gradient update over a batch of (packed or padded) rows.
 
-One call of the compiled step applies one optimiser update from one mini-batch, accumulating
-gradients over ``M`` micro-batches with ``lax.scan`` (batch arrays carry a leading micro-batch
-axis ``[M, b, ...]``). The loss of every micro-batch is divided by the *mini-batch's* normaliser,
-so the accumulated gradient equals the gradient of the whole mini-batch's loss.
+One call applies one optimiser update from one mini-batch, accumulating gradients over ``M``
+micro-batches with ``lax.scan`` (batch arrays carry a leading micro-batch axis ``[M, b, ...]``).
+The loss of every micro-batch is divided by the *mini-batch's* normaliser, so the accumulated
+gradient equals the gradient of the whole mini-batch's loss.
 
-DelTA coefficients (DELTA_SPEC §3) come in one of two ways:
-
-* ``batch.coefficients`` given: held fixed (computed once per rollout batch by the caller from
-  the old-log-prob pass or the sampler's hidden states), as DELTA_SPEC §4 requires when a rollout
-  batch feeds several updates;
-* absent, with a ``delta`` objective and ``M == 1``: computed **inside the jitted loss** from the
-  stop-gradient hidden states of the very forward pass that the gradient needs anyway — the
-  statistics are global over the (possibly sharded) batch, and no extra model pass is paid.
+A row is ``T`` input positions holding one sequence (padded layout) or several (packed layout,
+``segment_ids`` 1, 2, ... per sequence, 0 on padding; attention stays within a sequence and
+positions restart at each one). The per-token loss inputs cover the row's last ``W`` positions
+(``plan.window``): in the padded layout only the positions that can predict a response token,
+so the LM head skips the prompt. Which optional inputs a batch carries, and whether DelTA's
+coefficients are computed inside the loss, is the :class:`~delta_jax.rl.update_plan.UpdatePlan`'s
+decision.
 
 A non-finite gradient skips the update (parameters and optimiser state unchanged) and is counted
 in ``TrainState.skipped``.
@@ -26,222 +25,193 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
-from delta_jax.config import OptimConfigSection
-from delta_jax.losses import (
-    delta_coefficients,
-    forking_tokens_mask,
-    loss_normalizer,
-    policy_loss,
-)
+from delta_jax.losses import delta_coefficients, forking_tokens_mask, loss_normalizer, policy_loss
 from delta_jax.models import token_logprobs
-from delta_jax.rl.objectives import Objective
-
-
-@flax.struct.dataclass
-class TrainState:
-    """Everything an update changes: a pytree, donated to the step."""
-
-    step: jax.Array  # int32[]: optimiser updates applied
-    params: Any  # nnx.State of the policy's nnx.Param leaves
-    opt_state: optax.OptState
-    skipped: jax.Array  # int32[]: updates skipped for non-finite gradients
+from delta_jax.rl.state import TrainState
+from delta_jax.rl.update_plan import UpdatePlan
 
 
 @flax.struct.dataclass
 class TrainBatch:
-    """One mini-batch, with a leading micro-batch axis M.
+    """One mini-batch of rows, with a leading micro-batch axis M; T positions, W = window.
 
-    Sequences are ``prompt (left-padded to P) ++ response (right-padded to G)``; S = P + G.
+    The optional fields are present exactly when the plan asks for them (:func:`check_batch`).
     """
 
-    input_ids: jax.Array  # int32[M, b, S]
-    attention_mask: jax.Array  # bool[M, b, S]
-    response_mask: jax.Array  # bool[M, b, G]
-    advantages: jax.Array  # f32[M, b]
-    old_logprobs: jax.Array | None = None  # f32[M, b, G]; None = on-policy (stop-gradient)
-    coefficients: jax.Array | None = None  # f32[M, b, G]; None = inline DelTA when needed
-    token_mask: jax.Array | None = None  # bool[M, b, G]; e.g. forking tokens of the old pass
-    rollout_logprobs: jax.Array | None = None  # f32[M, b, G]; sampler's, for TIS
-    ref_logprobs: jax.Array | None = None  # f32[M, b, G]; for the KL penalty
+    tokens: jax.Array  # int32[M, b, T] input token of each position
+    targets: jax.Array  # int32[M, b, T] the token it predicts
+    segment_ids: jax.Array  # int32[M, b, T] sequence number in the row, 0 = padding
+    loss_mask: jax.Array  # bool[M, b, W] the target is a response token
+    advantages: jax.Array  # f32[M, b, W] its response's advantage
+    rollout_logprobs: jax.Array  # f32[M, b, W] the sampler's log-prob of the target
+    old_logprobs: jax.Array | None = None  # f32[M, b, W]  plan.old_pass
+    coefficients: jax.Array | None = None  # f32[M, b, W]  plan.coefficients sampler/old_pass
+    token_mask: jax.Array | None = None  # bool[M, b, W]  plan.fixed_token_mask
+    ref_logprobs: jax.Array | None = None  # f32[M, b, W]  plan.reference
 
 
-def make_optimizer(cfg: OptimConfigSection, total_updates: int) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping; weight decay on matrices only (not norms or biases)."""
-    if cfg.schedule == "cosine":
-        lr: optax.Schedule | float = optax.warmup_cosine_decay_schedule(
-            init_value=0.0,
-            peak_value=cfg.lr,
-            warmup_steps=cfg.warmup_steps,
-            decay_steps=max(total_updates, cfg.warmup_steps + 1),
-            end_value=cfg.lr * cfg.min_lr_ratio,
-        )
-    elif cfg.warmup_steps > 0:
-        lr = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps)
-    else:
-        lr = cfg.lr
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.grad_clip),
-        optax.adamw(
-            lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
-        ),
+def batch_fields(plan: UpdatePlan) -> dict[str, bool]:
+    """Optional :class:`TrainBatch` field -> whether ``plan`` needs it."""
+    return {
+        "old_logprobs": plan.old_pass,
+        "coefficients": plan.coefficients in ("sampler", "old_pass"),
+        "token_mask": plan.fixed_token_mask,
+        "ref_logprobs": plan.reference,
+    }
+
+
+def check_batch(plan: UpdatePlan, batch: TrainBatch) -> None:
+    """Raises if ``batch`` lacks a field the plan needs, or carries one it does not."""
+    for name, wanted in batch_fields(plan).items():
+        if (getattr(batch, name) is not None) != wanted:
+            need = "needs" if wanted else "does not take"
+            raise ValueError(f"the update plan {need} TrainBatch.{name}")
+
+
+def abstract_batch(plan: UpdatePlan, rows: int, sharding=None) -> TrainBatch:
+    """Shapes of one mini-batch of ``rows`` rows per micro-batch, as the plan feeds it."""
+    M, T, W = plan.micro_batches, plan.row_len, plan.window
+    sds = lambda width, dtype: jax.ShapeDtypeStruct((M, rows, width), dtype, sharding=sharding)
+    dtypes = {"token_mask": jnp.bool_}
+    optional = {
+        name: sds(W, dtypes.get(name, jnp.float32)) if wanted else None
+        for name, wanted in batch_fields(plan).items()
+    }
+    return TrainBatch(
+        tokens=sds(T, jnp.int32),
+        targets=sds(T, jnp.int32),
+        segment_ids=sds(T, jnp.int32),
+        loss_mask=sds(W, jnp.bool_),
+        advantages=sds(W, jnp.float32),
+        rollout_logprobs=sds(W, jnp.float32),
+        **optional,
     )
 
 
-def init_train_state(params: Any, optimizer: optax.GradientTransformation) -> TrainState:
-    return TrainState(
-        step=jnp.zeros((), jnp.int32),
-        params=params,
-        opt_state=optimizer.init(params),
-        skipped=jnp.zeros((), jnp.int32),
-    )
+def window_logprobs(model, tokens, targets, segment_ids, plan: UpdatePlan, *, entropy, hidden):
+    """Log-probs (entropy, hidden states) of the targets of each row's last ``W`` positions.
 
-
-def response_logprobs(
-    model: nnx.Module,
-    input_ids: jax.Array,
-    attention_mask: jax.Array,
-    gen_len: int,
-    *,
-    temperature: float,
-    return_entropy: bool = False,
-    return_hidden: bool = False,
-):
-    """Log-probs (and optionally entropy / hidden) of the last ``gen_len`` tokens of each row.
-
-    Position ``P - 1 + t`` predicts response token ``t``; its hidden state is the one DelTA's
-    token-gradient proxy needs (the LM-head input that produced ``p_t``).
+    The hidden state at a position is the LM-head input that produced its prediction, the one
+    DelTA's token-gradient proxy needs.
     """
     out = token_logprobs(
         model,
-        input_ids[:, :-1],
-        input_ids[:, 1:],
-        attention_mask=attention_mask[:, :-1],
-        temperature=temperature,
-        return_entropy=return_entropy,
-        return_hidden=return_hidden,
-        score_from=input_ids.shape[1] - 1 - gen_len,  # the LM head skips the prompt
+        tokens,
+        targets,
+        segment_ids=segment_ids,
+        temperature=plan.temperature,
+        return_entropy=entropy,
+        return_hidden=hidden,
+        score_from=plan.score_from,
     )
     return out.logprobs, out.entropy, out.hidden
 
 
-def _combine_metrics(stacked: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Reduce per-micro-batch metrics [M]: min/max keep their sense, the rest are averaged."""
-    out = {}
-    for key, value in stacked.items():
-        if key.endswith("min"):
-            out[key] = value.min()
-        elif key.endswith("max"):
-            out[key] = value.max()
-        else:
-            out[key] = value.mean()
-    return out
+def loss_segments(plan: UpdatePlan, mb: TrainBatch) -> jax.Array | None:
+    """Segment ids of the window when rows hold several responses (packed), else None."""
+    return mb.segment_ids[..., plan.score_from :] if plan.packing else None
+
+
+def delta_kwargs(plan: UpdatePlan, mesh) -> dict[str, Any]:
+    """DelTA options of the plan; per-shard statistics over the mesh's batch axes."""
+    kwargs = dict(plan.objective.delta_kwargs)
+    if plan.delta_scope == "per_shard":
+        from delta_jax import sharding as sh
+
+        if mesh is None:
+            raise ValueError("algo.delta_scope=per_shard needs the run's mesh")
+        kwargs.update(scope="per_shard", axis_name=sh.batch_axes(mesh), mesh=mesh)
+    return kwargs
+
+
+def _micro_loss(graphdef, plan: UpdatePlan, mesh, params, mb: TrainBatch, normalizer):
+    objective = plan.objective
+    in_loss = plan.coefficients == "in_loss"
+    live_mask = objective.uses_forking_mask and not plan.fixed_token_mask
+    logp, entropy, hidden = window_logprobs(
+        nnx.merge(graphdef, params),
+        mb.tokens,
+        mb.targets,
+        mb.segment_ids,
+        plan,
+        entropy=objective.needs_entropy,
+        hidden=in_loss,
+    )
+    mask, sg = mb.loss_mask, jax.lax.stop_gradient
+    old = mb.old_logprobs if plan.old_pass else sg(logp)
+    coefficients, diagnostics = mb.coefficients, {}
+    if in_loss:
+        coefficients, diagnostics = delta_coefficients(
+            sg(hidden),
+            old,
+            mb.advantages,
+            mask,
+            return_diagnostics=True,
+            **delta_kwargs(plan, mesh),
+        )
+    token_mask = mb.token_mask
+    if live_mask:
+        token_mask = forking_tokens_mask(sg(entropy), mask, top_q=objective.forking_top_q)
+    kw = objective.loss_kwargs
+    extra = {"entropy": entropy} if "entropy_coef" in kw else {}
+    if "tis_cap" in kw:
+        extra["rollout_logprobs"] = mb.rollout_logprobs
+    if plan.reference:
+        extra["ref_logprobs"] = mb.ref_logprobs
+    loss, metrics = policy_loss(
+        logp, old, mb.advantages, mask, coefficients=coefficients, token_mask=token_mask,
+        normalizer=normalizer, segment_ids=loss_segments(plan, mb), **extra, **kw,
+    )  # fmt: skip
+    # Per-shard statistics carry one value per shard: their mean is logged.
+    metrics.update({f"delta/{k}": jnp.mean(v) for k, v in diagnostics.items()})
+    # Trainer-vs-sampler log-prob gap on valid tokens: ~0 on-policy in float32; a large value
+    # means the sampler used other weights or numerics than the trainer.
+    gap = jnp.abs(sg(logp) - mb.rollout_logprobs)
+    metrics["rollout/logprob_gap"] = jnp.sum(jnp.where(mask, gap, 0)) / jnp.maximum(mask.sum(), 1)
+    metrics["tokens"] = mask.sum().astype(jnp.float32)
+    return loss, metrics
 
 
 def make_train_step(
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
-    objective: Objective,
+    plan: UpdatePlan,
     *,
-    temperature: float,
-    gen_len: int,
+    mesh=None,
     donate: bool = True,
     jit_kwargs: dict[str, Any] | None = None,
 ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict[str, jax.Array]]]:
-    """Build the jitted ``step(state, batch) -> (state, metrics)``.
+    """Build the jitted ``step(state, batch) -> (state, metrics)`` of ``plan``.
 
     Args:
       graphdef: the policy's static graph (``nnx.split(model, nnx.Param)[0]``).
-      optimizer: from :func:`make_optimizer`.
-      objective: from :func:`delta_jax.rl.objectives.resolve_objective`.
-      temperature: sampling temperature; log-probs are recomputed at it.
-      gen_len: G, the padded response length.
+      optimizer: from :func:`delta_jax.rl.state.make_optimizer`.
+      plan: the update plan (objective, layout, where the inputs come from).
+      mesh: the run's mesh; needed only for ``delta_scope="per_shard"``.
       donate: donate the state buffers (the caller must not reuse the old state).
       jit_kwargs: extra ``jax.jit`` arguments, e.g. ``in_shardings`` / ``out_shardings``.
     """
-    loss_kwargs = objective.loss_kwargs
-    aggregation = loss_kwargs["aggregation"]
-
-    def micro_loss(params, mb: TrainBatch, normalizer):
-        model = nnx.merge(graphdef, params)
-        inline_delta = objective.uses_delta and mb.coefficients is None
-        need_entropy = objective.needs_entropy or (
-            objective.uses_forking_mask and mb.token_mask is None
-        )
-        logp, entropy, hidden = response_logprobs(
-            model,
-            mb.input_ids,
-            mb.attention_mask,
-            gen_len,
-            temperature=temperature,
-            return_entropy=need_entropy,
-            return_hidden=inline_delta,
-        )
-        mask = mb.response_mask
-        old = jax.lax.stop_gradient(logp) if mb.old_logprobs is None else mb.old_logprobs
-        coefficients = mb.coefficients
-        diagnostics = {}
-        if inline_delta:
-            coefficients, diagnostics = delta_coefficients(
-                jax.lax.stop_gradient(hidden),
-                old,
-                mb.advantages,
-                mask,
-                return_diagnostics=True,
-                **objective.delta_kwargs,
-            )
-        token_mask = mb.token_mask
-        if objective.uses_forking_mask and token_mask is None:
-            token_mask = forking_tokens_mask(
-                jax.lax.stop_gradient(entropy), mask, top_q=objective.forking_top_q
-            )
-        extra = {}
-        if "entropy_coef" in loss_kwargs:
-            extra["entropy"] = entropy
-        if mb.rollout_logprobs is not None and "tis_cap" in loss_kwargs:
-            extra["rollout_logprobs"] = mb.rollout_logprobs
-        if mb.ref_logprobs is not None:
-            extra["ref_logprobs"] = mb.ref_logprobs
-        loss, metrics = policy_loss(
-            logp,
-            old,
-            mb.advantages,
-            mask,
-            coefficients=coefficients,
-            token_mask=token_mask,
-            normalizer=normalizer,
-            **extra,
-            **loss_kwargs,
-        )
-        metrics.update({f"delta/{k}": v for k, v in diagnostics.items()})
-        if mb.rollout_logprobs is not None:
-            # Trainer-vs-sampler log-prob gap on valid tokens: ~0 on-policy in float32; a large
-            # value means the sampler used other weights or numerics than the trainer.
-            gap = jnp.abs(jax.lax.stop_gradient(logp) - mb.rollout_logprobs)
-            metrics["rollout/logprob_gap"] = jnp.sum(jnp.where(mask, gap, 0)) / jnp.maximum(
-                mask.sum(), 1
-            )
-        return loss, metrics
-
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    aggregation = plan.objective.loss_kwargs["aggregation"]
+    grad_fn = jax.value_and_grad(
+        lambda p, mb, n: _micro_loss(graphdef, plan, mesh, p, mb, n), has_aux=True
+    )
 
     def step(state: TrainState, batch: TrainBatch):
-        if objective.uses_delta and batch.coefficients is None and batch.input_ids.shape[0] != 1:
-            raise ValueError(
-                "inline DelTA coefficients need the whole mini-batch in one micro-batch; "
-                "pass precomputed batch.coefficients when micro_batches > 1"
-            )
+        check_batch(plan, batch)
+        if plan.coefficients == "in_loss" and batch.tokens.shape[0] != 1:
+            raise ValueError("in-loss DelTA coefficients need the mini-batch in one micro-batch")
         # The whole mini-batch's denominator: micro-batch losses then sum to its loss.
-        mask = batch.response_mask
-        normalizer = loss_normalizer(mask.reshape(-1, mask.shape[-1]), aggregation)
+        flat = lambda x: None if x is None else x.reshape(-1, x.shape[-1])
+        segments = flat(loss_segments(plan, batch))
+        normalizer = loss_normalizer(flat(batch.loss_mask), aggregation, segments)
 
         def accumulate(grads_sum, mb):
             (loss, metrics), grads = grad_fn(state.params, mb, normalizer)
-            grads_sum = jax.tree.map(jnp.add, grads_sum, grads)
-            return grads_sum, (loss, metrics)
+            return jax.tree.map(jnp.add, grads_sum, grads), (loss, metrics)
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, batch)
@@ -256,7 +226,7 @@ def make_train_step(
             opt_state=keep(new_opt_state, state.opt_state),
             skipped=state.skipped + (~finite).astype(jnp.int32),
         )
-        metrics = _combine_metrics(metrics)
+        metrics = combine_metrics(metrics, sums=("pg_loss",))
         metrics.update(
             loss=losses.sum(), grad_norm=grad_norm, update_skipped=(~finite).astype(jnp.float32)
         )
@@ -265,35 +235,32 @@ def make_train_step(
     return jax.jit(step, donate_argnums=(0,) if donate else (), **(jit_kwargs or {}))
 
 
-def make_old_pass(
-    graphdef: nnx.GraphDef,
-    *,
-    temperature: float,
-    gen_len: int,
-    return_entropy: bool,
-    hidden_dtype: jnp.dtype | None = None,
-) -> Callable:
-    """Jitted forward over one micro-batch under the old parameters (no gradient).
+def combine_metrics(
+    stacked: dict[str, Any], *, sums: tuple[str, ...] = (), means: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Reduce metrics of several parts ``[K]`` (micro- or mini-batches) by their meaning.
 
-    Returns ``(logprobs [b, G], entropy [b, G] | None, hidden [b, G, H])``; the hidden states are
-    kept (in ``hidden_dtype``, default the model's compute dtype — bf16 in the paper configs, so
-    ``2·B·G·H`` bytes for the rollout batch) so that DelTA's statistics over the whole rollout
-    batch are computed exactly without another model pass.
+    Minima and maxima keep their sense; ``sums`` add up; ``means`` are plain means (one value per
+    part, e.g. per update); ``coef_std`` is pooled; every other metric is a mean over valid
+    tokens, weighted by the part's ``tokens`` (which is summed). Works on jax or numpy arrays.
     """
-
-    def old_pass(params, input_ids, attention_mask):
-        model = nnx.merge(graphdef, params)
-        logp, entropy, hidden = response_logprobs(
-            model,
-            input_ids,
-            attention_mask,
-            gen_len,
-            temperature=temperature,
-            return_entropy=return_entropy,
-            return_hidden=True,
-        )
-        if hidden_dtype is not None:
-            hidden = hidden.astype(hidden_dtype)
-        return logp, entropy, hidden
-
-    return jax.jit(old_pass)
+    xp = jnp if isinstance(stacked["tokens"], jax.Array) else np
+    tokens = stacked["tokens"]
+    weight = tokens / xp.maximum(tokens.sum(), 1)
+    mean = lambda x: (x * weight).sum()
+    out = {}
+    for key, value in stacked.items():
+        if key.endswith("min"):
+            out[key] = value.min()
+        elif key.endswith("max"):
+            out[key] = value.max()
+        elif key in sums or key == "tokens":
+            out[key] = value.sum()
+        elif key in means:
+            out[key] = value.mean()
+        elif key == "coef_std":  # E[x²] − E[x]² over all tokens, from each part's mean and std
+            second = mean(value**2 + stacked["coef_mean"] ** 2)
+            out[key] = xp.sqrt(xp.maximum(second - mean(stacked["coef_mean"]) ** 2, 0))
+        else:
+            out[key] = mean(value)
+    return out

@@ -58,26 +58,11 @@ from delta_jax.sampling.strategies import (
     strategy_signature,
     validate_sampling_args,
 )
+from delta_jax.sharding import SAMPLE_RULES as SAMPLING_RULES
 
 __all__ = ["SAMPLING_RULES", "Sampler", "SamplerOutput"]
 
 logger = logging.getLogger(__name__)
-
-# Logical axis -> mesh axes while sampling. Unlike training, nothing is sharded over the hidden
-# dimension (no FSDP gathers per decode step): rows spread over every data-like axis, heads and
-# the vocabulary over ``tensor``; the cache follows its rows and KV heads.
-SAMPLING_RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", ("data", "fsdp")),
-    ("kv_heads", "tensor"),
-    ("heads", "tensor"),
-    ("mlp", "tensor"),
-    ("vocab", "tensor"),
-    ("embed", None),
-    ("head_dim", None),
-    ("layers", None),
-    ("length", None),
-    ("cache_length", None),
-)
 
 
 def _to_host(array: jax.Array) -> np.ndarray:

@@ -1,0 +1,169 @@
+"""Rows for the update: rollout sequences packed first-fit-decreasing, or one padded per row.
+
+The rollout keeps every sequence on device in the padded layout ``prompt (left-padded to P) ++
+response (right-padded to G)``. The update reads rows of ``T`` input positions. A
+:class:`Layout` (host int32 index arrays, built from the sequence lengths alone) says where each
+position comes from; :func:`assemble` gathers the :class:`~delta_jax.rl.train_step.TrainBatch` of
+every mini-batch from the device arrays in one jitted program, so no token or log-prob crosses to
+the host.
+
+Packing (``algo.packing``): a sequence of prompt ``p`` and response ``g`` tokens fills
+``p + g - 1`` positions (its last token predicts nothing); the sequences of a mini-batch go into
+rows of ``tokens_per_row`` positions, longest first, each into the first row with room
+(first-fit-decreasing), numbered 1, 2, ... in its row (``segment_ids``). Responses of no tokens
+carry no loss and are left out. The number of rows is rounded up to a bucket (``unit`` times a
+power of two, at most the padded layout's rows) shared by the mini-batches of a step, so a run
+compiles a bounded number of update programs; a micro-batch is a fixed number of rows, i.e. a
+token budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from delta_jax.rl.train_step import TrainBatch
+from delta_jax.rl.update_plan import UpdatePlan
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where each input position of some rows comes from (int32 ``[..., rows, T]``)."""
+
+    source: np.ndarray  # rollout sequence of the position (0 on padding)
+    column: np.ndarray  # its column in the padded sequence prompt (P) ++ response (G)
+    segment_ids: np.ndarray  # 1, 2, ... per sequence in the row; 0 = padding
+
+
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of item indices, each of total length <= ``capacity`` (longest items first)."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if lengths[i] > capacity:
+            raise ValueError(f"sequence of {lengths[i]} positions > row of {capacity}")
+        slot = next((b for b, r in enumerate(room) if r >= lengths[i]), None)
+        if slot is None:
+            bins.append([])
+            room.append(capacity)
+            slot = len(bins) - 1
+        bins[slot].append(i)
+        room[slot] -= lengths[i]
+    return bins
+
+
+def bucket_rows(rows: int, unit: int, limit: int) -> int:
+    """``unit`` times the smallest power of two covering ``rows``, at most ``limit``."""
+    units = -(-max(rows, 1) // unit)
+    return min(unit * (1 << (units - 1).bit_length()), limit)
+
+
+def row_groups(plan: UpdatePlan, seqs: np.ndarray, prompt_lens, resp_lens) -> list[list[int]]:
+    """Sequences of each row of one mini-batch (``seqs``: its rollout sequences, in order)."""
+    if not plan.packing:
+        return [[int(s)] for s in seqs]
+    kept = [int(s) for s in seqs if resp_lens[s] > 0]
+    spans = [int(prompt_lens[s] + resp_lens[s] - 1) for s in kept]
+    return [[kept[i] for i in row] for row in first_fit_decreasing(spans, plan.row_len)]
+
+
+def layout(plan: UpdatePlan, groups: list[list[int]], rows: int, prompt_lens, resp_lens) -> Layout:
+    """Index arrays ``[rows, T]`` of rows holding ``groups`` (padding rows after them)."""
+    P, T = plan.prompt_len, plan.row_len
+    source = np.zeros((rows, T), np.int32)
+    column = np.zeros((rows, T), np.int32)
+    segment_ids = np.zeros((rows, T), np.int32)
+    for r, group in enumerate(groups):
+        # The padded layout keeps each sequence where it is (prompt ending at P); packed rows
+        # place them one after another from position 0.
+        at = 0
+        for k, s in enumerate(group, start=1):
+            first = P - int(prompt_lens[s])
+            span = int(prompt_lens[s] + resp_lens[s]) - 1
+            start = first if not plan.packing else at
+            source[r, start : start + span] = s
+            column[r, start : start + span] = np.arange(first, first + span)
+            segment_ids[r, start : start + span] = k
+            at += span
+    return Layout(source, column, segment_ids)
+
+
+def plan_rows(
+    plan: UpdatePlan, order: np.ndarray, prompt_lens, resp_lens, unit: int
+) -> tuple[Layout, dict[str, float]]:
+    """The layout of every mini-batch ``[mini, M, b, T]`` and its padding statistics.
+
+    Args:
+      plan: the update plan.
+      order: rollout sequences in update order (mini-batch ``m`` takes the ``m``-th block).
+      prompt_lens, resp_lens: tokens per sequence.
+      unit: rows must be a multiple of it (micro-batches times batch shards).
+    """
+    per = plan.rows_per_update
+    blocks = [order[m * per : (m + 1) * per] for m in range(plan.mini_batches)]
+    groups = [row_groups(plan, b, prompt_lens, resp_lens) for b in blocks]
+    rows = per if not plan.packing else bucket_rows(max(map(len, groups)), unit, limit=per)
+    parts = [layout(plan, g, rows, prompt_lens, resp_lens) for g in groups]
+    M = plan.micro_batches
+    stack = lambda name: np.stack([getattr(p, name) for p in parts]).reshape(
+        plan.mini_batches, M, rows // M, plan.row_len
+    )
+    out = Layout(stack("source"), stack("column"), stack("segment_ids"))
+    real = float((out.segment_ids > 0).sum())
+    stats = {"batch/packed_rows": rows, "batch/pad_fraction": 1.0 - real / out.segment_ids.size}
+    return out, stats
+
+
+def make_assemble(plan: UpdatePlan, out_sharding=None):
+    """The jitted :func:`assemble` of ``plan``; every output field placed by ``out_sharding``."""
+    return jax.jit(functools.partial(assemble, plan=plan, out_sharding=out_sharding))
+
+
+def assemble(
+    sequences: jax.Array,
+    rollout_logprobs: jax.Array,
+    advantages: jax.Array,
+    coefficients: jax.Array | None,
+    index: Layout,
+    *,
+    plan: UpdatePlan,
+    out_sharding=None,
+) -> TrainBatch:
+    """Gathers the stacked batch ``[mini, M, b, ...]`` of ``index`` from the rollout arrays.
+
+    Args:
+      sequences: int32 ``[B, P + G]`` padded sequences.
+      rollout_logprobs: f32 ``[B, G]`` the sampler's log-probs of the response tokens.
+      advantages: f32 ``[B]``.
+      coefficients: f32 ``[B, G]`` DelTA coefficients from the sampler's hidden states, or None.
+      index: the :class:`Layout` (device int32 arrays).
+      plan: the update plan.
+      out_sharding: sharding of every output field (rows on axis 2), or None.
+    """
+    P, G, w = plan.prompt_len, plan.gen_len, plan.score_from
+    src, col, seg = index.source, index.column, index.segment_ids
+    put = (
+        (lambda x: x)
+        if out_sharding is None
+        else functools.partial(jax.lax.with_sharding_constraint, shardings=out_sharding)
+    )
+    tokens = sequences[src, col]
+    targets = sequences[src, jnp.minimum(col + 1, P + G - 1)]
+    src, t, seg_w = src[..., w:], col[..., w:] + 1 - P, seg[..., w:]
+    loss_mask = (seg_w > 0) & (t >= 0)  # the target is one of the sequence's response tokens
+    per_token = lambda x: jnp.where(loss_mask, x[src, jnp.clip(t, 0, G - 1)], 0)
+    return TrainBatch(
+        tokens=put(jnp.where(seg > 0, tokens, 0)),
+        targets=put(jnp.where(seg > 0, targets, 0)),
+        segment_ids=put(seg),
+        loss_mask=put(loss_mask),
+        advantages=put(jnp.where(loss_mask, advantages[src], 0.0)),
+        rollout_logprobs=put(per_token(rollout_logprobs)),
+        coefficients=None if coefficients is None else put(per_token(coefficients)),
+    )

@@ -1,0 +1,122 @@
+"""The update plan: what one RL step computes between the rollout and the optimiser, decided once.
+
+A frozen :class:`UpdatePlan` is built from the config before the run starts and read by the loop
+(which stages run), the train step (which inputs the loss takes) and the memory planner (which
+program to compile). Nothing downstream infers a mode from missing inputs.
+
+Where the DelTA coefficients come from (:attr:`UpdatePlan.coefficients`), DELTA_SPEC §4:
+
+* ``"in_loss"``: one update on the whole rollout batch in one micro-batch: the jitted loss
+  computes them from the stop-gradient hidden states of its own forward pass (no extra pass);
+* ``"sampler"``: one update, gradient accumulation: from the hidden states the sampler kept
+  while generating (again no extra pass), held fixed across the micro-batches;
+* ``"old_pass"``: several updates per rollout batch: one old-policy pass (which also gives the
+  old log-probs) before the first update; held fixed for every update;
+* ``"none"``: the objective does not use them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from delta_jax.config import Config
+from delta_jax.rl.objectives import Objective, resolve_objective
+
+CoefficientSource = Literal["none", "in_loss", "sampler", "old_pass"]
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdatePlan:
+    """Static description of one RL step's update (see module docstring).
+
+    Attributes:
+      objective: the loss preset with the config's overrides.
+      prompt_len: P, longest prompt; gen_len: G, longest response.
+      temperature: the sampling temperature the log-probs are recomputed at.
+      rows: responses per rollout batch.
+      mini_batches: optimiser updates per rollout batch; micro_batches: gradient-accumulation
+        steps per update.
+      coefficients: where DelTA's coefficients come from.
+      old_pass: the old log-probs come from a pass before the updates (else: the update's own
+        forward, stop-gradient; on-policy).
+      reference: a reference-policy pass gives log-probs for the KL penalty.
+      packing: sequences are packed into rows of ``tokens_per_row`` (else one padded per row).
+      tokens_per_row: T of a packed row.
+      delta_scope: ``"global"`` or ``"per_shard"`` DelTA statistics.
+    """
+
+    objective: Objective
+    prompt_len: int
+    gen_len: int
+    temperature: float
+    rows: int
+    mini_batches: int
+    micro_batches: int
+    coefficients: CoefficientSource
+    old_pass: bool
+    reference: bool
+    packing: bool
+    tokens_per_row: int
+    delta_scope: str
+
+    @classmethod
+    def from_config(cls, config: Config) -> UpdatePlan:
+        r, a = config.rollout, config.algo
+        objective = resolve_objective(a, max_response_length=r.max_new_tokens)
+        mini, micro = a.mini_batches, a.micro_batches
+        coefficients: CoefficientSource = "none"
+        if objective.uses_delta:
+            coefficients = "old_pass" if mini > 1 else "sampler" if micro > 1 else "in_loss"
+        P, G = config.data.max_prompt_length, r.max_new_tokens
+        return cls(
+            objective=objective,
+            prompt_len=P,
+            gen_len=G,
+            temperature=r.temperature or 1.0,
+            rows=r.prompts_per_step * r.samples_per_prompt,
+            mini_batches=mini,
+            micro_batches=micro,
+            coefficients=coefficients,
+            old_pass=mini > 1,
+            reference=a.kl_coef > 0,
+            packing=a.packing,
+            tokens_per_row=a.tokens_per_row or longest_sequence(P, G),
+            delta_scope=a.delta_scope,
+        )
+
+    @property
+    def prepares(self) -> bool:
+        """Whether anything runs between the rollout and the first update."""
+        return self.old_pass or self.reference or self.coefficients == "sampler"
+
+    @property
+    def fixed_token_mask(self) -> bool:
+        """Forking-token mask from the old pass's entropy (else from the update's own)."""
+        return self.objective.uses_forking_mask and self.old_pass
+
+    @property
+    def row_len(self) -> int:
+        """Input positions of a row: a packed row, or one padded sequence ``P + G - 1``."""
+        return (
+            self.tokens_per_row if self.packing else longest_sequence(self.prompt_len, self.gen_len)
+        )
+
+    @property
+    def score_from(self) -> int:
+        """First position whose prediction can be a response token (the LM head skips the rest)."""
+        return 0 if self.packing else self.prompt_len - 1
+
+    @property
+    def window(self) -> int:
+        """W: positions per row that carry per-token loss inputs."""
+        return self.row_len - self.score_from
+
+    @property
+    def rows_per_update(self) -> int:
+        return self.rows // self.mini_batches
+
+
+def longest_sequence(prompt_len: int, gen_len: int) -> int:
+    """Input positions of the longest prompt + response (the last token predicts nothing)."""
+    return prompt_len + gen_len - 1
