@@ -11,8 +11,8 @@ Packing (``algo.packing``): a sequence of prompt ``p`` and response ``g`` tokens
 ``p + g - 1`` positions (its last token predicts nothing); the sequences of a mini-batch go into
 rows of ``tokens_per_row`` positions, longest first, each into the first row with room
 (first-fit-decreasing), numbered 1, 2, ... in its row (``segment_ids``). Responses of no tokens
-carry no loss and are left out. The number of rows is rounded up to a bucket (``unit`` times a
-power of two, at most the padded layout's rows) shared by the mini-batches of a step, so a run
+carry no loss and are left out. The number of rows is rounded up to a bucket (:func:`bucket_rows`,
+at most the padded layout's rows) shared by the mini-batches of a step, so a run
 compiles a bounded number of update programs; a micro-batch is a fixed number of rows, i.e. a
 token budget.
 """
@@ -59,9 +59,15 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
 
 
 def bucket_rows(rows: int, unit: int, limit: int) -> int:
-    """``unit`` times the smallest power of two covering ``rows``, at most ``limit``."""
+    """The smallest ``unit`` x {1, 2, 3, 4, 6, 8, 12, ...} covering ``rows``, at most ``limit``.
+
+    Two buckets per power of two: at most ``2 log2(limit / unit) + 1`` programs, and at most a
+    third of the rows padding.
+    """
     units = -(-max(rows, 1) // unit)
-    return min(unit * (1 << (units - 1).bit_length()), limit)
+    power = 1 << (units - 1).bit_length()  # smallest power of two >= units
+    size = 3 * power // 4 if power >= 4 and units <= 3 * power // 4 else power
+    return min(unit * size, limit)
 
 
 def row_groups(plan: UpdatePlan, seqs: np.ndarray, prompt_lens, resp_lens) -> list[list[int]]:
