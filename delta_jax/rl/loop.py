@@ -303,7 +303,6 @@ def _evaluate(run: _Run, step: int) -> dict[str, float]:
 def _finish_step(run: _Run, step, metrics, t_step, compiles, stopping) -> dict[str, Any]:
     """Evaluate when due, log the step's metrics, save when due; returns the logged row."""
     cfg = run.config
-    metrics = {k: v for k, v in metrics.items()}
     if cfg.run.eval_every and step % cfg.run.eval_every == 0:
         t_eval = time.perf_counter()
         metrics.update(_evaluate(run, step))
