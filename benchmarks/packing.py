@@ -80,7 +80,7 @@ def update_time(args) -> None:
     for packing in (False, True):
         plan = UpdatePlan.from_config(_config(P, G, B, packing))
         optimizer = make_optimizer(_config(P, G, B, packing).optim, 10)
-        index, stats = plan_rows(plan, np.arange(B), plens, glens, unit=1)
+        index, stats = plan_rows(plan, np.arange(B), plens, glens, shards=1)
         batch = jax.tree.map(lambda x: x[0], make_assemble(plan)(*inputs, index))
         step = make_train_step(graphdef, optimizer, plan, donate=False)
         state = init_train_state(params, optimizer)
@@ -107,7 +107,7 @@ def tpu_flops(args) -> None:
     from delta_jax import sharding as sh
     from delta_jax.plan import known_model_config
 
-    P, G, per_update, micro = 2048, args.tpu_max_len, 512, 16
+    P, G, per_update = 2048, args.tpu_max_len, 512
     rng = np.random.default_rng(0)
     glens = response_lengths(per_update, G, rng)
     plens = np.clip(rng.normal(300, 150, per_update), 32, P).astype(np.int32)
@@ -119,10 +119,10 @@ def tpu_flops(args) -> None:
     abstract = nnx.eval_shape(lambda: Transformer(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(abstract, nnx.Param)
     for packing in (False, True):
-        cfg = _config(P, G, per_update, packing, f"algo.micro_batches={micro}")
+        cfg = _config(P, G, per_update, packing, f"algo.micro_batches={args.tpu_micro}")
         plan = UpdatePlan.from_config(cfg)
-        unit = micro * sh.batch_divisor(mesh)
-        _, stats = plan_rows(plan, np.arange(per_update), plens, glens, unit=unit)
+        _, stats = plan_rows(plan, np.arange(per_update), plens, glens, sh.batch_divisor(mesh))
+        micro = stats["batch/micro_batches"]
         rows = stats["batch/packed_rows"] // micro
         optimizer = make_optimizer(cfg.optim, 10)
         state = jax.eval_shape(lambda p, o=optimizer: init_train_state(p, o), params)
@@ -156,6 +156,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--tpu", action="store_true", help="also the TPU FLOP count (slow)")
     parser.add_argument("--tpu-max-len", type=int, default=20480, help="response cap (TPU)")
+    parser.add_argument("--tpu-micro", type=int, default=16, help="algo.micro_batches (TPU)")
     parser.add_argument("--no-timing", action="store_true", help="only the TPU FLOP count")
     args = parser.parse_args()
     if not args.no_timing:

@@ -262,8 +262,8 @@ def _prepare(run: _Run, rollout: Rollout, step: int) -> tuple[TrainBatch, dict[s
     order = np.arange(plan.rows)
     if plan.mini_batches > 1:
         order = np.random.default_rng(run.config.run.seed * 7919 + step).permutation(plan.rows)
-    unit = plan.micro_batches * sh.batch_divisor(run.mesh)
-    index, layout_stats = plan_rows(plan, order, rollout.prompt_lengths, rollout.lengths, unit)
+    shards = sh.batch_divisor(run.mesh)
+    index, layout_stats = plan_rows(plan, order, rollout.prompt_lengths, rollout.lengths, shards)
     metrics.update(layout_stats)
     index = sh.replicated_to_global(index, run.mesh, row_axis=2)
     batch = run.assemble(

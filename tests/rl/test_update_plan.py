@@ -7,7 +7,7 @@ import pytest
 from delta_jax import sharding as sh
 from delta_jax.config import ConfigError, load_config
 from delta_jax.losses import delta_coefficients
-from delta_jax.rl.packing import bucket_rows
+from delta_jax.rl.packing import bucket_rows, micro_batch_shape
 from delta_jax.rl.prepare import make_sampler_coefficients
 from delta_jax.rl.update_plan import UpdatePlan
 
@@ -41,6 +41,23 @@ def test_row_buckets_are_few():
     sizes = {bucket_rows(r, 8, 512) for r in range(1, 513)}
     assert sizes == {8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512}
     assert all(bucket_rows(r, 8, 512) >= r for r in range(1, 513))
+
+
+def test_micro_batches_are_a_token_budget():
+    """The paper's shape: 512 sequences per update, 16 micro-batches of 32 rows on 4 shards."""
+    paper = (
+        "rollout.prompts_per_step=128",
+        "rollout.samples_per_prompt=16",
+        "algo.mini_batches=4",
+        "algo.micro_batches=16",
+    )
+    packed, padded = _plan(*paper), _plan(*paper, "algo.packing=false")
+    assert micro_batch_shape(padded, 100, 4) == (16, 32)  # the padded layout never changes
+    assert micro_batch_shape(packed, 512, 4) == (16, 32)
+    assert micro_batch_shape(packed, 128, 4) == (4, 32)  # fewer micro-batches, same budget
+    assert micro_batch_shape(packed, 100, 4) == (4, 32)
+    assert micro_batch_shape(packed, 20, 4) == (1, 24)  # one, shrunk to a bucket of rows
+    assert micro_batch_shape(packed, 150, 4) == (6, 32)
 
 
 def test_delta_scope_per_shard_reaches_the_losses():
