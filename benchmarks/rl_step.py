@@ -23,9 +23,11 @@ from delta_jax.config import load_config
 from delta_jax.data import PromptRecord
 from delta_jax.models import Transformer
 from delta_jax.rewards import RewardScorer
-from delta_jax.rl.objectives import resolve_objective
+from delta_jax.rl.packing import make_assemble, plan_rows
 from delta_jax.rl.rollout import collect_rollout
-from delta_jax.rl.train_step import TrainBatch, init_train_state, make_optimizer, make_train_step
+from delta_jax.rl.state import init_train_state, make_optimizer
+from delta_jax.rl.train_step import make_train_step
+from delta_jax.rl.update_plan import UpdatePlan
 from delta_jax.sampling import Sampler
 
 
@@ -50,15 +52,21 @@ def main() -> None:
 
     model = Transformer(bench_config("tiny"), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
-    cfg = load_config(None, ["algo.loss=delta", "optim.lr=1e-5"])
-    optimizer = make_optimizer(cfg.optim, args.steps)
-    step_fn = make_train_step(
-        graphdef,
-        optimizer,
-        resolve_objective(cfg.algo, max_response_length=args.new_tokens),
-        temperature=1.0,
-        gen_len=args.new_tokens,
+    cfg = load_config(
+        None,
+        [
+            "algo.loss=delta",
+            "optim.lr=1e-5",
+            f"data.max_prompt_length={args.prompt_len}",
+            f"rollout.max_new_tokens={args.new_tokens}",
+            f"rollout.prompts_per_step={args.prompts}",
+            f"rollout.samples_per_prompt={args.samples}",
+        ],
     )
+    plan = UpdatePlan.from_config(cfg)
+    optimizer = make_optimizer(cfg.optim, args.steps)
+    step_fn = make_train_step(graphdef, optimizer, plan)
+    assemble = make_assemble(plan)
     state = init_train_state(params, optimizer)
     sampler = Sampler(model, pad_token_id=0, stop_token_ids=())
     rng = np.random.default_rng(0)
@@ -95,12 +103,10 @@ def main() -> None:
                 return_hidden=False,
             )
             t1 = time.perf_counter()
-            batch = TrainBatch(
-                input_ids=jnp.asarray(ro.input_ids)[None],
-                attention_mask=jnp.asarray(ro.attention_mask)[None],
-                response_mask=jnp.asarray(ro.response_mask)[None],
-                advantages=jnp.asarray(ro.advantages)[None],
-            )
+            index, _ = plan_rows(plan, np.arange(plan.rows), ro.prompt_lengths, ro.lengths, 1)
+            adv = jnp.asarray(ro.advantages)
+            batch = assemble(ro.sequences, ro.rollout_logprobs, adv, None, index)
+            batch = jax.tree.map(lambda x: x[0], batch)
             state, metrics = step_fn(state, batch)
             jax.block_until_ready((state, metrics))
             t2 = time.perf_counter()

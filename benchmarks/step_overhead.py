@@ -26,8 +26,23 @@ from flax import nnx
 
 from delta_jax.config import load_config
 from delta_jax.models import Transformer
-from delta_jax.rl.objectives import resolve_objective
-from delta_jax.rl.train_step import TrainBatch, init_train_state, make_optimizer, make_train_step
+from delta_jax.rl.packing import make_assemble, plan_rows
+from delta_jax.rl.state import init_train_state, make_optimizer
+from delta_jax.rl.train_step import make_train_step
+from delta_jax.rl.update_plan import UpdatePlan
+
+
+def update_plan(loss: str, args) -> UpdatePlan:
+    """One update of ``args.rows`` padded rows (the layout of this benchmark's figures)."""
+    overrides = [
+        f"algo.loss={loss}",
+        "algo.packing=false",
+        f"data.max_prompt_length={args.prompt}",
+        f"rollout.max_new_tokens={args.gen}",
+        f"rollout.prompts_per_step={args.rows // 2}",
+        "rollout.samples_per_prompt=2",
+    ]
+    return UpdatePlan.from_config(load_config(None, overrides))
 
 
 def main() -> None:
@@ -42,26 +57,22 @@ def main() -> None:
     graphdef, params = nnx.split(model, nnx.Param)
     rng = np.random.default_rng(0)
     s = args.prompt + args.gen
-    ids = rng.integers(3, SIZES["small"]["vocab_size"], (1, args.rows, s)).astype(np.int32)
+    ids = rng.integers(3, SIZES["small"]["vocab_size"], (args.rows, s)).astype(np.int32)
     lengths = rng.integers(args.gen // 2, args.gen + 1, args.rows)
-    response = np.arange(args.gen)[None, None] < lengths[None, :, None]
-    mask = np.concatenate([np.ones((1, args.rows, args.prompt), bool), response], axis=-1)
-    adv = rng.standard_normal((1, args.rows)).astype(np.float32)
-    batch = TrainBatch(
-        input_ids=jnp.asarray(ids),
-        attention_mask=jnp.asarray(mask),
-        response_mask=jnp.asarray(response),
-        advantages=jnp.asarray(adv),
+    rollout = (
+        jnp.asarray(ids),
+        jnp.zeros((args.rows, args.gen), jnp.float32),
+        jnp.asarray(rng.standard_normal(args.rows).astype(np.float32)),
+        None,
     )
+    prompts = np.full(args.rows, args.prompt)
     optimizer = make_optimizer(load_config(None).optim, 100)
     steps, states, first = {}, {}, {}
     for loss in ("delta", "dapo"):
-        objective = resolve_objective(
-            load_config(None, [f"algo.loss={loss}"]).algo, max_response_length=args.gen
-        )
-        steps[loss] = make_train_step(
-            graphdef, optimizer, objective, temperature=1.0, gen_len=args.gen
-        )
+        plan = update_plan(loss, args)
+        index, _ = plan_rows(plan, np.arange(args.rows), prompts, lengths, shards=1)
+        batch = jax.tree.map(lambda x: x[0], make_assemble(plan)(*rollout, index))
+        steps[loss] = make_train_step(graphdef, optimizer, plan)
         states[loss] = init_train_state(jax.tree.map(jnp.copy, params), optimizer)
         t = time.perf_counter()
         states[loss], m = steps[loss](states[loss], batch)

@@ -53,10 +53,11 @@ def run_steps(first: int, last: int, ckpt_dir: str | None, restore: bool, device
     from delta_jax import distributed
     from delta_jax import sharding as sh
     from delta_jax.checkpoint import Checkpointer
-    from delta_jax.config import AlgoConfigSection, OptimConfigSection
+    from delta_jax.config import OptimConfigSection
     from delta_jax.models import ModelConfig, Transformer
-    from delta_jax.rl.objectives import resolve_objective
-    from delta_jax.rl.train_step import TrainBatch, make_optimizer, make_train_step
+    from delta_jax.rl.state import init_sharded_state, make_optimizer
+    from delta_jax.rl.train_step import make_train_step
+    from tests.batches import padded_batch, padded_plan
 
     cfg = ModelConfig.tiny("qwen3")
     model = Transformer(cfg, rngs=nnx.Rngs(7))
@@ -64,32 +65,25 @@ def run_steps(first: int, last: int, ckpt_dir: str | None, restore: bool, device
     mesh = sh.make_mesh(*MESH, devices=devices)
     # Adam eps 1e-6 keeps the first update's gain lr/eps bounded (see test_sharding.py).
     opt = make_optimizer(OptimConfigSection(lr=1e-3, eps=1e-6), total_updates=10)
-    state, _ = sh.init_sharded_state(params, opt, mesh)
+    state, _ = init_sharded_state(params, opt, mesh)
     out: dict = {"metrics": []}
     ckpt = Checkpointer(ckpt_dir) if ckpt_dir else None
     if restore:
         state, host = ckpt.restore(first - 1, state)
         out["restored_host"] = host
         out["restored"] = _host_params(distributed, state)
-    objective = resolve_objective(AlgoConfigSection(loss="delta"), max_response_length=GEN)
     step = make_train_step(
         graphdef,
         opt,
-        objective,
-        temperature=1.0,
-        gen_len=GEN,
+        padded_plan("delta", PROMPT, GEN, ROWS),
+        mesh=mesh,
         jit_kwargs=sh.train_jit_kwargs(state, mesh),
     )
     rows = ROWS // jax.process_count()
     mine = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
     for k in range(first, last + 1):
         ids, attn, resp, adv = _batch(k, cfg.vocab_size)
-        local = TrainBatch(
-            input_ids=ids[:, mine],
-            attention_mask=attn[:, mine],
-            response_mask=resp[:, mine],
-            advantages=adv[:, mine],
-        )
+        local = padded_batch(ids[:, mine], attn[:, mine], resp[:, mine], adv[:, mine])
         with sh.use_mesh(mesh):
             state, metrics = step(state, sh.host_local_batch_to_global(local, mesh))
         out["metrics"].append({key: float(v) for key, v in jax.device_get(metrics).items()})
@@ -248,6 +242,9 @@ TRAIN = [
     "run.eval_every=0",
     "run.progress=false",
     "run.tensorboard=false",
+    # The paper's mode: two updates per rollout batch (old-policy pass, fixed coefficients),
+    # on packed rows (the default).
+    "algo.mini_batches=2",
 ]
 
 

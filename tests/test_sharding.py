@@ -8,11 +8,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from delta_jax import sharding as sh
-from delta_jax.config import AlgoConfigSection, OptimConfigSection
+from delta_jax.config import OptimConfigSection
 from delta_jax.models import ModelConfig, Transformer
-from delta_jax.rl.objectives import resolve_objective
-from delta_jax.rl.train_step import TrainBatch, init_train_state, make_optimizer, make_train_step
+from delta_jax.rl.state import init_sharded_state, init_train_state, make_optimizer
+from delta_jax.rl.train_step import TrainBatch, make_train_step
 from delta_jax.sampling import Sampler
+from tests.batches import padded_batch, padded_plan
 
 MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2)]
 PROMPT, GEN, ROWS = 6, 5, 8  # ROWS per micro-batch: a multiple of every mesh's 8 batch shards
@@ -84,7 +85,7 @@ def test_optimizer_state_mirrors_params(model):
     mesh = sh.make_mesh(2, 2, 2)
     _, params = nnx.split(model, nnx.Param)
     opt = make_optimizer(OptimConfigSection(lr=1e-3), total_updates=10)
-    state, shardings = sh.init_sharded_state(params, opt, mesh)
+    state, shardings = init_sharded_state(params, opt, mesh)
     adam = state.opt_state[1][0]
     for p, mu, nu in zip(
         jax.tree.leaves(state.params),
@@ -129,13 +130,13 @@ def _batch(seed: int, micro: int, vocab: int) -> TrainBatch:
     attn = (pos >= PROMPT - plen[..., None]) & (pos < PROMPT + glen[..., None])
     resp = np.arange(GEN) < glen[..., None]
     adv = rng.normal(size=(micro, rows)).astype(np.float32)
-    return TrainBatch(input_ids=ids, attention_mask=attn, response_mask=resp, advantages=adv)
+    return padded_batch(ids, attn, resp, adv)
 
 
 def _one_step(model, mesh, loss, micro, batch_np):
     graphdef, params = nnx.split(model, nnx.Param)
     params = jax.tree.map(jnp.copy, params)
-    objective = resolve_objective(AlgoConfigSection(loss=loss), max_response_length=GEN)
+    plan = padded_plan(loss, PROMPT, GEN, ROWS)
     # Adam's first update is lr * g / (|g| + eps): with eps=1e-8 a gradient entry near 1e-8 turns
     # float32 reduction-order noise into a visible parameter change. eps=1e-6 bounds that gain
     # (lr / eps = 1e3) while every parameter still moves by up to lr.
@@ -144,15 +145,13 @@ def _one_step(model, mesh, loss, micro, batch_np):
     if mesh is None:
         state = init_train_state(params, opt)
         batch = jax.tree.map(jnp.asarray, batch_np)
-        step = make_train_step(graphdef, opt, objective, temperature=1.0, gen_len=GEN)
+        step = make_train_step(graphdef, opt, plan)
         new_state, metrics = step(state, batch)
     else:
-        state, _ = sh.init_sharded_state(params, opt, mesh)
+        state, _ = init_sharded_state(params, opt, mesh)
         kwargs = sh.train_jit_kwargs(state, mesh)
         batch = sh.host_local_batch_to_global(batch_np, mesh)
-        step = make_train_step(
-            graphdef, opt, objective, temperature=1.0, gen_len=GEN, jit_kwargs=kwargs
-        )
+        step = make_train_step(graphdef, opt, plan, mesh=mesh, jit_kwargs=kwargs)
         with sh.use_mesh(mesh):
             new_state, metrics = step(state, batch)
         for p in jax.tree.leaves(new_state.params):
@@ -220,15 +219,13 @@ def test_no_recompilation_across_steps(model):
 
     mesh = sh.make_mesh(2, 2, 2)
     graphdef, params = nnx.split(model, nnx.Param)
-    objective = resolve_objective(AlgoConfigSection(loss="dapo"), max_response_length=GEN)
     opt = make_optimizer(OptimConfigSection(lr=1e-3), total_updates=10)
-    state, _ = sh.init_sharded_state(params, opt, mesh)
+    state, _ = init_sharded_state(params, opt, mesh)
     step = make_train_step(
         graphdef,
         opt,
-        objective,
-        temperature=1.0,
-        gen_len=GEN,
+        padded_plan("dapo", PROMPT, GEN, ROWS),
+        mesh=mesh,
         jit_kwargs=sh.train_jit_kwargs(state, mesh),
     )
     batches = [_batch(seed=s, micro=1, vocab=model.config.vocab_size) for s in (5, 6)]

@@ -118,8 +118,9 @@ class CoefficientBatch:
         This is what a training loop calls, e.g. with a :class:`~delta_jax.rl.rollout.Rollout`
         and the coefficients of its step::
 
-          CoefficientBatch.from_arrays(tok, token_ids=ro.input_ids[:, P:], coefficients=coef,
-                                       mask=ro.response_mask, advantages=ro.advantages,
+          CoefficientBatch.from_arrays(tok, token_ids=ro.sequences[:, P:], coefficients=coef,
+                                       mask=np.arange(G) < ro.lengths[:, None],
+                                       advantages=ro.advantages,
                                        rewards=ro.rewards, prompts=[r.prompt for r in ro.records],
                                        group_size=n, step=step).save(path)
         """

@@ -262,8 +262,8 @@ def _prepare(run: _Run, rollout: Rollout, step: int) -> tuple[TrainBatch, dict[s
     order = np.arange(plan.rows)
     if plan.mini_batches > 1:
         order = np.random.default_rng(run.config.run.seed * 7919 + step).permutation(plan.rows)
-    unit = plan.micro_batches * sh.batch_divisor(run.mesh)
-    index, layout_stats = plan_rows(plan, order, rollout.prompt_lengths, rollout.lengths, unit)
+    shards = sh.batch_divisor(run.mesh)
+    index, layout_stats = plan_rows(plan, order, rollout.prompt_lengths, rollout.lengths, shards)
     metrics.update(layout_stats)
     index = sh.replicated_to_global(index, run.mesh, row_axis=2)
     batch = run.assemble(
@@ -303,7 +303,6 @@ def _evaluate(run: _Run, step: int) -> dict[str, float]:
 def _finish_step(run: _Run, step, metrics, t_step, compiles, stopping) -> dict[str, Any]:
     """Evaluate when due, log the step's metrics, save when due; returns the logged row."""
     cfg = run.config
-    metrics = {k: v for k, v in metrics.items()}
     if cfg.run.eval_every and step % cfg.run.eval_every == 0:
         t_eval = time.perf_counter()
         metrics.update(_evaluate(run, step))

@@ -11,10 +11,9 @@ Packing (``algo.packing``): a sequence of prompt ``p`` and response ``g`` tokens
 ``p + g - 1`` positions (its last token predicts nothing); the sequences of a mini-batch go into
 rows of ``tokens_per_row`` positions, longest first, each into the first row with room
 (first-fit-decreasing), numbered 1, 2, ... in its row (``segment_ids``). Responses of no tokens
-carry no loss and are left out. The number of rows is rounded up to a bucket (``unit`` times a
-power of two, at most the padded layout's rows) shared by the mini-batches of a step, so a run
-compiles a bounded number of update programs; a micro-batch is a fixed number of rows, i.e. a
-token budget.
+carry no loss and are left out. A micro-batch is a token budget (:func:`micro_batch_shape`):
+packed rows need fewer micro-batches, and both counts are bucketed and shared by the
+mini-batches of a step, so a run compiles a bounded number of update programs.
 """
 
 from __future__ import annotations
@@ -59,9 +58,15 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
 
 
 def bucket_rows(rows: int, unit: int, limit: int) -> int:
-    """``unit`` times the smallest power of two covering ``rows``, at most ``limit``."""
+    """The smallest ``unit`` x {1, 2, 3, 4, 6, 8, 12, ...} covering ``rows``, at most ``limit``.
+
+    Two buckets per power of two: at most ``2 log2(limit / unit) + 1`` programs, and at most a
+    third of the rows padding.
+    """
     units = -(-max(rows, 1) // unit)
-    return min(unit * (1 << (units - 1).bit_length()), limit)
+    power = 1 << (units - 1).bit_length()  # smallest power of two >= units
+    size = 3 * power // 4 if power >= 4 and units <= 3 * power // 4 else power
+    return min(unit * size, limit)
 
 
 def row_groups(plan: UpdatePlan, seqs: np.ndarray, prompt_lens, resp_lens) -> list[list[int]]:
@@ -94,8 +99,24 @@ def layout(plan: UpdatePlan, groups: list[list[int]], rows: int, prompt_lens, re
     return Layout(source, column, segment_ids)
 
 
+def micro_batch_shape(plan: UpdatePlan, rows: int, shards: int) -> tuple[int, int]:
+    """``(micro-batches, rows per micro-batch)`` holding ``rows`` packed rows.
+
+    A micro-batch is a token budget: at most the padded layout's rows per micro-batch
+    (``rows_per_update / micro_batches`` rows of ``tokens_per_row``), so its memory is bounded
+    as configured. Packing then needs fewer micro-batches, and the last rows-per-micro-batch
+    bucket shrinks to what they hold; both are bucketed (:func:`bucket_rows`), so a run compiles
+    a bounded number of update programs.
+    """
+    budget = plan.rows_per_update // plan.micro_batches
+    if not plan.packing:
+        return plan.micro_batches, budget
+    micro = bucket_rows(-(-rows // budget), 1, limit=plan.micro_batches)
+    return micro, bucket_rows(-(-rows // micro), shards, limit=budget)
+
+
 def plan_rows(
-    plan: UpdatePlan, order: np.ndarray, prompt_lens, resp_lens, unit: int
+    plan: UpdatePlan, order: np.ndarray, prompt_lens, resp_lens, shards: int
 ) -> tuple[Layout, dict[str, float]]:
     """The layout of every mini-batch ``[mini, M, b, T]`` and its padding statistics.
 
@@ -103,20 +124,23 @@ def plan_rows(
       plan: the update plan.
       order: rollout sequences in update order (mini-batch ``m`` takes the ``m``-th block).
       prompt_lens, resp_lens: tokens per sequence.
-      unit: rows must be a multiple of it (micro-batches times batch shards).
+      shards: the batch shards; rows per micro-batch are a multiple of it.
     """
     per = plan.rows_per_update
     blocks = [order[m * per : (m + 1) * per] for m in range(plan.mini_batches)]
     groups = [row_groups(plan, b, prompt_lens, resp_lens) for b in blocks]
-    rows = per if not plan.packing else bucket_rows(max(map(len, groups)), unit, limit=per)
-    parts = [layout(plan, g, rows, prompt_lens, resp_lens) for g in groups]
-    M = plan.micro_batches
+    micro, rows = micro_batch_shape(plan, max(map(len, groups)), shards)
+    parts = [layout(plan, g, micro * rows, prompt_lens, resp_lens) for g in groups]
     stack = lambda name: np.stack([getattr(p, name) for p in parts]).reshape(
-        plan.mini_batches, M, rows // M, plan.row_len
+        plan.mini_batches, micro, rows, plan.row_len
     )
     out = Layout(stack("source"), stack("column"), stack("segment_ids"))
     real = float((out.segment_ids > 0).sum())
-    stats = {"batch/packed_rows": rows, "batch/pad_fraction": 1.0 - real / out.segment_ids.size}
+    stats = {
+        "batch/packed_rows": micro * rows,
+        "batch/micro_batches": micro,
+        "batch/pad_fraction": 1.0 - real / out.segment_ids.size,
+    }
     return out, stats
 
 

@@ -120,9 +120,14 @@ def collect_rollout(
         kept.extend(spare[: wanted - len(kept)])
     kept = kept[:wanted]
     stats["dynamic/informative_groups"] = int(sum(np.ptp(g["rewards"]) > 0 for g in kept))
+    return _assemble(kept, tuple(outputs), n, prompt_len, gen_len, advantage, dict(stats))
+
+
+def _assemble(kept, outputs, n, prompt_len, gen_len, advantage, stats) -> Rollout:
+    """The kept groups' rows in the fixed layout (on device), with advantages and statistics."""
     rows = np.concatenate([g["rows"] for g in kept])
     sequences, logprobs, hidden = _padded_rows(
-        tuple(outputs), rows, prompt_len=prompt_len, gen_len=gen_len
+        outputs, rows, prompt_len=prompt_len, gen_len=gen_len
     )
     joined = lambda key: [x for g in kept for x in g[key]]
     rewards = np.concatenate([g["rewards"] for g in kept]).astype(np.float32)
@@ -146,7 +151,7 @@ def collect_rollout(
         advantages=np.asarray(ADVANTAGE_FNS[advantage](jnp.asarray(rewards), n), np.float32),
         records=joined("records"),
         responses=joined("texts"),
-        stats=dict(stats),
+        stats=stats,
     )
 
 

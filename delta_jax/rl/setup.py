@@ -133,13 +133,8 @@ def _load_records(config: Config, source: str, split: str, *, eval_set: bool):
     return result.records
 
 
-def build_run_parts(config: Config, mesh=None) -> RunParts:
-    from delta_jax.rewards import RewardScorer
-    from delta_jax.sampling import Sampler
-
-    run_dir = Path(config.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_model(config, run_dir)
+def _encoded_prompts(config: Config, tokenizer):
+    """The encoded training prompts and held-out ones (None without an eval source)."""
     d = config.data
     template = d.template
     if d.source == DEMO_DATA and template is None:
@@ -167,22 +162,28 @@ def build_run_parts(config: Config, mesh=None) -> RunParts:
             f"rollout.prompts_per_step={config.rollout.prompts_per_step}"
         )
     eval_source = d.eval_source or (DEMO_DATA if d.source == DEMO_DATA else None)
-    evals = (
-        encode(
-            _load_records(config, eval_source, d.eval_split, eval_set=True)[
-                : config.run.eval_prompts
-            ]
-        )
-        if eval_source
-        else None
-    )
+    evals = None
+    if eval_source:
+        held_out = _load_records(config, eval_source, d.eval_split, eval_set=True)
+        evals = encode(held_out[: config.run.eval_prompts])
     if config.run.eval_every and evals is None:
         raise ConfigError("run.eval_every > 0 needs data.eval_source")
+    return train, evals
+
+
+def build_run_parts(config: Config, mesh=None) -> RunParts:
+    from delta_jax.rewards import RewardScorer
+    from delta_jax.sampling import Sampler
+
+    run_dir = Path(config.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_model(config, run_dir)
+    train, evals = _encoded_prompts(config, tokenizer)
     pipeline = PromptPipeline(
         len(train.ids),
         batch_size=config.rollout.prompts_per_step,
         seed=config.run.seed,
-        shuffle=d.shuffle,
+        shuffle=config.data.shuffle,
         # Host-replicated rollouts: every process draws the same prompts (the sampler's
         # program spans all hosts); each feeds its own rows to the train step.
         process_index=0,
@@ -211,6 +212,6 @@ def build_run_parts(config: Config, mesh=None) -> RunParts:
         records=train.records,
         eval_prompt_ids=evals.ids if evals else [],
         eval_records=evals.records if evals else [],
-        prompt_len=d.max_prompt_length,
+        prompt_len=config.data.max_prompt_length,
         stop_token_ids=stop_ids,
     )

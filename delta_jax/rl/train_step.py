@@ -248,12 +248,14 @@ def combine_metrics(
     tokens = stacked["tokens"]
     weight = tokens / xp.maximum(tokens.sum(), 1)
     mean = lambda x: (x * weight).sum()
+    # Parts without a valid token (e.g. rows of padding) report 0 for their extremes: skip them.
+    extreme = lambda x, fill, fn: xp.where(tokens.sum() > 0, fn(xp.where(tokens > 0, x, fill)), 0)
     out = {}
     for key, value in stacked.items():
         if key.endswith("min"):
-            out[key] = value.min()
+            out[key] = extreme(value, xp.inf, xp.min)
         elif key.endswith("max"):
-            out[key] = value.max()
+            out[key] = extreme(value, -xp.inf, xp.max)
         elif key in sums or key == "tokens":
             out[key] = value.sum()
         elif key in means:

@@ -34,6 +34,8 @@ REQUIRED_KEYS = {
     "delta/sign_accuracy",
     "coef_mean",
     "compiles",
+    "batch/pad_fraction",
+    "batch/packed_rows",
 }
 
 
@@ -88,16 +90,18 @@ def test_loop_runs_full_steps_and_logs(tmp_path, demo_model_dir):
 def test_mini_batches_use_coefficients_computed_once_per_rollout(
     tmp_path, demo_model_dir, monkeypatch
 ):
-    calls = []
-    real = loop_mod.delta_coefficients_microbatched
+    prepared, seen = [], []
+    real_prepare, real_make = loop_mod.make_prepare, loop_mod.make_train_step
 
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
+    def recording_prepare(*args, **kwargs):
+        prepare = real_prepare(*args, **kwargs)
 
-    monkeypatch.setattr(loop_mod, "delta_coefficients_microbatched", counting)
-    seen = []
-    real_make = loop_mod.make_train_step
+        def wrapped(params, ref_params, batch):
+            batch, diagnostics = prepare(params, ref_params, batch)
+            prepared.append(np.asarray(batch.coefficients))
+            return batch, diagnostics
+
+        return wrapped
 
     def recording_make(*args, **kwargs):
         step = real_make(*args, **kwargs)
@@ -108,17 +112,40 @@ def test_mini_batches_use_coefficients_computed_once_per_rollout(
 
         return wrapped
 
+    monkeypatch.setattr(loop_mod, "make_prepare", recording_prepare)
     monkeypatch.setattr(loop_mod, "make_train_step", recording_make)
     config = load_config(
         DEMO,
         tiny_overrides(tmp_path / "run", demo_model_dir, "run.steps=2", "algo.mini_batches=2"),
     )
     loop_mod.train(config)
-    assert len(calls) == 2  # once per rollout batch ...
-    assert len(seen) == 4  # ... for two updates each
-    assert all(c is not None and c.shape == (1, 8, 24) for c in seen)
+    assert len(prepared) == 2  # once per rollout batch ...
+    assert len(seen) == 4  # ... for two updates each, which read the prepared coefficients
+    for k, coefficients in enumerate(seen):
+        np.testing.assert_array_equal(coefficients, prepared[k // 2][k % 2])
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert all("delta/gamma_pos" in r and "delta/computed_in_loss" not in r for r in rows)
+    assert all(r["delta/computed_per_rollout"] == 1.0 for r in rows)
+
+
+def test_packed_and_padded_runs_log_the_same_losses(tmp_path, demo_model_dir):
+    """`delta-jax train` with algo.packing=true and =false, same seed: same loss and reward."""
+    runs = {}
+    for packing in ("true", "false"):
+        run = tmp_path / packing
+        # Rows of two of the longest sequences, so that packing needs fewer of them than the
+        # padded layout on the 8 batch shards (ignored by the padded run).
+        extra = ("run.steps=3", f"algo.packing={packing}", "algo.tokens_per_row=78")
+        cmd = _cli(run, demo_model_dir, *extra)
+        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+        runs[packing] = read_metrics(run / "metrics.jsonl")
+    packed, padded = runs["true"], runs["false"]
+    assert [r["step"] for r in packed] == [r["step"] for r in padded] == [1, 2, 3]
+    assert any(r["loss"] != 0 for r in padded)
+    for p, q in zip(packed, padded, strict=True):
+        assert p["batch/packed_rows"] < q["batch/packed_rows"]
+        for key in ("loss", "reward_mean"):
+            assert abs(p[key] - q[key]) <= 1e-4, (p["step"], key, p[key], q[key])
 
 
 def test_exact_resume_after_kill(tmp_path, demo_model_dir):

@@ -1,4 +1,10 @@
-"""The jitted update: micro-batching, fixed coefficients, skipping, recompilation, objectives."""
+"""The update on packed and padded rows: equivalence, micro/mini-batching, skipping, compiles.
+
+Every batch here is built by the loop's own stages (``_prepare`` / ``_update``) from one
+synthetic rollout held on device, so packed and padded runs see the very same sequences.
+"""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -7,19 +13,23 @@ import optax
 import pytest
 from flax import nnx
 
+from delta_jax import sharding as sh
 from delta_jax.config import load_config
-from delta_jax.losses import delta_coefficients
-from delta_jax.models import ModelConfig, Transformer
-from delta_jax.rl.objectives import resolve_objective
-from delta_jax.rl.train_step import (
-    TrainBatch,
-    init_train_state,
-    make_old_pass,
-    make_optimizer,
-    make_train_step,
-)
+from delta_jax.models import ModelConfig, Transformer, token_logprobs
+from delta_jax.rl import loop as loop_mod
+from delta_jax.rl.packing import first_fit_decreasing, make_assemble
+from delta_jax.rl.prepare import make_prepare, make_sampler_coefficients
+from delta_jax.rl.rollout import Rollout
+from delta_jax.rl.state import init_train_state, make_optimizer
+from delta_jax.rl.train_step import check_batch, make_train_step
+from delta_jax.rl.update_plan import UpdatePlan
 
-P, G, B = 6, 10, 8
+P, G, PROMPTS, N = 6, 10, 4, 4
+B = PROMPTS * N
+# Plain SGD with lr 1: the parameter change *is* the accumulated gradient, so comparing
+# parameters compares gradients. (Adam's first step is ~lr*sign(g) per coordinate, which turns
+# float32 rounding in near-zero gradient entries into lr-sized differences.)
+SGD = optax.sgd(1.0)
 
 
 @pytest.fixture(scope="module")
@@ -27,38 +37,92 @@ def setup():
     model = Transformer(ModelConfig.tiny("qwen3"), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     rng = np.random.default_rng(0)
-    ids = rng.integers(3, 256, (B, P + G)).astype(np.int32)
-    mask = np.ones((B, P + G), bool)
-    mask[:3, :2] = False  # left-padded prompts
-    lengths = rng.integers(3, G + 1, B)
-    response = np.arange(G)[None] < lengths[:, None]
-    mask[:, P:] = response
-    # Mixed advantages plus one zero-advantage group, as GRPO produces.
-    advantages = np.array([1.2, -0.4, 0.8, -1.6, 0.0, 0.0, 0.5, -0.5], np.float32)
-    return graphdef, params, ids, mask, response, advantages
-
-
-def _objective(loss, **kw):
-    overrides = [f"algo.loss={loss}", *(f"algo.{k}={v}" for k, v in kw.items())]
-    return resolve_objective(load_config(None, overrides).algo, max_response_length=G)
-
-
-def _batch(ids, mask, response, advantages, micro, **extra):
-    split = lambda x: None if x is None else jnp.asarray(x).reshape(micro, -1, *x.shape[1:])
-    return TrainBatch(
-        input_ids=split(ids),
-        attention_mask=split(mask),
-        response_mask=split(response),
-        advantages=split(advantages),
-        **{k: split(v) for k, v in extra.items()},
+    plens = rng.integers(2, P + 1, B).astype(np.int32)
+    glens = rng.integers(1, G + 1, B).astype(np.int32)
+    seqs = np.zeros((B, P + G), np.int32)
+    for i in range(B):
+        seqs[i, P - plens[i] : P + glens[i]] = rng.integers(3, 256, plens[i] + glens[i])
+    # The sampler's view: log-probs and hidden states of the response tokens, padded layout.
+    out = token_logprobs(
+        model,
+        jnp.asarray(seqs[:, :-1]),
+        jnp.asarray(seqs[:, 1:]),
+        attention_mask=jnp.asarray(seqs[:, :-1] != 0),
+        return_hidden=True,
+        score_from=P - 1,
     )
+    resp = np.arange(G)[None] < glens[:, None]
+    rewards = rng.normal(size=B).astype(np.float32)
+    rewards[4:8] = 1.0  # one group without signal: zero advantages, as GRPO gives
+    advantages = (rewards - rewards.reshape(-1, N).mean(1).repeat(N)).astype(np.float32)
+    rollout = Rollout(
+        sequences=jnp.asarray(seqs),
+        rollout_logprobs=jnp.where(resp, out.logprobs, 0.0),
+        hidden=out.hidden,
+        prompt_lengths=plens,
+        lengths=glens,
+        rewards=rewards,
+        advantages=advantages,
+        records=[],
+        responses=[],
+        stats={},
+    )
+    return graphdef, params, rollout
 
 
-def _run(graphdef, params, objective, batch, lr=1e-2, optimizer=None):
-    optimizer = optimizer or make_optimizer(load_config(None, [f"optim.lr={lr}"]).optim, 10)
-    step = make_train_step(graphdef, optimizer, objective, temperature=1.0, gen_len=G)
-    state = init_train_state(jax.tree.map(jnp.copy, params), optimizer)
-    return step(state, batch)
+def _plan(loss="delta", packing=True, mini=1, micro=1, **algo):
+    overrides = [
+        f"rollout.prompts_per_step={PROMPTS}",
+        f"rollout.samples_per_prompt={N}",
+        f"rollout.max_new_tokens={G}",
+        f"data.max_prompt_length={P}",
+        f"algo.loss={loss}",
+        f"algo.packing={str(packing).lower()}",
+        f"algo.mini_batches={mini}",
+        "algo.tokens_per_row=30",  # two of the longest sequences: packing has room to work
+        f"algo.micro_batches={micro}",
+        *(f"algo.{k}={v}" for k, v in algo.items()),
+    ]
+    return load_config(None, overrides), UpdatePlan.from_config(load_config(None, overrides))
+
+
+def _rl_update(setup, config, plan, optimizer=SGD):
+    """One full RL update (prepare + every mini-batch update) through the loop's stages."""
+    graphdef, params, rollout = setup
+    mesh = sh.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    run = loop_mod._Run(
+        config=config,
+        mesh=mesh,
+        parts=None,
+        plan=plan,
+        state=init_train_state(jax.tree.map(jnp.copy, params), optimizer),
+        ref_params=jax.tree.map(jnp.copy, params) if plan.reference else None,
+        train_step=make_train_step(graphdef, optimizer, plan, donate=False),
+        prepare=make_prepare(graphdef, plan),
+        assemble=make_assemble(plan),
+        sampler_coefficients=make_sampler_coefficients(plan),
+        checkpointer=None,
+        metrics_log=None,
+        start=0,
+    )
+    batch, metrics = loop_mod._prepare(run, rollout, step=1)
+    metrics.update(loop_mod._update(run, batch))
+    return run.state, metrics, batch
+
+
+@pytest.fixture(scope="module")
+def results(setup):
+    """``results(loss, packing, mini, micro, **algo)``: one full RL update, each run once."""
+    cache = {}
+
+    def get(loss="delta", packing=True, mini=1, micro=1, lr=1.0, **algo):
+        key = (loss, packing, mini, micro, lr, tuple(sorted(algo.items())))
+        if key not in cache:
+            cfg, plan = _plan(loss, packing, mini, micro, **algo)
+            cache[key] = _rl_update(setup, cfg, plan, optax.sgd(lr))
+        return cache[key]
+
+    return get
 
 
 def _max_diff(a, b):
@@ -68,95 +132,113 @@ def _max_diff(a, b):
     )
 
 
-# Plain SGD with lr 1: the parameter change *is* the accumulated gradient, so comparing
-# parameters compares gradients. (Adam's first step is ~lr*sign(g) per coordinate, which turns
-# float32 rounding in near-zero gradient entries into lr-sized differences.)
-SGD = optax.sgd(1.0)
+CASES = [(1, 1), (1, 4), (4, 1)]
 
 
-def test_four_micro_batches_equal_the_whole_batch(setup):
-    """DelTA inline on the whole batch == 4 micro-batches with the coefficients fixed up front."""
-    graphdef, params, ids, mask, response, adv = setup
-    objective = _objective("delta")
-    whole_state, whole = _run(
-        graphdef, params, objective, _batch(ids, mask, response, adv, 1), optimizer=SGD
+@pytest.mark.parametrize("mini,micro", CASES)
+@pytest.mark.parametrize("loss", ["delta", "dapo"])
+def test_packed_update_equals_padded(setup, results, loss, mini, micro):
+    """Same rollout, packed vs padded rows: same parameters, coefficients, loss and metrics."""
+    _, params, _ = setup
+    packed, m_packed, b_packed = results(loss, True, mini, micro)
+    padded, m_padded, b_padded = results(loss, False, mini, micro)
+    if mini > 1:
+        # Four SGD steps of lr 1 move the parameters by ~1 (gradient norm ~4 each), and each
+        # step's gradient is taken there: float32 rounding grows to ~3e-5 in both layouts
+        # alike. lr 0.1 (parameters still move by ~0.03) keeps the comparison well-conditioned.
+        packed, _, _ = results(loss, True, mini, micro, lr=0.1)
+        padded, _, _ = results(loss, False, mini, micro, lr=0.1)
+    assert m_packed["batch/packed_rows"] < m_padded["batch/packed_rows"]
+    assert m_packed["batch/pad_fraction"] <= m_padded["batch/pad_fraction"]
+    assert _max_diff(packed.params, padded.params) <= 1e-5
+    assert _max_diff(packed.params, params) > 1e-2  # the update moved the parameters
+    same = lambda k: not k.startswith(("batch/", "time/"))
+    assert {k for k in m_packed if same(k)} == {k for k in m_padded if same(k)}
+    for key in filter(same, m_padded):
+        np.testing.assert_allclose(m_packed[key], m_padded[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    if b_padded.coefficients is not None:  # fixed coefficients: compare token by token
+        coef = lambda b: _coefficients_by_token(b)
+        np.testing.assert_allclose(coef(b_packed), coef(b_padded), rtol=0, atol=1e-6)
+
+
+def _coefficients_by_token(batch):
+    """Coefficients keyed by (advantage, rollout log-prob, target token): layout-free."""
+    mask = np.asarray(batch.loss_mask)
+    keys = np.stack(
+        [
+            np.asarray(batch.advantages)[mask],
+            np.asarray(batch.rollout_logprobs)[mask],
+        ],
+        axis=1,
     )
-    # Coefficients from one old-policy pass (the same parameters), held fixed.
-    old_pass = make_old_pass(graphdef, temperature=1.0, gen_len=G, return_entropy=False)
-    logp, _, hidden = old_pass(params, jnp.asarray(ids), jnp.asarray(mask))
-    coef = delta_coefficients(hidden, logp, jnp.asarray(adv), jnp.asarray(response))
-    micro_batch = _batch(ids, mask, response, adv, 4, coefficients=coef)
-    micro_state, micro = _run(graphdef, params, objective, micro_batch, optimizer=SGD)
-    assert abs(float(whole["loss"]) - float(micro["loss"])) <= 1e-5
-    assert abs(float(whole["grad_norm"]) - float(micro["grad_norm"])) <= 1e-5
-    assert _max_diff(whole_state.params, micro_state.params) <= 1e-5
-    # And the update actually moved the parameters (the comparison is not vacuous).
-    assert _max_diff(whole_state.params, params) > 1e-4
-    assert float(whole["delta/gamma_pos"]) > 0
-    # The real optimiser (AdamW) sees the same loss and gradient norm.
-    _, whole_adam = _run(graphdef, params, objective, _batch(ids, mask, response, adv, 1))
-    _, micro_adam = _run(graphdef, params, objective, micro_batch)
-    assert abs(float(whole_adam["loss"]) - float(micro_adam["loss"])) <= 1e-5
-    assert abs(float(whole_adam["grad_norm"]) - float(micro_adam["grad_norm"])) <= 1e-5
+    order = np.lexsort(keys.T[::-1])
+    return np.asarray(batch.coefficients)[mask][order]
 
 
-@pytest.mark.parametrize("loss", ["dapo", "grpo", "dr_grpo", "gspo", "sapo"])
-def test_micro_batching_is_exact_for_every_objective(setup, loss):
-    graphdef, params, ids, mask, response, adv = setup
-    objective = _objective(loss)
-    s1, m1 = _run(graphdef, params, objective, _batch(ids, mask, response, adv, 1), optimizer=SGD)
-    s4, m4 = _run(graphdef, params, objective, _batch(ids, mask, response, adv, 4), optimizer=SGD)
-    assert abs(float(m1["loss"]) - float(m4["loss"])) <= 1e-5
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "gspo"])
+def test_packed_micro_batches_are_exact_for_every_objective(results, loss):
+    """Sequence-level aggregations and GSPO's sequence ratio see responses, not rows."""
+    s4, m4, _ = results(loss, True, 1, 4)
+    s1, m1, _ = results(loss, False, 1, 1)
+    assert abs(m1["loss"] - m4["loss"]) <= 1e-5
     assert _max_diff(s1.params, s4.params) <= 1e-5
 
 
-def test_delta_with_unit_range_equals_dapo(setup):
-    graphdef, params, ids, mask, response, adv = setup
-    batch = _batch(ids, mask, response, adv, 1)
-    s_delta, m_delta = _run(graphdef, params, _objective("delta", lam_min=1.0, lam_max=1.0), batch)
-    s_dapo, m_dapo = _run(graphdef, params, _objective("dapo"), batch)
-    assert abs(float(m_delta["loss"]) - float(m_dapo["loss"])) <= 1e-6
+def test_delta_with_unit_range_equals_dapo(results):
+    s_delta, m_delta, _ = results("delta", lam_min=1.0, lam_max=1.0)
+    s_dapo, m_dapo, _ = results("dapo")
+    assert abs(m_delta["loss"] - m_dapo["loss"]) <= 1e-6
     assert _max_diff(s_delta.params, s_dapo.params) <= 1e-6
 
 
-def test_delta_changes_the_update(setup):
+def test_delta_changes_the_update(results):
     """With the default range the coefficients are not all one, so the update differs from DAPO."""
-    graphdef, params, ids, mask, response, adv = setup
-    batch = _batch(ids, mask, response, adv, 1)
-    s_delta, m_delta = _run(graphdef, params, _objective("delta"), batch)
-    s_dapo, _ = _run(graphdef, params, _objective("dapo"), batch)
-    assert float(m_delta["coef_std"]) > 1e-3
+    s_delta, m_delta, _ = results("delta")
+    s_dapo, _, _ = results("dapo")
+    assert m_delta["coef_std"] > 1e-3 and m_delta["delta/gamma_pos"] > 0
     assert _max_diff(s_delta.params, s_dapo.params) > 1e-6
 
 
-def test_non_finite_gradient_skips_the_update(setup):
-    graphdef, params, ids, mask, response, adv = setup
-    objective = _objective("dapo")
-    bad = adv.copy()
-    bad[0] = np.nan
-    optimizer = make_optimizer(load_config(None).optim, 10)
-    step = make_train_step(graphdef, optimizer, objective, temperature=1.0, gen_len=G)
-    state = init_train_state(jax.tree.map(jnp.copy, params), optimizer)
-    before = jax.tree.map(np.asarray, state.params)
-    state, metrics = step(state, _batch(ids, mask, response, bad, 1))
-    assert float(metrics["update_skipped"]) == 1.0
+def test_non_finite_gradient_skips_the_update_and_the_step_compiles_once(setup):
+    graphdef, params, rollout = setup
+    cfg, plan = _plan("dapo")
+    bad = dataclasses.replace(rollout, advantages=rollout.advantages.copy())
+    bad.advantages[0] = np.nan
+    optimizer = make_optimizer(cfg.optim, 10)
+    state, metrics, _ = _rl_update((graphdef, params, bad), cfg, plan, optimizer)
+    assert metrics["update_skipped"] == 1.0
     assert int(state.skipped) == 1 and int(state.step) == 0
-    assert _max_diff(state.params, before) == 0.0
-    state, metrics = step(state, _batch(ids, mask, response, adv, 1))
-    assert float(metrics["update_skipped"]) == 0.0 and int(state.step) == 1
-
-
-def test_step_compiles_once(setup):
-    graphdef, params, ids, mask, response, adv = setup
-    optimizer = make_optimizer(load_config(None).optim, 10)
-    step = make_train_step(graphdef, optimizer, _objective("delta"), temperature=1.0, gen_len=G)
-    state = init_train_state(jax.tree.map(jnp.copy, params), optimizer)
-    for i in range(3):
-        state, _ = step(state, _batch(ids, mask, response, adv * (i + 1), 1))
+    assert _max_diff(state.params, params) == 0.0
+    step = make_train_step(graphdef, optimizer, plan, donate=False)
+    batch, _ = loop_mod._prepare(
+        loop_mod._Run(cfg, sh.make_mesh(1, 1, 1, devices=jax.devices()[:1]), None, plan, state,
+                      None, step, None, make_assemble(plan), None, None, None, 0),
+        rollout, step=1,
+    )  # fmt: skip
+    for _ in range(3):
+        state, metrics = step(state, jax.tree.map(lambda x: x[0], batch))
+    assert float(metrics["update_skipped"]) == 0.0 and int(state.step) == 3
     assert step._cache_size() == 1
 
 
-def test_inline_delta_refuses_micro_batches(setup):
-    graphdef, params, ids, mask, response, adv = setup
-    with pytest.raises(ValueError, match="micro_batches > 1"):
-        _run(graphdef, params, _objective("delta"), _batch(ids, mask, response, adv, 2))
+def test_the_plan_decides_the_inputs(results):
+    """A batch without the coefficients the plan expects is refused (no None-means-a-mode)."""
+    _, sampler_plan = _plan("delta", micro=4)
+    _, in_loss_plan = _plan("delta")
+    assert (sampler_plan.coefficients, in_loss_plan.coefficients) == ("sampler", "in_loss")
+    assert _plan("delta", mini=2)[1].coefficients == "old_pass"
+    assert _plan("dapo", mini=2)[1].coefficients == "none"
+    _, _, batch = results("delta")
+    with pytest.raises(ValueError, match="needs TrainBatch.coefficients"):
+        check_batch(sampler_plan, batch)
+
+
+def test_first_fit_decreasing_fills_rows_longest_first():
+    bins = first_fit_decreasing([5, 9, 2, 7, 3, 4], capacity=10)
+    # 9 opens a row, 7 another, 5 a third; 4 joins the 5, 3 the 7; 2 fits nowhere any more.
+    assert bins == [[1], [3, 4], [0, 5], [2]]
+    lengths = [5, 9, 2, 7, 3, 4]
+    assert sorted(i for b in bins for i in b) == list(range(6))
+    assert all(sum(lengths[i] for i in b) <= 10 for b in bins)
+    with pytest.raises(ValueError, match="> row of 10"):
+        first_fit_decreasing([11], capacity=10)

@@ -1,0 +1,86 @@
+"""The update plan: built once from the config, validated at load, per-shard DelTA wired."""
+
+import jax
+import numpy as np
+import pytest
+
+from delta_jax import sharding as sh
+from delta_jax.config import ConfigError, load_config
+from delta_jax.losses import delta_coefficients
+from delta_jax.rl.packing import bucket_rows, micro_batch_shape
+from delta_jax.rl.prepare import make_sampler_coefficients
+from delta_jax.rl.update_plan import UpdatePlan
+
+
+def _plan(*overrides):
+    return UpdatePlan.from_config(load_config(None, list(overrides)))
+
+
+def test_plan_from_config():
+    plan = _plan("data.max_prompt_length=16", "rollout.max_new_tokens=24")
+    assert (plan.packing, plan.row_len, plan.score_from, plan.window) == (True, 39, 0, 39)
+    padded = _plan("algo.packing=false", "data.max_prompt_length=16", "rollout.max_new_tokens=24")
+    assert (padded.row_len, padded.score_from, padded.window) == (39, 15, 24)
+    assert _plan("algo.tokens_per_row=128").row_len == 128
+    assert (plan.old_pass, plan.reference, plan.prepares) == (False, False, False)
+    paper = _plan("algo.mini_batches=4", "algo.kl_coef=0.1", "algo.loss=dapo_forking_tokens")
+    assert (paper.old_pass, paper.reference, paper.fixed_token_mask) == (True, True, True)
+
+
+def test_config_errors_at_load():
+    with pytest.raises(ConfigError, match="algo.aggregation='token_mean' is not one of"):
+        load_config(None, ["algo.aggregation=token_mean"])
+    with pytest.raises(ConfigError, match="algo.tokens_per_row=20 must hold the longest"):
+        load_config(None, ["algo.tokens_per_row=20"])
+    assert _plan("algo.aggregation=seq-mean-token-mean").objective.loss_kwargs["aggregation"] == (
+        "seq-mean-token-mean"
+    )
+
+
+def test_row_buckets_are_few():
+    sizes = {bucket_rows(r, 8, 512) for r in range(1, 513)}
+    assert sizes == {8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512}
+    assert all(bucket_rows(r, 8, 512) >= r for r in range(1, 513))
+
+
+def test_micro_batches_are_a_token_budget():
+    """The paper's shape: 512 sequences per update, 16 micro-batches of 32 rows on 4 shards."""
+    paper = (
+        "rollout.prompts_per_step=128",
+        "rollout.samples_per_prompt=16",
+        "algo.mini_batches=4",
+        "algo.micro_batches=16",
+    )
+    packed, padded = _plan(*paper), _plan(*paper, "algo.packing=false")
+    assert micro_batch_shape(padded, 100, 4) == (16, 32)  # the padded layout never changes
+    assert micro_batch_shape(packed, 512, 4) == (16, 32)
+    assert micro_batch_shape(packed, 128, 4) == (4, 32)  # fewer micro-batches, same budget
+    assert micro_batch_shape(packed, 100, 4) == (4, 32)
+    assert micro_batch_shape(packed, 20, 4) == (1, 24)  # one, shrunk to a bucket of rows
+    assert micro_batch_shape(packed, 150, 4) == (6, 32)
+
+
+def test_delta_scope_per_shard_reaches_the_losses():
+    """algo.delta_scope=per_shard: each batch shard's statistics alone (the reference recipe)."""
+    G, H, B = 6, 16, 8
+    rng = np.random.default_rng(0)
+    hidden = rng.normal(size=(B, G, H)).astype(np.float32)
+    logprobs = -rng.uniform(size=(B, G)).astype(np.float32)
+    advantages = rng.normal(size=B).astype(np.float32)
+    lengths = rng.integers(1, G + 1, B).astype(np.int32)
+    mask = np.arange(G)[None] < lengths[:, None]
+    mesh = sh.make_mesh(2, 1, 1, devices=jax.devices()[:2])
+    common = ("rollout.max_new_tokens=6", "algo.micro_batches=2", "rollout.prompts_per_step=4")
+    per_shard = _plan(*common, "algo.delta_scope=per_shard")
+    inputs = (hidden, logprobs, advantages, lengths)
+    coef, _ = make_sampler_coefficients(per_shard, mesh=mesh)(*inputs)
+    kwargs = per_shard.objective.delta_kwargs
+    halves = [
+        delta_coefficients(hidden[s], logprobs[s], advantages[s], mask[s], **kwargs)
+        for s in (slice(0, B // 2), slice(B // 2, B))
+    ]
+    np.testing.assert_allclose(np.asarray(coef), np.concatenate(halves), atol=1e-6)
+    whole, _ = make_sampler_coefficients(_plan(*common), mesh=mesh)(*inputs)
+    assert np.abs(np.asarray(whole) - np.asarray(coef)).max() > 1e-3  # a different statistic
+    with pytest.raises(ValueError, match="needs the run's mesh"):
+        make_sampler_coefficients(per_shard)(*inputs)
