@@ -40,11 +40,13 @@ from flax import nnx
 from flax.core import spmd
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Int
 
 from delta_jax.models import Transformer, lm_head_weight
 from delta_jax.models.axes import logical_to_mesh
 from delta_jax.sampling.paged import (
+    PAGE_AXES,
     SCRATCH_PAGE,
     Attention,
     PageAllocator,
@@ -673,3 +675,68 @@ def generate_continuous(
         num_rows=rows,
     )
     return out, stats
+
+
+def lower_decode(
+    config,
+    mesh: Mesh,
+    rules,
+    *,
+    slots: int,
+    steps: int,
+    page_size: int,
+    num_pages: int,
+    table_pages: int,
+    dtype: Any = jnp.bfloat16,
+    attention: Attention = "pallas",
+    stop_width: int = 1,
+) -> jax.stages.Lowered:
+    """The decode program lowered for abstract inputs on ``mesh`` (no parameters materialised).
+
+    For compile-only checks and cost figures on a topology without its devices (the TPU compiler
+    through ``jax.experimental.topologies``): parameters in ``dtype`` placed by ``rules``.
+    """
+    from delta_jax.sampling.strategies import make_strategy
+    from delta_jax.sharding import param_shardings
+
+    abstract = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, param_dtype=dtype))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    shardings = param_shardings(params, mesh, rules)
+    params = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings
+    )
+
+    def spec(shape, dt, names):
+        return jax.ShapeDtypeStruct(
+            shape, dt, sharding=NamedSharding(mesh, logical_to_mesh(names, rules, mesh, shape))
+        )
+
+    row = ("batch",)
+    i32 = jnp.int32
+    slot_state = SlotState(
+        **{k: spec((slots,), i32, row) for k in ("last", "pos", "count", "max_new", "prompt")},
+        sample=spec((slots,), i32, row),
+        active=spec((slots,), jnp.bool_, row),
+        stops=spec((slots, stop_width), i32, row + (None,)),
+        page_table=spec((slots, table_pages), i32, row + (None,)),
+        copy_src=spec((slots,), i32, row),
+        copy_dst=spec((slots,), i32, row),
+    )
+    c = config
+    page = (num_pages, page_size, 2 * c.num_kv_heads, c.head_dim)
+    pool = PagePool(kv=tuple(spec(page, dtype, PAGE_AXES) for _ in range(c.num_layers)))
+    fn = functools.partial(
+        decode_chunk,
+        graphdef=graphdef,
+        steps=steps,
+        return_hidden=False,
+        pad_id=0,
+        attention=attention,
+        mesh=mesh,
+    )
+    seed = jax.ShapeDtypeStruct((), jnp.uint32, sharding=NamedSharding(mesh, P()))
+    strategy = make_strategy(1.0)
+    with jax.set_mesh(mesh), spmd.logical_axis_rules(rules):
+        return jax.jit(fn, donate_argnums=(2,)).lower(
+            params, rest, pool, slot_state, seed, strategy
+        )

@@ -38,6 +38,9 @@ __all__ = ["PAGE_AXES", "PageAllocator", "PagePool", "init_pool", "paged_forward
 # Logical axes of a layer's pages: only the KV heads are sharded (tensor parallel).
 PAGE_AXES = (None, None, ax.KV_HEADS, ax.HEAD_DIM)
 SCRATCH_PAGE = 0
+# Ragged paged attention kernel blocks: KV pages and queries (sequences, at decode) per block.
+PALLAS_KV_PAGES_PER_BLOCK = 16
+PALLAS_QUERIES_PER_BLOCK = 32
 
 Attention = Literal["xla", "pallas"]
 
@@ -133,8 +136,18 @@ def _pallas_attention(q, kv, positions, page_table, mesh: Mesh | None):
     num_seqs = jnp.array([B], jnp.int32)
 
     def kernel(q, kv, kv_lens, page_table, cu_q_lens, num_seqs):
+        # Block sizes given explicitly: the kernel's tuned table looks up jax.devices(), which
+        # is not the target TPU when compiling ahead of time for a topology.
         return ragged_paged_attention(
-            q, kv, kv_lens, page_table, cu_q_lens, num_seqs, sm_scale=D**-0.5
+            q,
+            kv,
+            kv_lens,
+            page_table,
+            cu_q_lens,
+            num_seqs,
+            sm_scale=D**-0.5,
+            num_kv_pages_per_block=min(page_table.shape[1], PALLAS_KV_PAGES_PER_BLOCK),
+            num_queries_per_block=PALLAS_QUERIES_PER_BLOCK,
         )
 
     if mesh is not None:
