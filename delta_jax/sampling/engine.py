@@ -277,6 +277,7 @@ class EngineSpec:
     num_pages: int
     max_table: int  # page-table width cap (pages of the longest sequence, power of two)
     prefill_len: int  # longest prefill chunk
+    min_len: int  # floor of the prefill-chunk and page-table (in tokens) buckets
     prefill_rows: int  # prefill batch cap
     row_multiple: int
     attention: Attention
@@ -403,7 +404,7 @@ class _Scheduler:
             group = indices[start : start + spec.prefill_rows]
             rows = min(spec.prefill_rows, _round_up(_pow2(len(group)), spec.row_multiple))
             longest = max(self.prompts[i].prefix for i in group)
-            T = min(spec.prefill_len, max(ps, _pow2(longest)))
+            T = min(spec.prefill_len, max(spec.min_len, _pow2(longest)))
             for offset in range(0, longest, T):
                 ids = np.zeros((rows, T), np.int32)
                 valid = np.zeros((rows, T), bool)
@@ -463,7 +464,8 @@ class _Scheduler:
     def _decode(self, state: dict[str, np.ndarray]) -> None:
         spec = self.spec
         live = [i for i, s in enumerate(self.slots) if s is not None]
-        nb = min(spec.max_table, _pow2(max(len(self.slots[i].table) for i in live)))
+        widest = max(len(self.slots[i].table) for i in live)
+        nb = min(spec.max_table, _pow2(max(widest, pages_for(spec.min_len, spec.page_size))))
         table = np.zeros((spec.slots, nb), np.int32)
         for i in live:
             table[i, : len(self.slots[i].table)] = self.slots[i].table

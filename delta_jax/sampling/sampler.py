@@ -478,6 +478,7 @@ class Sampler:
             num_pages=self.num_pages or slots * longest + 1,
             max_table=1 << (longest - 1).bit_length(),
             prefill_len=self.prefill_chunk,
+            min_len=self.buckets.min_length,
             prefill_rows=1 << (slots - 1).bit_length(),
             row_multiple=row_multiple,
             attention=attention,
