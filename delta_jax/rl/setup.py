@@ -197,6 +197,9 @@ def build_run_parts(config: Config, mesh=None) -> RunParts:
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         cache_dtype=None if cache_dtype == "auto" else jnp.dtype(cache_dtype),
         mesh=mesh,
+        engine=config.rollout.engine,
+        decode_slots=config.rollout.decode_slots,
+        page_size=config.rollout.page_size,
     )
     objective = resolve_objective(config.algo, max_response_length=config.rollout.max_new_tokens)
     scorer = RewardScorer(

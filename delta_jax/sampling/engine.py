@@ -278,7 +278,7 @@ class EngineSpec:
     max_table: int  # page-table width cap (pages of the longest sequence, power of two)
     prefill_len: int  # longest prefill chunk
     min_len: int  # floor of the prefill-chunk and page-table (in tokens) buckets
-    prefill_rows: int  # prefill batch cap
+    prefill_rows: int  # prompts per prefill call (fixed: a new count would compile again)
     row_multiple: int
     attention: Attention
     return_hidden: bool
@@ -402,7 +402,7 @@ class _Scheduler:
         indices = [i for i in indices if self.prompts[i].prefix > 0]
         for start in range(0, len(indices), spec.prefill_rows):
             group = indices[start : start + spec.prefill_rows]
-            rows = min(spec.prefill_rows, _round_up(_pow2(len(group)), spec.row_multiple))
+            rows = spec.prefill_rows
             longest = max(self.prompts[i].prefix for i in group)
             T = min(spec.prefill_len, max(spec.min_len, _pow2(longest)))
             for offset in range(0, longest, T):
@@ -492,10 +492,6 @@ class _Scheduler:
                     prompt.pages = None
                 self.slots[i] = None
                 self.done.append(seq)
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
 
 
 def run_engine(
@@ -640,7 +636,7 @@ def generate_continuous(
     """
     from delta_jax.sampling.sampler import SamplerOutput
 
-    spec = sampler.engine_spec(request, return_hidden)
+    spec = sampler.engine_spec(request, n, return_hidden)
     validate_engine_request(spec, prompts, n, request.max_new)
     graphdef, own, rest = nnx.split(sampler.model, nnx.Param, ...)
     params = own if params is None else params

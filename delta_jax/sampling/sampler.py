@@ -461,13 +461,15 @@ class Sampler:
         )
         return dataclasses.replace(out, engine_stats=stats)
 
-    def engine_spec(self, request: RequestArrays, return_hidden: bool):
+    def engine_spec(self, request: RequestArrays, n: int, return_hidden: bool):
         """The continuous engine's static configuration for a request's buckets."""
         from delta_jax.sampling.engine import EngineSpec, pages_for
 
         row_multiple = self._row_multiple()
         slots = -(-self.decode_slots // row_multiple) * row_multiple
         longest = pages_for(request.prompt_ids.shape[1] + request.gen_len, self.page_size)
+        # A new prompt needs a free slot: about slots / n prompts join at a time (power of two).
+        at_once = 1 << (-(-slots // n) - 1).bit_length()
         attention = self.attention
         if attention == "auto":
             attention = "pallas" if _platform(self.mesh) == "tpu" else "xla"
@@ -479,7 +481,7 @@ class Sampler:
             max_table=1 << (longest - 1).bit_length(),
             prefill_len=self.prefill_chunk,
             min_len=self.buckets.min_length,
-            prefill_rows=1 << (slots - 1).bit_length(),
+            prefill_rows=-(-at_once // row_multiple) * row_multiple,
             row_multiple=row_multiple,
             attention=attention,
             return_hidden=return_hidden,
