@@ -50,6 +50,7 @@ from delta_jax.sampling.paged import (
     SCRATCH_PAGE,
     Attention,
     PageAllocator,
+    PageList,
     PagePool,
     init_pool,
     paged_forward,
@@ -93,7 +94,10 @@ class SlotState:
       prompt: prompt index of the sequence (RNG stream).
       sample: sample index of the sequence (RNG stream).
       stops: stop ids of the sequence, padded with -1.
-      page_table: the sequence's pages from position 0 on (0 = scratch).
+      page_table: the sequence's pages from position 0 on (0 = scratch), for the ``pallas``
+        path (one column otherwise).
+      pages: every live sequence's pages as one flat list, for the ``xla`` path (one padding
+        entry otherwise).
       copy_src: page to copy into ``copy_dst`` before decoding (the prompt's partial last page
         when the sequence joined this chunk; else the scratch page onto itself).
       copy_dst: see ``copy_src``.
@@ -108,6 +112,7 @@ class SlotState:
     sample: Int[Array, " S"]
     stops: Int[Array, "S W"]
     page_table: Int[Array, "S NB"]
+    pages: PageList
     copy_src: Int[Array, " S"]
     copy_dst: Int[Array, " S"]
 
@@ -155,8 +160,9 @@ def decode_chunk(
             s.last[:, None],
             s.pos[:, None],
             s.active[:, None],
-            s.page_table,
             pool,
+            pages=s.pages,
+            page_table=s.page_table,
             attention=attention,
             mesh=mesh,
         )
@@ -211,13 +217,14 @@ def prefill_chunk(
     ids: Int[Array, "B T"],
     positions: Int[Array, "B T"],
     valid: Bool[Array, "B T"],
-    page_table: Int[Array, "B NB"],
+    pages: PageList,
     *,
     graphdef: nnx.GraphDef,
 ) -> PagePool:
     """Writes the K/V of a chunk of prompt tokens into the prompts' pages (no LM head)."""
     model: Transformer = nnx.merge(graphdef, params, rest)
-    _, pool = paged_forward(model, model.layer_params(), ids, positions, valid, page_table, pool)
+    layers = model.layer_params()
+    _, pool = paged_forward(model, layers, ids, positions, valid, pool, pages=pages)
     return pool
 
 
@@ -411,15 +418,14 @@ class _Scheduler:
                 positions = np.broadcast_to(
                     np.arange(offset, offset + T, dtype=np.int32), (rows, T)
                 )
-                nb = min(spec.max_table, _pow2(pages_for(offset + T, ps)))
-                table = np.zeros((rows, nb), np.int32)
                 for r, i in enumerate(group):
-                    p = self.prompts[i]
-                    part = p.ids[offset : min(offset + T, p.prefix)]
+                    part = self.prompts[i].ids[offset : min(offset + T, self.prompts[i].prefix)]
                     ids[r, : part.size] = part
                     valid[r, : part.size] = True
-                    table[r, : min(nb, len(p.pages))] = p.pages[:nb]
-                self.compile("prefill", ids, positions.copy(), valid, table)
+                # Pages up to this chunk's end (the earlier chunks' ones included).
+                tables = [self.prompts[i].pages[: pages_for(offset + T, ps)] for i in group]
+                pages = self._page_list(tables, rows, floor=rows * pages_for(T, ps))
+                self.compile("prefill", ids, positions.copy(), valid, pages)
                 self.stats.prefill_calls += 1
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -461,16 +467,41 @@ class _Scheduler:
         self.stats.free_pages_after = self.alloc.num_free
         return self.done
 
+    @staticmethod
+    def _page_list(tables: list[list[int]], rows: int, floor: int) -> dict[str, np.ndarray]:
+        """Flat :class:`PageList` arrays of per-row page lists, padded to a power of two."""
+        total = sum(len(t) for t in tables)
+        size = _pow2(max(total, floor, 1))
+        page = np.full(size, SCRATCH_PAGE, np.int32)
+        seq = np.full(size, rows, np.int32)  # out of range: padding
+        index = np.zeros(size, np.int32)
+        at = 0
+        for row, table in enumerate(tables):
+            page[at : at + len(table)] = table
+            seq[at : at + len(table)] = row
+            index[at : at + len(table)] = np.arange(len(table))
+            at += len(table)
+        return dict(page=page, seq=seq, index=index)
+
     def _decode(self, state: dict[str, np.ndarray]) -> None:
         spec = self.spec
         live = [i for i, s in enumerate(self.slots) if s is not None]
-        widest = max(len(self.slots[i].table) for i in live)
-        nb = min(spec.max_table, _pow2(max(widest, pages_for(spec.min_len, spec.page_size))))
-        table = np.zeros((spec.slots, nb), np.int32)
-        for i in live:
-            table[i, : len(self.slots[i].table)] = self.slots[i].table
+        tables = [
+            self.slots[i].table if self.slots[i] is not None else [] for i in range(spec.slots)
+        ]
+        floor = pages_for(spec.min_len, spec.page_size)
+        if spec.attention == "pallas":
+            widest = max(len(t) for t in tables)
+            nb = min(spec.max_table, _pow2(max(widest, floor)))
+            table = np.zeros((spec.slots, nb), np.int32)
+            for i in live:
+                table[i, : len(tables[i])] = tables[i]
+            pages = self._page_list([], spec.slots, floor=1)
+        else:
+            table = np.zeros((spec.slots, 1), np.int32)
+            pages = self._page_list(tables, spec.slots, floor=spec.slots * floor)
         before = state["count"].copy()
-        out = self.compile("decode", dict(state, page_table=table))
+        out = self.compile("decode", dict(state, page_table=table), pages)
         self.stats.chunks += 1
         self.stats.decode_steps += int(out["steps"]) * spec.slots
         for name in ("last", "pos", "count", "active"):
@@ -563,10 +594,11 @@ def engine_programs(sampler, spec: EngineSpec, graphdef, params, rest, strategy,
         param_avals,
     )
 
-    def place(x: np.ndarray) -> jax.Array:
+    def place(x: np.ndarray, rows: bool = True) -> jax.Array:
+        """Per-row arrays sharded like the rows, others (page lists) replicated."""
         if mesh is None:
             return jnp.asarray(x)
-        names = ("batch",) + (None,) * (x.ndim - 1)
+        names = ("batch" if rows else None,) + (None,) * (x.ndim - 1)
         return jax.device_put(x, NamedSharding(mesh, logical_to_mesh(names, rules, mesh, x.shape)))
 
     def build(key, fn, args, donate=()):
@@ -603,15 +635,16 @@ def engine_programs(sampler, spec: EngineSpec, graphdef, params, rest, strategy,
     decode_key = (width, strategy_signature(strategy), spec.return_hidden, spec.attention)
 
     def call(kind: str, *arrays: np.ndarray):
+        pages = PageList(**{k: place(v, rows=False) for k, v in arrays[-1].items()})
         if kind == "prefill":
-            ids, positions, valid, table = (place(a) for a in arrays)
-            key = base + ("prefill", ids.shape, table.shape)
+            ids, positions, valid = (place(a) for a in arrays[:3])
+            key = base + ("prefill", ids.shape, pages.page.shape)
             fn = functools.partial(prefill_chunk, graphdef=graphdef)
-            args = (params, rest, pool[0], ids, positions, valid, table)
+            args = (params, rest, pool[0], ids, positions, valid, pages)
             pool[0] = build(key, fn, args, (2,))(*args)
             return None
-        slots = SlotState(**{k: place(v) for k, v in arrays[0].items()})
-        key = base + ("decode", slots.page_table.shape, *decode_key)
+        slots = SlotState(**{k: place(v) for k, v in arrays[0].items()}, pages=pages)
+        key = base + ("decode", slots.page_table.shape, pages.page.shape, *decode_key)
         args = (params, rest, pool[0], slots, seed, strategy)
         out = build(key, decode, args, (2,))(*args)
         pool[0] = out.pop("pool")
@@ -685,6 +718,7 @@ def lower_decode(
     page_size: int,
     num_pages: int,
     table_pages: int,
+    list_pages: int = 1,
     dtype: Any = jnp.bfloat16,
     attention: Attention = "pallas",
     stop_width: int = 1,
@@ -693,6 +727,8 @@ def lower_decode(
 
     For compile-only checks and cost figures on a topology without its devices (the TPU compiler
     through ``jax.experimental.topologies``): parameters in ``dtype`` placed by ``rules``.
+    ``table_pages`` is the page-table width (``pallas``), ``list_pages`` the flat page list's
+    length (``xla``).
     """
     from delta_jax.sampling.strategies import make_strategy
     from delta_jax.sharding import param_shardings
@@ -717,6 +753,7 @@ def lower_decode(
         active=spec((slots,), jnp.bool_, row),
         stops=spec((slots, stop_width), i32, row + (None,)),
         page_table=spec((slots, table_pages), i32, row + (None,)),
+        pages=PageList(**{k: spec((list_pages,), i32, (None,)) for k in ("page", "seq", "index")}),
         copy_src=spec((slots,), i32, row),
         copy_dst=spec((slots,), i32, row),
     )

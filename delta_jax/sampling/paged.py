@@ -9,16 +9,16 @@ write there and unused page-table entries point there, so no real page is ever t
 The forward pass (:func:`paged_forward`) takes ``T`` tokens per sequence at given positions,
 writes their K/V into the pages those positions fall in, and attends over the sequence's pages:
 
-* ``xla``: a gather of the sequence's first ``NB`` pages (``NB`` the page-table width of the
-  call, bucketed by the caller to the longest live sequence), so the work grows with the actual
-  lengths, not with the pool; used on CPU and GPU, and for prefill everywhere;
+* ``xla``: the pages in use, as one flat list (a power-of-two bucket of the total), each
+  attended to on its own and merged per sequence with the flash-attention rescaling, so the
+  work grows with the sum of the actual lengths, not with the longest one or the pool; used on
+  CPU and GPU, and for prefill everywhere;
 * ``pallas``: JAX's ``ragged_paged_attention`` TPU kernel (one query per sequence, decode), under
   ``shard_map`` over the KV-head axis.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Literal
 
 import flax.struct
@@ -31,9 +31,17 @@ from jaxtyping import Array, Bool, Float, Int
 
 from delta_jax.models import Transformer
 from delta_jax.models import axes as ax
-from delta_jax.models.transformer import _attention, _rms_norm, _rope, _rope_tables
+from delta_jax.models.transformer import _rms_norm, _rope, _rope_tables
 
-__all__ = ["PAGE_AXES", "PageAllocator", "PagePool", "init_pool", "paged_forward"]
+__all__ = [
+    "PAGE_AXES",
+    "PageAllocator",
+    "PageList",
+    "PagePool",
+    "init_pool",
+    "paged_forward",
+    "write_slots",
+]
 
 # Logical axes of a layer's pages: only the KV heads are sharded (tensor parallel).
 PAGE_AXES = (None, None, ax.KV_HEADS, ax.HEAD_DIM)
@@ -98,30 +106,85 @@ class PageAllocator:
         self._free.extend(reversed(pages))
 
 
-def _write_pages(
-    kv: Float[Array, "P S C D"],
-    new: Float[Array, "B T C D"],
+@flax.struct.dataclass
+class PageList:
+    """Every page of a batch of sequences as one flat list (what the XLA path reads).
+
+    Attributes:
+      page: pool page of each entry (scratch for padding entries).
+      seq: the sequence (row) an entry belongs to; ``B`` (out of range) for padding.
+      index: the entry's page index within its sequence (it holds positions
+        ``[index * page_size, (index + 1) * page_size)``).
+    """
+
+    page: Int[Array, " U"]
+    seq: Int[Array, " U"]
+    index: Int[Array, " U"]
+
+
+def write_slots(
     positions: Int[Array, "B T"],
     valid: Bool[Array, "B T"],
-    page_table: Int[Array, "B NB"],
-) -> jax.Array:
-    """Scatters each valid token's combined K/V into its page; padding goes to the scratch page."""
-    page_size = kv.shape[1]
-    logical = jnp.minimum(positions // page_size, page_table.shape[1] - 1)
-    page = jnp.where(valid, jnp.take_along_axis(page_table, logical, axis=1), SCRATCH_PAGE)
-    offset = positions % page_size
+    page_size: int,
+    pages: PageList | None = None,
+    page_table: Int[Array, "B NB"] | None = None,
+) -> tuple[Int[Array, "B T"], Int[Array, "B T"]]:
+    """(page, offset) each token's K/V is written at, the same for every layer.
+
+    From the flat list: the entry of the token's sequence and page index; from a page table: the
+    entry at the page index. Padding tokens write to the scratch page.
+    """
+    logical = positions // page_size
+    if pages is not None:
+        rows = jnp.arange(positions.shape[0])[:, None, None]
+        hit = (pages.seq == rows) & (pages.index == logical[:, :, None])  # [B, T, U]
+        page = jnp.sum(jnp.where(hit, pages.page, 0), axis=-1)
+    else:
+        logical = jnp.minimum(logical, page_table.shape[1] - 1)
+        page = jnp.take_along_axis(page_table, logical, axis=1)
+    return jnp.where(valid, page, SCRATCH_PAGE), positions % page_size
+
+
+def _write_pages(kv, new, page, offset):
+    """Scatters each token's combined K/V [B, T, 2K, D] into (page, offset)."""
     flat = new.reshape(-1, *new.shape[2:]).astype(kv.dtype)
     return kv.at[page.reshape(-1), offset.reshape(-1)].set(flat, mode="drop")
 
 
-def _xla_attention(q, kv, positions, page_table):
-    """Attention of q [B,T,N,D] over the first NB pages of each sequence (gathered)."""
-    B, NB = page_table.shape
-    ctx = kv[page_table].reshape(B, NB * kv.shape[1], *kv.shape[2:])  # [B, L, 2K, D]
-    k = jnp.swapaxes(ctx[:, :, 0::2], 1, 2)  # [B, K, L, D]
-    v = jnp.swapaxes(ctx[:, :, 1::2], 1, 2)
-    mask = jnp.arange(ctx.shape[1])[None, None, :] <= positions[:, :, None]
-    return _attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+def _xla_attention(q, kv, positions, pages: PageList):
+    """Attention of q [B,T,N,D] over the listed pages: work grows with the pages in use.
+
+    Each listed page is attended to by its sequence's queries on its own (scores, their max,
+    the exp-sum and the weighted values of that page), and the pages of a sequence are then
+    merged with the usual rescaling by the per-sequence max (the flash-attention identity),
+    with segment reductions over the list. Exact in float32.
+    """
+    B, T, N, D = q.shape
+    num_pages, page_size, C, _ = kv.shape
+    K = C // 2
+    U = pages.page.shape[0]
+    ctx = jnp.take(kv.reshape(num_pages, -1), pages.page, axis=0, mode="clip")
+    ctx = ctx.reshape(U, page_size, K, 2, D).astype(q.dtype)
+    k, v = ctx[..., 0, :], ctx[..., 1, :]  # [U, P, K, D]
+    seq = jnp.minimum(pages.seq, B - 1)
+    qu = jnp.take(q, seq, axis=0).reshape(U, T, K, N // K, D)
+    scores = jnp.einsum("UTKGD,UPKD->UKTGP", qu, k, preferred_element_type=jnp.float32)
+    scores = scores * (D**-0.5)
+    key_pos = pages.index[:, None] * page_size + jnp.arange(page_size)  # [U, P]
+    visible = key_pos[:, None, :] <= jnp.take(positions, seq, axis=0)[:, :, None]  # [U, T, P]
+    visible &= (pages.seq < B)[:, None, None]
+    scores = jnp.where(visible[:, None, :, None, :], scores, -jnp.inf)
+    page_max = jnp.max(scores, axis=-1)  # [U, K, T, G], -inf where nothing is visible
+    seq_max = jax.ops.segment_max(page_max, pages.seq, num_segments=B)
+    scale = jnp.exp(page_max - jnp.take(seq_max, seq, axis=0))  # 0 for empty pages
+    weights = jnp.exp(scores - jnp.where(jnp.isfinite(page_max), page_max, 0.0)[..., None])
+    page_sum = jnp.sum(weights, axis=-1) * scale
+    page_out = jnp.einsum("UKTGP,UPKD->UKTGD", weights.astype(v.dtype), v)
+    page_out = page_out * scale[..., None].astype(v.dtype)
+    total = jax.ops.segment_sum(page_sum, pages.seq, num_segments=B)  # [B, K, T, G]
+    out = jax.ops.segment_sum(page_out.astype(jnp.float32), pages.seq, num_segments=B)
+    out = out / jnp.where(total > 0, total, 1.0)[..., None]  # rows with no key: 0
+    return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(B, T, N, D).astype(q.dtype)
 
 
 def _pallas_attention(q, kv, positions, page_table, mesh: Mesh | None):
@@ -165,7 +228,7 @@ def _pallas_attention(q, kv, positions, page_table, mesh: Mesh | None):
     return out.reshape(B, T, N, D)
 
 
-def _paged_block(cfg, dtype, p, x, cos, sin, kv, positions, valid, page_table, attend):
+def _paged_block(cfg, dtype, p, x, cos, sin, kv, positions, write_at, attend):
     """One decoder block (the maths of ``transformer._block``) with paged K/V."""
     eps = cfg.rms_norm_eps
     w = {k: v.astype(dtype) for k, v in p.items()}
@@ -181,8 +244,8 @@ def _paged_block(cfg, dtype, p, x, cos, sin, kv, positions, valid, page_table, a
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     B, T, K, D = k.shape
     combined = jnp.stack([k, v], axis=3).reshape(B, T, 2 * K, D)  # keys even, values odd
-    kv = _write_pages(kv, combined, positions, valid, page_table)
-    attn = attend(q, kv, positions, page_table)
+    kv = _write_pages(kv, combined, *write_at)
+    attn = attend(q, kv, positions)
     N = attn.shape[2]
     x = x + jnp.einsum("BTE,EH->BTH", attn.reshape(B, T, N * D), w["wo"].reshape(N * D, -1))
     h = _rms_norm(x, w["mlp_norm"], eps, dtype)
@@ -198,9 +261,10 @@ def paged_forward(
     ids: Int[Array, "B T"],
     positions: Int[Array, "B T"],
     valid: Bool[Array, "B T"],
-    page_table: Int[Array, "B NB"],
     pool: PagePool,
     *,
+    pages: PageList | None = None,
+    page_table: Int[Array, "B NB"] | None = None,
     attention: Attention = "xla",
     mesh: Mesh | None = None,
 ) -> tuple[Float[Array, "B T H"], PagePool]:
@@ -208,23 +272,32 @@ def paged_forward(
 
     Token ``(b, t)`` is written at ``positions[b, t]`` (when ``valid``) and attends to positions
     ``<= positions[b, t]`` of its sequence, which must all have been written before or in this
-    call. ``page_table[b]`` lists the sequence's pages from position 0 on (unused entries 0).
+    call. The sequences' pages come as a flat :class:`PageList` (``xla``) or as a page table
+    ``[B, NB]`` listing each sequence's pages from position 0 on (``pallas``).
 
     Returns:
       The final RMS-normed hidden states [B, T, H] and the updated pool.
     """
     cfg, dtype = model.config, model.dtype
     if attention == "pallas":
-        attend = functools.partial(_pallas_attention, mesh=mesh)
+
+        def attend(q, kv, positions):
+            return _pallas_attention(q, kv, positions, page_table, mesh)
+
+        write_at = write_slots(positions, valid, pool.page_size, page_table=page_table)
     else:
-        attend = _xla_attention
+
+        def attend(q, kv, positions):
+            return _xla_attention(q, kv, positions, pages)
+
+        write_at = write_slots(positions, valid, pool.page_size, pages=pages)
     x = jnp.take(model.embed[...], ids, axis=0).astype(dtype)
     x = ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
     cos, sin = _rope_tables(cfg, positions, dtype)
     new = []
     for layer, kv in enumerate(pool.kv):
         x, kv = _paged_block(
-            cfg, dtype, layers[layer], x, cos, sin, kv, positions, valid, page_table, attend
+            cfg, dtype, layers[layer], x, cos, sin, kv, positions, write_at, attend
         )
         new.append(ax.constrain(kv, PAGE_AXES))
     hidden = _rms_norm(x, model.final_norm[...], cfg.rms_norm_eps, dtype)
