@@ -13,8 +13,8 @@ responses capped at 20,480, the same log-normal shape scaled to the cap): HBM by
 one decode step of each engine (``cost_analysis()['bytes accessed']`` summed over the chips), per
 useful token. The static step attends over the full ``P + G`` cache of every row and runs until
 the longest row ends (steps = longest length, useful tokens = sum of lengths); the engine step is
-its XLA paged path reading each slot's page-table width (the longest sequence's pages, the worst
-case of the power-of-two bucket) at the occupancy measured on CPU.
+its XLA paged path over a flat page list of the mean live length (a power-of-two bucket of the
+pages in use), at the slot occupancy measured on CPU.
 
 Usage::
 
@@ -119,96 +119,103 @@ def cpu_table(args) -> float:
     return results["engine"]["occupancy"]
 
 
-def tpu_bytes(args, occupancy: float) -> None:
-    from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding
-
-    from delta_jax.models import KVCache
-    from delta_jax.models.axes import logical_to_mesh
-    from delta_jax.models.transformer import KEY_CACHE_AXES, VALUE_CACHE_AXES
-    from delta_jax.plan import known_model_config
-    from delta_jax.sampling import SAMPLING_RULES
-    from delta_jax.sampling.engine import lower_decode, pages_for
+def _abstract_params(cfg, mesh, rules):
     from delta_jax.sharding import param_shardings
 
-    cfg = known_model_config("Qwen3-8B", dtype=jnp.bfloat16)
-    topo = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu")
-    mesh = Mesh(np.array(topo.devices).reshape(1, 4), ("data", "tensor"))
-    rules = SAMPLING_RULES
-    P, cap, rows, page = 2048, 20480, args.tpu_rows, 16
-    _, budgets = workload(1, 4096, args.mean_new * cap / args.cap, cap, 2, seed=1)
-    mean_len, longest = float(np.mean(budgets)), max(budgets)
     bf16 = jnp.bfloat16
-
-    def spec(shape, dtype, names):
-        sharding = NamedSharding(mesh, logical_to_mesh(names, rules, mesh, shape))
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-    def bytes_of(lowered) -> float:
-        return float(lowered.compile().cost_analysis()["bytes accessed"]) * mesh.size
-
-    # Static: one decode step of R rows over a (P + G)-slot cache (the static loop body).
     abstract = nnx.eval_shape(lambda: Transformer(cfg, dtype=bf16, param_dtype=bf16))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     shardings = param_shardings(params, mesh, rules)
     params = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings
     )
-    S = P + cap
-    c = cfg
+    return graphdef, params, rest
+
+
+def _static_step_bytes(cfg, mesh, rules, rows: int, slots: int) -> float:
+    """TPU bytes accessed by one static decode step: ``rows`` rows over a ``slots`` cache."""
+    from flax.core import spmd
+    from jax.sharding import NamedSharding
+
+    from delta_jax.models import KVCache
+    from delta_jax.models.axes import logical_to_mesh
+    from delta_jax.models.transformer import KEY_CACHE_AXES, VALUE_CACHE_AXES
+
+    def spec(shape, dtype, names):
+        sharding = NamedSharding(mesh, logical_to_mesh(names, rules, mesh, shape))
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    graphdef, params, rest = _abstract_params(cfg, mesh, rules)
+    c, bf16 = cfg, jnp.bfloat16
+    k_shape = (rows, c.num_kv_heads, c.head_dim, slots)
+    v_shape = (rows, c.num_kv_heads, slots, c.head_dim)
     cache = KVCache(
-        k=tuple(
-            spec((rows, c.num_kv_heads, c.head_dim, S), bf16, KEY_CACHE_AXES)
-            for _ in range(c.num_layers)
-        ),
-        v=tuple(
-            spec((rows, c.num_kv_heads, S, c.head_dim), bf16, VALUE_CACHE_AXES)
-            for _ in range(c.num_layers)
-        ),
-        mask=spec((rows, S), jnp.bool_, ("batch", None)),
-        index=jax.ShapeDtypeStruct(
-            (), jnp.int32, sharding=NamedSharding(mesh, jax.sharding.PartitionSpec())
-        ),
+        k=tuple(spec(k_shape, bf16, KEY_CACHE_AXES) for _ in range(c.num_layers)),
+        v=tuple(spec(v_shape, bf16, VALUE_CACHE_AXES) for _ in range(c.num_layers)),
+        mask=spec((rows, slots), jnp.bool_, ("batch", None)),
+        index=spec((), jnp.int32, ()),
     )
 
-    def static_step(params, rest, cache, last, positions):
+    def step(params, rest, cache, last, positions):
         model = nnx.merge(graphdef, params, rest)
         out = model(last[:, None], positions=positions[:, None], cache=cache)
         return out.logits, out.cache
 
-    from flax.core import spmd
-
     row = spec((rows,), jnp.int32, ("batch",))
     with jax.set_mesh(mesh), spmd.logical_axis_rules(rules):
-        static = bytes_of(
-            jax.jit(static_step, donate_argnums=(2,)).lower(params, rest, cache, row, row)
-        )
-    table = 1 << (pages_for(P + longest, page) - 1).bit_length()
-    engine = bytes_of(
-        lower_decode(
-            cfg,
-            mesh,
-            rules,
-            slots=rows,
-            steps=1,
-            page_size=page,
-            num_pages=rows * pages_for(P + cap, page) + 1,
-            table_pages=table,
-            attention="xla",
-        )
+        lowered = jax.jit(step, donate_argnums=(2,)).lower(params, rest, cache, row, row)
+    return float(lowered.compile().cost_analysis()["bytes accessed"]) * mesh.size
+
+
+def tpu_bytes(args, occupancy: float) -> None:
+    from jax.experimental import topologies
+    from jax.sharding import Mesh
+
+    from delta_jax.plan import known_model_config
+    from delta_jax.sampling import SAMPLING_RULES
+    from delta_jax.sampling.engine import lower_decode, pages_for
+
+    cfg = known_model_config("Qwen3-8B")
+    topo = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu")
+    mesh = Mesh(np.array(topo.devices).reshape(1, 4), ("data", "tensor"))
+    rules = SAMPLING_RULES
+    P, cap, rows, page = 2048, 20480, args.tpu_rows, 16
+    _, budgets = workload(1, 4096, args.mean_new * cap / args.cap, cap, 2, seed=1)
+    budgets = np.asarray(budgets)
+    mean_len, longest = float(budgets.mean()), int(budgets.max())
+    # A slot-step of the engine holds a sequence at a uniformly drawn step of it, so long
+    # sequences are seen more often: the mean attended length is sum_t (P + t) / sum L.
+    live_len = P + float((budgets * (budgets - 1) / 2).sum() / budgets.sum())
+    list_pages = 1 << (rows * pages_for(int(live_len), page) - 1).bit_length()
+    static = _static_step_bytes(cfg, mesh, rules, rows, P + cap)
+    engine = lower_decode(
+        cfg,
+        mesh,
+        rules,
+        slots=rows,
+        steps=1,
+        page_size=page,
+        num_pages=rows * pages_for(P + cap, page) + 1,
+        table_pages=1,
+        list_pages=list_pages,
+        attention="xla",
     )
+    engine = float(engine.compile().cost_analysis()["bytes accessed"]) * mesh.size
     static_per_token = static * longest / (rows * mean_len)
     engine_per_token = engine / (rows * occupancy)
     print(
-        f"Qwen3-8B bf16, v5p 2x2x1 (tensor 4), {rows} rows/slots, prompt bucket {P}, responses "
-        f"mean {mean_len:.0f} max {longest} (cap {cap}); TPU cost analysis, one decode step:"
+        f"Qwen3-8B bf16 on v5p 2x2x1 (tensor 4), {rows} rows/slots, prompt bucket {P}, "
+        f"responses mean {mean_len:.0f} max {longest} (cap {cap}); TPU cost analysis of one "
+        "decode step (bytes accessed, all chips):"
     )
     print(
-        f"  static step {static / 2**30:8.1f} GiB  -> {static_per_token / 2**20:9.1f} MiB per useful token"
+        f"  static: {static / 2**30:7.1f} GiB/step x {longest} steps / {rows} x {mean_len:.0f} "
+        f"useful = {static_per_token / 2**20:8.1f} MiB per useful token"
     )
     print(
-        f"  engine step {engine / 2**30:8.1f} GiB  -> {engine_per_token / 2**20:9.1f} MiB per useful token "
-        f"(page table {table} pages, occupancy {occupancy:.3f})"
+        f"  engine: {engine / 2**30:7.1f} GiB/step (page list {list_pages} pages, mean live "
+        f"length {live_len:.0f}) / occupancy {occupancy:.3f} = "
+        f"{engine_per_token / 2**20:8.1f} MiB per useful token"
     )
     print(
         f"  static / engine HBM bytes per useful token: {static_per_token / engine_per_token:.2f}x"
