@@ -4,7 +4,8 @@ The static sampler runs a batch until its longest row ends and attends over ever
 every step; with ragged RL lengths most of that work is spent on finished rows and empty slots.
 This engine keeps ``decode_slots`` sequences running instead:
 
-1. every ``(prompt, sample)`` pair is a *sequence*; they wait in a queue, prompt-major;
+1. every ``(prompt, sample)`` pair is a *sequence*; they wait in a queue, longest
+   ``max_new_tokens`` first (so that no long sequence is left running alone at the end);
 2. a free slot takes the next sequence. Its prompt, if not resident yet, is *prefilled* once into
    pages of the pool (all but its last token, in chunks of a bucketed length); the ``n`` samples
    of a prompt share those pages read-only. A sample owns the pages from the prompt's last
@@ -544,6 +545,9 @@ def run_engine(
         _Seq(prompt=r // n, sample=r % n, max_new=int(max_new[r]), stops=stop_ids[r])
         for r in range(len(prompts) * n)
     ]
+    # Longest budget first: a long sequence admitted last would run on alone while the other
+    # slots idle. The order changes no token (each sequence has its own RNG stream).
+    seqs.sort(key=lambda s: -s.max_new)
     done = _Scheduler(spec, records, seqs, call, stats).run()
     done.sort(key=lambda s: (s.prompt, s.sample))
     return done, stats
