@@ -14,7 +14,9 @@ one decode step of each engine (``cost_analysis()['bytes accessed']`` summed ove
 useful token. The static step attends over the full ``P + G`` cache of every row and runs until
 the longest row ends (steps = longest length, useful tokens = sum of lengths); the engine step is
 its XLA paged path over a flat page list of the mean live length (a power-of-two bucket of the
-pages in use), at the slot occupancy measured on CPU.
+pages in use) with a pool of that many pages, at the slot occupancy measured on CPU. The TPU cost
+analysis counts a scatter into the pool as a read and write of the whole pool (the K/V writes
+and the join copies are scatters), so the engine figure is an upper bound.
 
 Usage::
 
@@ -198,7 +200,7 @@ def tpu_bytes(args, occupancy: float) -> None:
         slots=rows,
         steps=1,
         page_size=page,
-        num_pages=rows * pages_for(P + cap, page) + 1,
+        num_pages=list_pages + 1,  # a pool sized to the live pages, not to the capacity
         table_pages=1,
         list_pages=list_pages,
         attention="xla",
