@@ -80,6 +80,11 @@ class RolloutConfigSection:
     top_p: float = 1.0
     top_k: int = 0
     cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # "continuous": slots refilled as rows end, over a paged KV cache (delta_jax.sampling.engine);
+    # "static": one batch decoded until its longest row ends.
+    engine: Literal["continuous", "static"] = "continuous"
+    decode_slots: int = 64  # sequences decoded at once (continuous engine)
+    page_size: int = 16  # tokens per KV page (continuous engine)
     # Dynamic sampling (DAPO): resample until the batch holds `prompts_per_step` groups whose
     # rewards are not all equal, at most this many extra sampling rounds (0 disables).
     dynamic_sampling_rounds: int = 0
@@ -344,6 +349,8 @@ def validate(config: Config) -> None:
         "rollout.prompts_per_step": r.prompts_per_step,
         "rollout.samples_per_prompt": r.samples_per_prompt,
         "rollout.max_new_tokens": r.max_new_tokens,
+        "rollout.decode_slots": r.decode_slots,
+        "rollout.page_size": r.page_size,
         "algo.mini_batches": a.mini_batches,
         "algo.micro_batches": a.micro_batches,
         "run.steps": run.steps,
@@ -352,6 +359,11 @@ def validate(config: Config) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
+    if r.engine == "continuous" and r.samples_per_prompt > r.decode_slots:
+        raise ConfigError(
+            f"rollout.samples_per_prompt={r.samples_per_prompt} exceeds "
+            f"rollout.decode_slots={r.decode_slots}"
+        )
     if r.temperature < 0:
         raise ConfigError(f"rollout.temperature={r.temperature} must be >= 0")
     if not 0.0 < r.top_p <= 1.0:

@@ -99,7 +99,7 @@ def run_steps(first: int, last: int, ckpt_dir: str | None, restore: bool, device
 PROMPTS = [[5, 9, 2], [7], [1, 2, 3, 4, 5], [11, 3], [8, 8, 8], [6, 1]]
 
 
-def sample_greedy(devices=None) -> list[list[int]]:
+def sample_greedy(devices=None, **sampler_kw) -> list[list[int]]:
     """Greedy tokens of the tiny model under the ``MESH`` mesh (sampling placement)."""
     from flax import nnx
 
@@ -111,7 +111,7 @@ def sample_greedy(devices=None) -> list[list[int]]:
     model = Transformer(ModelConfig.tiny("qwen3"), rngs=nnx.Rngs(7))
     mesh = sh.make_mesh(*MESH, devices=devices)
     params = sh.reshard_for_sampling(sh.shard_params(nnx.split(model, nnx.Param)[1], mesh), mesh)
-    out = Sampler(model, mesh=mesh).generate(
+    out = Sampler(model, mesh=mesh, **sampler_kw).generate(
         PROMPTS, max_new_tokens=6, temperature=0.0, params=params
     )
     # Global (cross-process) outputs are assembled on every host before reading them.
@@ -139,6 +139,8 @@ def _worker(phase: str, out_dir: str) -> None:
     if phase == "train":
         result = run_steps(1, STEPS, ckpt_dir, restore=False)
         result["greedy"] = sample_greedy()
+        # The continuous engine: 4 slots for 6 sequences (refilled), rows over both processes.
+        result["greedy_engine"] = sample_greedy(engine="continuous", decode_slots=4, page_size=4)
     else:
         result = run_steps(STEPS + 1, STEPS + 1, ckpt_dir, restore=True)
     if distributed.is_main_process():
@@ -196,10 +198,9 @@ def test_two_processes_match_one_process_and_resume(tmp_path, reference):
     from delta_jax.sampling import Sampler
 
     model = Transformer(ModelConfig.tiny("qwen3"), rngs=nnx.Rngs(7))
-    assert (
-        train["greedy"]
-        == Sampler(model).generate(PROMPTS, max_new_tokens=6, temperature=0.0).tokens
-    )
+    one_device = Sampler(model).generate(PROMPTS, max_new_tokens=6, temperature=0.0).tokens
+    assert train["greedy"] == one_device
+    assert train["greedy_engine"] == one_device
     saved = np.load(tmp_path / "train.npz")
 
     _launch("resume", tmp_path)

@@ -196,6 +196,9 @@ def build_run_parts(config: Config, mesh=None) -> RunParts:
         pad_token_id=pad_id,
         cache_dtype=None if cache_dtype == "auto" else jnp.dtype(cache_dtype),
         mesh=mesh,
+        engine=config.rollout.engine,
+        decode_slots=config.rollout.decode_slots,
+        page_size=config.rollout.page_size,
     )
     scorer = RewardScorer(
         config.reward.kind, num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s

@@ -93,6 +93,7 @@ class SamplerOutput:
       prompt_mask_array: bool [R, P] real prompt tokens.
       num_steps: int32 scalar, generated columns when the loop exited (the longest row).
       num_rows: real rows, ``len(prompts) * n``.
+      engine_stats: what the continuous engine did (slot occupancy, pages), else None.
     """
 
     token_array: Int[Array, "R G"]
@@ -104,6 +105,7 @@ class SamplerOutput:
     prompt_mask_array: Bool[Array, "R P"]
     num_steps: Int[Array, ""]
     num_rows: int
+    engine_stats: Any = None
 
     @functools.cached_property
     def lengths(self) -> list[int]:
@@ -292,6 +294,17 @@ class Sampler:
       buckets: shape buckets and the cache limit (:class:`~delta_jax.sampling.buckets.Buckets`).
       mesh: optional device mesh; rows are then sharded by ``rules`` (``SAMPLING_RULES``).
       rules: logical-axis rules used while sampling.
+      engine: ``"static"`` (one batch, prefill plus a decode loop until the longest row ends) or
+        ``"continuous"`` (:mod:`delta_jax.sampling.engine`: ``decode_slots`` slots refilled as
+        rows end, over a paged KV cache). Rows then have exactly ``len(prompts) * n`` entries.
+      decode_slots: sequences decoded at once by the continuous engine.
+      page_size: tokens per KV page (continuous engine).
+      num_pages: pages in the pool, scratch page included; None sizes it for ``decode_slots``
+        sequences of the request's prompt + generation buckets.
+      decode_chunk: decode steps per device call between two host scheduling rounds.
+      prefill_chunk: longest prompt chunk prefilled in one call.
+      attention: paged attention: ``"auto"`` (the Pallas ragged paged attention kernel on TPU,
+        else ``"xla"``), ``"xla"`` or ``"pallas"``.
 
     Example:
       >>> from delta_jax.models import ModelConfig
@@ -308,6 +321,13 @@ class Sampler:
     buckets: Buckets = Buckets()
     mesh: Mesh | None = None
     rules: tuple[tuple[str, Any], ...] = SAMPLING_RULES
+    engine: str = "static"
+    decode_slots: int = 32
+    page_size: int = 16
+    num_pages: int | None = None
+    decode_chunk: int = 16
+    prefill_chunk: int = 512
+    attention: str = "auto"
     _programs: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     @property
@@ -373,6 +393,10 @@ class Sampler:
             row_multiple=self._row_multiple(),
         )
         strategy = make_strategy(temperature, top_p, top_k, min_p)
+        if self.engine == "continuous":
+            return self._generate_continuous(
+                prompts, request, n, strategy, seed, return_hidden, params
+            )
         graphdef, own_params, rest = nnx.split(self.model, nnx.Param, ...)
         params = own_params if params is None else params
         args = (
@@ -401,6 +425,57 @@ class Sampler:
             num_steps=out["steps"],
             num_rows=request.num_rows,
         )
+
+    def __post_init__(self):
+        if self.engine not in ("static", "continuous"):
+            raise ValueError(f"engine must be 'static' or 'continuous', got {self.engine!r}")
+        if self.attention not in ("auto", "xla", "pallas"):
+            raise ValueError(f"attention must be 'auto', 'xla' or 'pallas', got {self.attention!r}")
+        for name in ("decode_slots", "page_size", "decode_chunk", "prefill_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+    def _generate_continuous(self, prompts, request, n, strategy, seed, return_hidden, params):
+        from delta_jax.sampling import engine
+
+        arrays = [np.asarray(p, np.int32) for p in prompts]
+        seed = jnp.asarray(np.uint32(seed % 2**32))
+        out, stats = engine.generate_continuous(
+            self, request, arrays, n, strategy, seed, return_hidden, params
+        )
+        return dataclasses.replace(out, engine_stats=stats)
+
+    def engine_spec(self, request: RequestArrays, n: int, return_hidden: bool):
+        """The continuous engine's static configuration for a request's buckets."""
+        from delta_jax.sampling.engine import EngineSpec, pages_for
+
+        row_multiple = self._row_multiple()
+        slots = -(-self.decode_slots // row_multiple) * row_multiple
+        longest = pages_for(request.prompt_ids.shape[1] + request.gen_len, self.page_size)
+        # A new prompt needs a free slot: about slots / n prompts join at a time (power of two).
+        at_once = 1 << (-(-slots // n) - 1).bit_length()
+        attention = self.attention
+        if attention == "auto":
+            attention = "pallas" if _platform(self.mesh) == "tpu" else "xla"
+        return EngineSpec(
+            slots=slots,
+            steps=self.decode_chunk,
+            page_size=self.page_size,
+            num_pages=self.num_pages or slots * longest + 1,
+            max_table=1 << (longest - 1).bit_length(),
+            prefill_len=self.prefill_chunk,
+            min_len=self.buckets.min_length,
+            prefill_rows=-(-at_once // row_multiple) * row_multiple,
+            row_multiple=row_multiple,
+            attention=attention,
+            return_hidden=return_hidden,
+            pad_id=self.pad_token_id,
+        )
+
+    def resolved_cache_dtype(self) -> Any:
+        """The KV-cache dtype in use (the default depends on the platform)."""
+        return self.cache_dtype or _default_cache_dtype(self.mesh)
 
     def _default_stops(self) -> tuple[int, ...]:
         if self.stop_token_ids is not None:

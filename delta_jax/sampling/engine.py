@@ -1,0 +1,781 @@
+"""Continuous-batching rollout engine over a paged KV cache.
+
+The static sampler runs a batch until its longest row ends and attends over every cache slot at
+every step; with ragged RL lengths most of that work is spent on finished rows and empty slots.
+This engine keeps ``decode_slots`` sequences running instead:
+
+1. every ``(prompt, sample)`` pair is a *sequence*; they wait in a queue, longest
+   ``max_new_tokens`` first (so that no long sequence is left running alone at the end);
+2. a free slot takes the next sequence. Its prompt, if not resident yet, is *prefilled* once into
+   pages of the pool (all but its last token, in chunks of a bucketed length); the ``n`` samples
+   of a prompt share those pages read-only. A sample owns the pages from the prompt's last
+   (partially filled) page on: that page is copied into the sample's own page when it joins, so
+   no sample ever writes into a shared page;
+3. the *decode program* runs ``k`` steps on device (``lax.while_loop``): every live slot feeds its
+   last token (first the prompt's last token), writes its K/V into its pages and draws the next
+   token. The host then reads which slots ended (stop token or their own ``max_new_tokens``),
+   frees their pages, refills the slots and allocates pages for the next ``k`` steps;
+4. when the pool runs out, the youngest running sequence is preempted (pages freed, put back at
+   the front of the queue, recomputed later) instead of failing.
+
+Every sequence draws token ``t`` with the key ``fold_in(fold_in(fold_in(key(seed), prompt),
+sample), t)``, so its tokens do not depend on the slot count, the slot order or preemptions.
+Programs have fixed shapes: slots, chunk ``k`` and the pool are fixed per sampler, the page-table
+width is a power of two of pages (the longest live sequence, so attention work follows the
+actual lengths) and prefill shapes are power-of-two buckets; each program compiles once.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.core import spmd
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Int
+
+from delta_jax.models import Transformer, lm_head_weight
+from delta_jax.models.axes import logical_to_mesh
+from delta_jax.sampling.paged import (
+    PAGE_AXES,
+    SCRATCH_PAGE,
+    Attention,
+    PageAllocator,
+    PageList,
+    PagePool,
+    init_pool,
+    paged_forward,
+)
+from delta_jax.sampling.strategies import Categorical, Greedy, strategy_signature
+
+__all__ = [
+    "EngineSpec",
+    "EngineStats",
+    "SlotState",
+    "decode_chunk",
+    "generate_continuous",
+    "pages_for",
+    "prefill_chunk",
+    "run_engine",
+    "validate_engine_request",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SlotState:
+    """Per-slot decode state, passed in and returned by every decode chunk.
+
+    Attributes:
+      last: token each slot feeds next.
+      pos: position ``last`` is written at.
+      count: tokens generated so far (the index of the next token's RNG stream).
+      active: slot holds a sequence that has not ended.
+      max_new: the sequence's token budget.
+      prompt: prompt index of the sequence (RNG stream).
+      sample: sample index of the sequence (RNG stream).
+      stops: stop ids of the sequence, padded with -1.
+      page_table: the sequence's pages from position 0 on (0 = scratch), for the ``pallas``
+        path (one column otherwise).
+      pages: every live sequence's pages as one flat list, for the ``xla`` path (one padding
+        entry otherwise).
+      copy_src: page to copy into ``copy_dst`` before decoding (the prompt's partial last page
+        when the sequence joined this chunk; else the scratch page onto itself).
+      copy_dst: see ``copy_src``.
+    """
+
+    last: Int[Array, " S"]
+    pos: Int[Array, " S"]
+    count: Int[Array, " S"]
+    active: Bool[Array, " S"]
+    max_new: Int[Array, " S"]
+    prompt: Int[Array, " S"]
+    sample: Int[Array, " S"]
+    stops: Int[Array, "S W"]
+    page_table: Int[Array, "S NB"]
+    pages: PageList
+    copy_src: Int[Array, " S"]
+    copy_dst: Int[Array, " S"]
+
+
+def _row_keys(seed, prompt, sample, count):
+    def one(p, s, t):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(seed, p), s), t)
+
+    return jax.vmap(one)(prompt, sample, count)
+
+
+def decode_chunk(
+    params: nnx.State,
+    rest: nnx.State,
+    pool: PagePool,
+    slots: SlotState,
+    seed: Int[Array, ""],
+    strategy: Greedy | Categorical,
+    *,
+    graphdef: nnx.GraphDef,
+    steps: int,
+    return_hidden: bool,
+    pad_id: int,
+    attention: Attention,
+    mesh: Mesh | None,
+) -> dict[str, Any]:
+    """Up to ``steps`` decode steps of every live slot (exits early when none is live)."""
+    model: Transformer = nnx.merge(graphdef, params, rest)
+    layers = model.layer_params()
+    pool = PagePool(kv=tuple(kv.at[slots.copy_dst].set(kv[slots.copy_src]) for kv in pool.kv))
+    tied = model.config.tie_word_embeddings
+    head = (model.embed[...] if tied else lm_head_weight(model)).astype(model.dtype)
+    head_spec = "SH,VH->SV" if tied else "SH,HV->SV"
+    key = jax.random.key(seed)
+    S = slots.last.shape[0]
+
+    def draw(logits, keys):
+        return jax.vmap(lambda row, k: strategy(row[None], k))(logits, keys)
+
+    def body(carry):
+        i, pool, s, out = carry
+        h, pool = paged_forward(
+            model,
+            layers,
+            s.last[:, None],
+            s.pos[:, None],
+            s.active[:, None],
+            pool,
+            pages=s.pages,
+            page_table=s.page_table,
+            attention=attention,
+            mesh=mesh,
+        )
+        h = h[:, 0]
+        logits = jnp.einsum(head_spec, h, head, preferred_element_type=jnp.float32)
+        res = draw(logits, _row_keys(key, s.prompt, s.sample, s.count))
+        live = s.active
+        token = jnp.where(live, res.token[:, 0], pad_id)
+        count = s.count + live
+        stopped = jnp.any(token[:, None] == s.stops, axis=-1) | (count >= s.max_new)
+        cols = dict(
+            tokens=token,
+            logprobs=jnp.where(live, res.logprob[:, 0], 0.0),
+            untruncated=jnp.where(live, res.untruncated_logprob[:, 0], 0.0),
+        )
+        if return_hidden:
+            cols["hidden"] = jnp.where(live[:, None], h, 0)
+        out = {
+            name: jax.lax.dynamic_update_index_in_dim(out[name], col.astype(out[name].dtype), i, 1)
+            for name, col in cols.items()
+        }
+        s = dataclasses.replace(
+            s,
+            last=jnp.where(live, token, s.last),
+            pos=s.pos + live,
+            count=count,
+            active=live & ~stopped,
+        )
+        return i + 1, pool, s, out
+
+    def cond(carry):
+        i, _, s, _ = carry
+        return (i < steps) & jnp.any(s.active)
+
+    out = dict(
+        tokens=jnp.full((S, steps), pad_id, jnp.int32),
+        logprobs=jnp.zeros((S, steps), jnp.float32),
+        untruncated=jnp.zeros((S, steps), jnp.float32),
+    )
+    if return_hidden:
+        out["hidden"] = jnp.zeros((S, steps, model.config.hidden_size), model.dtype)
+    i, pool, slots, out = jax.lax.while_loop(
+        cond, body, (jnp.zeros((), jnp.int32), pool, slots, out)
+    )
+    return dict(pool=pool, slots=slots, steps=i, **out)
+
+
+def prefill_chunk(
+    params: nnx.State,
+    rest: nnx.State,
+    pool: PagePool,
+    ids: Int[Array, "B T"],
+    positions: Int[Array, "B T"],
+    valid: Bool[Array, "B T"],
+    pages: PageList,
+    *,
+    graphdef: nnx.GraphDef,
+) -> PagePool:
+    """Writes the K/V of a chunk of prompt tokens into the prompts' pages (no LM head)."""
+    model: Transformer = nnx.merge(graphdef, params, rest)
+    layers = model.layer_params()
+    _, pool = paged_forward(model, layers, ids, positions, valid, pool, pages=pages)
+    return pool
+
+
+@dataclasses.dataclass
+class _Seq:
+    """Host record of one (prompt, sample) sequence."""
+
+    prompt: int
+    sample: int
+    max_new: int
+    stops: np.ndarray
+    order: int = 0  # admission counter: the largest is the youngest
+    pages: list[int] = dataclasses.field(default_factory=list)  # own pages
+    table: list[int] = dataclasses.field(default_factory=list)  # all pages from position 0
+    out: dict[str, list] = dataclasses.field(default_factory=dict)
+    length: int = 0
+
+
+@dataclasses.dataclass
+class _Prompt:
+    ids: np.ndarray
+    pages: list[int] | None = None  # resident pages of the prefix (all but the last token)
+    running: int = 0
+    left: int = 0  # samples not finished yet
+
+    @property
+    def prefix(self) -> int:
+        return self.ids.size - 1
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """What one engine call did (for tests and benchmarks)."""
+
+    decode_steps: int = 0  # slot-steps run: chunks x steps x slots
+    useful_steps: int = 0  # generated tokens
+    chunks: int = 0
+    prefill_calls: int = 0
+    preemptions: int = 0
+    high_water_pages: int = 0
+    free_pages_after: int = 0
+    num_pages: int = 0
+
+    @property
+    def occupancy(self) -> float:
+        """Fraction of slot-steps that produced a token."""
+        return self.useful_steps / max(1, self.decode_steps)
+
+
+@dataclasses.dataclass
+class EngineSpec:
+    """Static configuration of one engine call (what the compiled programs depend on)."""
+
+    slots: int
+    steps: int
+    page_size: int
+    num_pages: int
+    max_table: int  # page-table width cap (pages of the longest sequence, power of two)
+    prefill_len: int  # longest prefill chunk
+    min_len: int  # floor of the prefill-chunk and page-table (in tokens) buckets
+    prefill_rows: int  # prompts per prefill call (fixed: a new count would compile again)
+    row_multiple: int
+    attention: Attention
+    return_hidden: bool
+    pad_id: int
+
+
+class _Scheduler:
+    """Host side of one engine call: queue, slots, pages; the device programs are callbacks."""
+
+    def __init__(self, spec: EngineSpec, prompts, seqs, compile_fn, stats: EngineStats):
+        self.spec = spec
+        self.prompts = prompts
+        self.queue = collections.deque(seqs)
+        self.slots: list[_Seq | None] = [None] * spec.slots
+        self.alloc = PageAllocator(spec.num_pages)
+        self.compile = compile_fn
+        self.stats = stats
+        self.admitted = 0
+        self.done: list[_Seq] = []
+
+    # ---- pages -------------------------------------------------------------------------------
+
+    def _end_pos(self, seq: _Seq) -> int:
+        """Last position the sequence writes K/V at (its last token is never fed back)."""
+        return self.prompts[seq.prompt].prefix + seq.max_new - 1
+
+    def _chunk_pages(self, seq: _Seq, pos: int) -> int:
+        return min(pos + self.spec.steps - 1, self._end_pos(seq)) // self.spec.page_size + 1
+
+    def _release(self, seq: _Seq) -> None:
+        self.alloc.free(seq.pages)
+        seq.pages, seq.table = [], []
+        prompt = self.prompts[seq.prompt]
+        prompt.running -= 1
+
+    def _preempt_youngest(self, keep: _Seq | None) -> bool:
+        """Frees the youngest running sequence (back to the queue front) or idle prompt pages."""
+        running = [
+            (s.order, i) for i, s in enumerate(self.slots) if s is not None and s is not keep
+        ]
+        if running:
+            _, i = max(running)
+            seq = self.slots[i]
+            self._release(seq)
+            seq.out, seq.length = {}, 0
+            self.slots[i] = None
+            self.queue.appendleft(seq)
+            self.stats.preemptions += 1
+            return True
+        idle = [p for p in self.prompts if p.pages and p.running == 0]
+        for p in idle:
+            self.alloc.free(p.pages)
+            p.pages = None
+        return bool(idle)
+
+    def _grow(self, seq: _Seq, pos: int) -> bool:
+        """Pages for the next chunk of ``seq``, preempting younger sequences if needed."""
+        need = self._chunk_pages(seq, pos) - len(seq.table)
+        while need > 0:
+            got = self.alloc.alloc(need)
+            if got is not None:
+                seq.pages += got
+                seq.table += got
+                return True
+            if not self._preempt_youngest(keep=seq):
+                return False
+        return True
+
+    # ---- admission and prefill ---------------------------------------------------------------
+
+    def _admit(self, state: dict[str, np.ndarray]) -> None:
+        """Fills free slots from the queue while pages allow; prefills the new prompts."""
+        ps = self.spec.page_size
+        joined: list[tuple[int, _Seq]] = []
+        new_prompts: list[int] = []
+        free_slots = [i for i, s in enumerate(self.slots) if s is None]
+        while free_slots and self.queue:
+            seq = self.queue[0]
+            prompt = self.prompts[seq.prompt]
+            fresh = prompt.pages is None and seq.prompt not in new_prompts
+            need = pages_for(prompt.prefix, ps) if fresh else 0
+            need += self._chunk_pages(seq, prompt.prefix) - prompt.prefix // ps
+            if need > self.alloc.num_free:
+                if any(s is not None for s in self.slots) or joined:
+                    break  # wait for running sequences to end
+                if not self._preempt_youngest(keep=None):
+                    break
+                continue
+            self.queue.popleft()
+            if fresh:
+                prompt.pages = self.alloc.alloc(pages_for(prompt.prefix, ps))
+                new_prompts.append(seq.prompt)
+            own = self.alloc.alloc(self._chunk_pages(seq, prompt.prefix) - prompt.prefix // ps)
+            seq.pages = own
+            seq.table = prompt.pages[: prompt.prefix // ps] + own
+            seq.order = self.admitted
+            self.admitted += 1
+            prompt.running += 1
+            slot = free_slots.pop(0)
+            self.slots[slot] = seq
+            joined.append((slot, seq))
+        if new_prompts:
+            self._prefill(new_prompts)
+        for slot, seq in joined:
+            prompt = self.prompts[seq.prompt]
+            full = prompt.prefix // ps
+            state["last"][slot] = prompt.ids[-1]
+            state["pos"][slot] = prompt.prefix
+            state["count"][slot] = 0
+            state["active"][slot] = True
+            state["max_new"][slot] = seq.max_new
+            state["prompt"][slot] = seq.prompt
+            state["sample"][slot] = seq.sample
+            state["stops"][slot] = seq.stops
+            if prompt.prefix % ps:  # the partial last prompt page becomes the sample's own copy
+                state["copy_src"][slot] = prompt.pages[full]
+                state["copy_dst"][slot] = seq.table[full]
+
+    def _prefill(self, indices: list[int]) -> None:
+        spec, ps = self.spec, self.spec.page_size
+        indices = [i for i in indices if self.prompts[i].prefix > 0]
+        for start in range(0, len(indices), spec.prefill_rows):
+            group = indices[start : start + spec.prefill_rows]
+            rows = spec.prefill_rows
+            longest = max(self.prompts[i].prefix for i in group)
+            T = min(spec.prefill_len, max(spec.min_len, _pow2(longest)))
+            for offset in range(0, longest, T):
+                ids = np.zeros((rows, T), np.int32)
+                valid = np.zeros((rows, T), bool)
+                positions = np.broadcast_to(
+                    np.arange(offset, offset + T, dtype=np.int32), (rows, T)
+                )
+                for r, i in enumerate(group):
+                    part = self.prompts[i].ids[offset : min(offset + T, self.prompts[i].prefix)]
+                    ids[r, : part.size] = part
+                    valid[r, : part.size] = True
+                # Pages up to this chunk's end (the earlier chunks' ones included).
+                tables = [self.prompts[i].pages[: pages_for(offset + T, ps)] for i in group]
+                pages = self._page_list(tables, rows, floor=rows * pages_for(T, ps))
+                self.compile("prefill", ids, positions.copy(), valid, pages)
+                self.stats.prefill_calls += 1
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> list[_Seq]:
+        spec = self.spec
+        S = spec.slots
+        width = self.queue[0].stops.size
+        state = dict(
+            last=np.zeros(S, np.int32),
+            pos=np.zeros(S, np.int32),
+            count=np.zeros(S, np.int32),
+            active=np.zeros(S, bool),
+            max_new=np.zeros(S, np.int32),
+            prompt=np.zeros(S, np.int32),
+            sample=np.zeros(S, np.int32),
+            stops=np.full((S, width), -1, np.int32),
+        )
+        while self.queue or any(s is not None for s in self.slots):
+            state["copy_src"] = np.full(S, SCRATCH_PAGE, np.int32)
+            state["copy_dst"] = np.full(S, SCRATCH_PAGE, np.int32)
+            self._admit(state)
+            for i in sorted(
+                (i for i, s in enumerate(self.slots) if s is not None),
+                key=lambda i: self.slots[i].order,
+            ):
+                seq = self.slots[i]
+                if seq is not None and not self._grow(seq, int(state["pos"][i])):
+                    raise RuntimeError("page pool exhausted by a single sequence")
+            for i, s in enumerate(self.slots):
+                if s is None:
+                    state["active"][i] = False
+                    if state["copy_dst"][i] != SCRATCH_PAGE:  # joined, then preempted
+                        state["copy_src"][i] = state["copy_dst"][i] = SCRATCH_PAGE
+            if all(s is None for s in self.slots):
+                raise RuntimeError("no sequence fits the page pool")  # validated up front
+            self._decode(state)
+        self.stats.high_water_pages = self.alloc.high_water
+        self.stats.free_pages_after = self.alloc.num_free
+        return self.done
+
+    @staticmethod
+    def _page_list(tables: list[list[int]], rows: int, floor: int) -> dict[str, np.ndarray]:
+        """Flat :class:`PageList` arrays of per-row page lists, padded to a power of two."""
+        total = sum(len(t) for t in tables)
+        size = _pow2(max(total, floor, 1))
+        page = np.full(size, SCRATCH_PAGE, np.int32)
+        seq = np.full(size, rows, np.int32)  # out of range: padding
+        index = np.zeros(size, np.int32)
+        at = 0
+        for row, table in enumerate(tables):
+            page[at : at + len(table)] = table
+            seq[at : at + len(table)] = row
+            index[at : at + len(table)] = np.arange(len(table))
+            at += len(table)
+        return dict(page=page, seq=seq, index=index)
+
+    def _decode(self, state: dict[str, np.ndarray]) -> None:
+        spec = self.spec
+        live = [i for i, s in enumerate(self.slots) if s is not None]
+        tables = [
+            self.slots[i].table if self.slots[i] is not None else [] for i in range(spec.slots)
+        ]
+        floor = pages_for(spec.min_len, spec.page_size)
+        if spec.attention == "pallas":
+            widest = max(len(t) for t in tables)
+            nb = min(spec.max_table, _pow2(max(widest, floor)))
+            table = np.zeros((spec.slots, nb), np.int32)
+            for i in live:
+                table[i, : len(tables[i])] = tables[i]
+            pages = self._page_list([], spec.slots, floor=1)
+        else:
+            table = np.zeros((spec.slots, 1), np.int32)
+            pages = self._page_list(tables, spec.slots, floor=spec.slots * floor)
+        before = state["count"].copy()
+        out = self.compile("decode", dict(state, page_table=table), pages)
+        self.stats.chunks += 1
+        self.stats.decode_steps += int(out["steps"]) * spec.slots
+        for name in ("last", "pos", "count", "active"):
+            state[name] = np.array(getattr(out["slots"], name))
+        for i in live:
+            seq = self.slots[i]
+            new = int(state["count"][i] - before[i])
+            for name in ("tokens", "logprobs", "untruncated", "hidden"):
+                if name in out:
+                    seq.out.setdefault(name, []).append(out[name][i, :new])
+            seq.length += new
+            self.stats.useful_steps += new
+            if not state["active"][i]:
+                self._release(seq)
+                prompt = self.prompts[seq.prompt]
+                prompt.left -= 1
+                if prompt.left == 0:
+                    self.alloc.free(prompt.pages or [])
+                    prompt.pages = None
+                self.slots[i] = None
+                self.done.append(seq)
+
+
+def run_engine(
+    spec: EngineSpec,
+    prompts: list[np.ndarray],
+    n: int,
+    max_new: np.ndarray,
+    stop_ids: np.ndarray,
+    call,
+) -> tuple[list[_Seq], EngineStats]:
+    """Runs every (prompt, sample) sequence to its end; returns them in row order and stats.
+
+    ``call(kind, *arrays)`` runs the compiled ``"prefill"`` or ``"decode"`` program on the pool
+    (which it owns) and returns the decode outputs as NumPy.
+    """
+    stats = EngineStats(num_pages=spec.num_pages)
+    records = [_Prompt(ids=p, left=n) for p in prompts]
+    seqs = [
+        _Seq(prompt=r // n, sample=r % n, max_new=int(max_new[r]), stops=stop_ids[r])
+        for r in range(len(prompts) * n)
+    ]
+    # Longest budget first: a long sequence admitted last would run on alone while the other
+    # slots idle. The order changes no token (each sequence has its own RNG stream).
+    seqs.sort(key=lambda s: -s.max_new)
+    done = _Scheduler(spec, records, seqs, call, stats).run()
+    done.sort(key=lambda s: (s.prompt, s.sample))
+    return done, stats
+
+
+def validate_engine_request(
+    spec: EngineSpec, prompts: list[np.ndarray], n: int, max_new: np.ndarray
+) -> None:
+    """Raises ``ValueError`` for requests the engine cannot run, before any compilation."""
+    if n > spec.slots:
+        raise ValueError(
+            f"n={n} samples per prompt exceeds decode_slots={spec.slots}; "
+            "raise decode_slots or lower n"
+        )
+    ps = spec.page_size
+    for r, budget in enumerate(max_new[: len(prompts) * n]):
+        prefix = prompts[r // n].size - 1
+        need = pages_for(prefix, ps) + pages_for(prefix + int(budget), ps)
+        if need > spec.num_pages - 1:
+            raise ValueError(
+                f"the page pool ({spec.num_pages - 1} usable pages of {ps} tokens) is too small "
+                f"for one sequence: prompt {r // n} with max_new_tokens {budget} needs {need} pages"
+            )
+    longest = max(p.size for p in prompts) + int(max_new.max())
+    if pages_for(longest, ps) > spec.max_table:
+        raise ValueError(f"a sequence of {longest} tokens exceeds the page-table width")
+
+
+def engine_programs(sampler, spec: EngineSpec, graphdef, params, rest, strategy, seed, width):
+    """Returns ``call`` for :func:`run_engine`, compiling each program once per key.
+
+    Compiled programs are cached on the sampler (``sampler._programs``). The pool lives in the
+    returned closure and is donated to every program, so XLA updates it in place.
+    """
+    mesh, rules = sampler.mesh, sampler.rules
+    cache_dtype = sampler.resolved_cache_dtype()
+    param_avals = tuple(
+        (x.shape, x.dtype, getattr(x, "sharding", None)) for x in jax.tree.leaves(params)
+    )
+    base = (
+        "engine",
+        spec.slots,
+        spec.steps,
+        spec.page_size,
+        spec.num_pages,
+        jnp.dtype(cache_dtype).name,
+        jax.tree.structure(params),
+        param_avals,
+    )
+
+    def place(x: np.ndarray, rows: bool = True) -> jax.Array:
+        """Per-row arrays sharded like the rows, others (page lists) replicated."""
+        if mesh is None:
+            return jnp.asarray(x)
+        names = ("batch" if rows else None,) + (None,) * (x.ndim - 1)
+        return jax.device_put(x, NamedSharding(mesh, logical_to_mesh(names, rules, mesh, x.shape)))
+
+    def build(key, fn, args, donate=()):
+        compiled = sampler._programs.get(key)
+        if compiled is None:
+            start = time.perf_counter()
+            jitted = jax.jit(fn, donate_argnums=donate)
+            if mesh is None:
+                compiled = jitted.lower(*args).compile()
+            else:
+                with jax.set_mesh(mesh), spmd.logical_axis_rules(rules):
+                    compiled = jitted.lower(*args).compile()
+            sampler._programs[key] = compiled
+            logger.info(
+                "engine compile #%d: %s (%.2fs)",
+                len(sampler._programs),
+                key[len(base) :],
+                time.perf_counter() - start,
+            )
+        return compiled
+
+    model = nnx.merge(graphdef, params, rest)
+    make_pool = functools.partial(init_pool, model, spec.num_pages, spec.page_size, cache_dtype)
+    pool = [build(base + ("pool",), make_pool, ())()]
+    decode = functools.partial(
+        decode_chunk,
+        graphdef=graphdef,
+        steps=spec.steps,
+        return_hidden=spec.return_hidden,
+        pad_id=spec.pad_id,
+        attention=spec.attention,
+        mesh=mesh,
+    )
+    decode_key = (width, strategy_signature(strategy), spec.return_hidden, spec.attention)
+
+    def call(kind: str, *arrays: np.ndarray):
+        pages = PageList(**{k: place(v, rows=False) for k, v in arrays[-1].items()})
+        if kind == "prefill":
+            ids, positions, valid = (place(a) for a in arrays[:3])
+            key = base + ("prefill", ids.shape, pages.page.shape)
+            fn = functools.partial(prefill_chunk, graphdef=graphdef)
+            args = (params, rest, pool[0], ids, positions, valid, pages)
+            pool[0] = build(key, fn, args, (2,))(*args)
+            return None
+        slots = SlotState(**{k: place(v) for k, v in arrays[0].items()}, pages=pages)
+        key = base + ("decode", slots.page_table.shape, pages.page.shape, *decode_key)
+        args = (params, rest, pool[0], slots, seed, strategy)
+        out = build(key, decode, args, (2,))(*args)
+        pool[0] = out.pop("pool")
+        return jax.tree.map(_to_host, out)
+
+    return call
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def generate_continuous(
+    sampler, request, prompts: list[np.ndarray], n: int, strategy, seed, return_hidden, params
+):
+    """The engine behind ``Sampler(engine="continuous").generate``; same output as the static one.
+
+    Returns:
+      ``(SamplerOutput, EngineStats)``.
+    """
+    from delta_jax.sampling.sampler import SamplerOutput
+
+    spec = sampler.engine_spec(request, n, return_hidden)
+    validate_engine_request(spec, prompts, n, request.max_new)
+    graphdef, own, rest = nnx.split(sampler.model, nnx.Param, ...)
+    params = own if params is None else params
+    width = request.stop_ids.shape[1]
+    call = engine_programs(sampler, spec, graphdef, params, rest, strategy, seed, width)
+    seqs, stats = run_engine(spec, prompts, n, request.max_new, request.stop_ids, call)
+
+    rows, G = len(seqs), request.gen_len
+    tokens = np.full((rows, G), spec.pad_id, np.int32)
+    logprobs = np.zeros((rows, G), np.float32)
+    untruncated = np.zeros((rows, G), np.float32)
+    hidden = None
+    if return_hidden:
+        H = sampler.model.config.hidden_size
+        hidden = np.zeros((rows, G, H), seqs[0].out["hidden"][0].dtype)
+    for r, seq in enumerate(seqs):
+        L = seq.length
+        tokens[r, :L] = np.concatenate(seq.out["tokens"])
+        logprobs[r, :L] = np.concatenate(seq.out["logprobs"])
+        untruncated[r, :L] = np.concatenate(seq.out["untruncated"])
+        if hidden is not None:
+            hidden[r, :L] = np.concatenate(seq.out["hidden"])
+    lengths = np.array([s.length for s in seqs], np.int32)
+    repeat = np.repeat(np.arange(len(prompts)), n)
+    out = SamplerOutput(
+        token_array=jnp.asarray(tokens),
+        logprob_array=jnp.asarray(logprobs),
+        untruncated_logprob_array=jnp.asarray(untruncated),
+        length_array=jnp.asarray(lengths),
+        hidden_array=None if hidden is None else jnp.asarray(hidden),
+        prompt_array=jnp.asarray(request.prompt_ids[repeat]),
+        prompt_mask_array=jnp.asarray(request.prompt_mask[repeat]),
+        num_steps=jnp.asarray(lengths.max(), jnp.int32),
+        num_rows=rows,
+    )
+    return out, stats
+
+
+def lower_decode(
+    config,
+    mesh: Mesh,
+    rules,
+    *,
+    slots: int,
+    steps: int,
+    page_size: int,
+    num_pages: int,
+    table_pages: int,
+    list_pages: int = 1,
+    dtype: Any = jnp.bfloat16,
+    attention: Attention = "pallas",
+    stop_width: int = 1,
+) -> jax.stages.Lowered:
+    """The decode program lowered for abstract inputs on ``mesh`` (no parameters materialised).
+
+    For compile-only checks and cost figures on a topology without its devices (the TPU compiler
+    through ``jax.experimental.topologies``): parameters in ``dtype`` placed by ``rules``.
+    ``table_pages`` is the page-table width (``pallas``), ``list_pages`` the flat page list's
+    length (``xla``).
+    """
+    from delta_jax.sampling.strategies import make_strategy
+    from delta_jax.sharding import param_shardings
+
+    abstract = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, param_dtype=dtype))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    shardings = param_shardings(params, mesh, rules)
+    params = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings
+    )
+
+    def spec(shape, dt, names):
+        return jax.ShapeDtypeStruct(
+            shape, dt, sharding=NamedSharding(mesh, logical_to_mesh(names, rules, mesh, shape))
+        )
+
+    row = ("batch",)
+    i32 = jnp.int32
+    slot_state = SlotState(
+        **{k: spec((slots,), i32, row) for k in ("last", "pos", "count", "max_new", "prompt")},
+        sample=spec((slots,), i32, row),
+        active=spec((slots,), jnp.bool_, row),
+        stops=spec((slots, stop_width), i32, row + (None,)),
+        page_table=spec((slots, table_pages), i32, row + (None,)),
+        pages=PageList(**{k: spec((list_pages,), i32, (None,)) for k in ("page", "seq", "index")}),
+        copy_src=spec((slots,), i32, row),
+        copy_dst=spec((slots,), i32, row),
+    )
+    c = config
+    page = (num_pages, page_size, 2 * c.num_kv_heads, c.head_dim)
+    pool = PagePool(kv=tuple(spec(page, dtype, PAGE_AXES) for _ in range(c.num_layers)))
+    fn = functools.partial(
+        decode_chunk,
+        graphdef=graphdef,
+        steps=steps,
+        return_hidden=False,
+        pad_id=0,
+        attention=attention,
+        mesh=mesh,
+    )
+    seed = jax.ShapeDtypeStruct((), jnp.uint32, sharding=NamedSharding(mesh, P()))
+    strategy = make_strategy(1.0)
+    with jax.set_mesh(mesh), spmd.logical_axis_rules(rules):
+        return jax.jit(fn, donate_argnums=(2,)).lower(
+            params, rest, pool, slot_state, seed, strategy
+        )

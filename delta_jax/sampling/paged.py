@@ -1,0 +1,304 @@
+"""Paged KV cache: a page pool per layer, a host-side page allocator and the paged forward pass.
+
+Every layer keeps its keys and values in one pool of ``num_pages`` fixed-size pages laid out as
+JAX's ragged paged attention kernel reads them, ``[pages, page_size, 2K, D]`` with keys in the
+even and values in the odd combined heads. A sequence owns a *page table*, the list of pages that
+hold its positions ``0, page_size, 2 page_size, ...``. Page 0 is a scratch page: padding tokens
+write there and unused page-table entries point there, so no real page is ever touched by them.
+
+The forward pass (:func:`paged_forward`) takes ``T`` tokens per sequence at given positions,
+writes their K/V into the pages those positions fall in, and attends over the sequence's pages:
+
+* ``xla``: the pages in use, as one flat list (a power-of-two bucket of the total), each
+  attended to on its own and merged per sequence with the flash-attention rescaling, so the
+  work grows with the sum of the actual lengths, not with the longest one or the pool; used on
+  CPU and GPU, and for prefill everywhere;
+* ``pallas``: JAX's ``ragged_paged_attention`` TPU kernel (one query per sequence, decode), under
+  ``shard_map`` over the KV-head axis.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax.core import spmd
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float, Int
+
+from delta_jax.models import Transformer
+from delta_jax.models import axes as ax
+from delta_jax.models.transformer import _rms_norm, _rope, _rope_tables
+
+__all__ = [
+    "PAGE_AXES",
+    "PageAllocator",
+    "PageList",
+    "PagePool",
+    "init_pool",
+    "paged_forward",
+    "write_slots",
+]
+
+# Logical axes of a layer's pages: only the KV heads are sharded (tensor parallel).
+PAGE_AXES = (None, None, ax.KV_HEADS, ax.HEAD_DIM)
+SCRATCH_PAGE = 0
+# Ragged paged attention kernel blocks: KV pages and queries (sequences, at decode) per block.
+PALLAS_KV_PAGES_PER_BLOCK = 16
+PALLAS_QUERIES_PER_BLOCK = 32
+
+Attention = Literal["xla", "pallas"]
+
+
+@flax.struct.dataclass
+class PagePool:
+    """K/V pages of every layer: a tuple of L arrays ``[pages, page_size, 2K, D]``."""
+
+    kv: tuple[Float[Array, "P S C D"], ...]
+
+    @property
+    def page_size(self) -> int:
+        return self.kv[0].shape[1]
+
+
+def init_pool(model: Transformer, num_pages: int, page_size: int, dtype: Any) -> PagePool:
+    """An all-zero pool (call inside ``jit`` so that it is created sharded, never on one host)."""
+    c = model.config
+    shape = (num_pages, page_size, 2 * c.num_kv_heads, c.head_dim)
+    return PagePool(
+        kv=tuple(ax.constrain(jnp.zeros(shape, dtype), PAGE_AXES) for _ in range(c.num_layers))
+    )
+
+
+class PageAllocator:
+    """Free list of the pool's pages (host side); page 0 is the scratch page, never handed out.
+
+    Attributes:
+      num_pages: pages in the pool, scratch included.
+      high_water: the most pages ever in use at once since construction.
+    """
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, 0, -1))
+        self.high_water = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - 1 - len(self._free)
+
+    def alloc(self, count: int) -> list[int] | None:
+        """``count`` pages, or None (nothing taken) when fewer are free."""
+        if count > len(self._free):
+            return None
+        pages = [self._free.pop() for _ in range(count)]
+        self.high_water = max(self.high_water, self.num_used)
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+@flax.struct.dataclass
+class PageList:
+    """Every page of a batch of sequences as one flat list (what the XLA path reads).
+
+    Attributes:
+      page: pool page of each entry (scratch for padding entries).
+      seq: the sequence (row) an entry belongs to; ``B`` (out of range) for padding.
+      index: the entry's page index within its sequence (it holds positions
+        ``[index * page_size, (index + 1) * page_size)``).
+    """
+
+    page: Int[Array, " U"]
+    seq: Int[Array, " U"]
+    index: Int[Array, " U"]
+
+
+def write_slots(
+    positions: Int[Array, "B T"],
+    valid: Bool[Array, "B T"],
+    page_size: int,
+    pages: PageList | None = None,
+    page_table: Int[Array, "B NB"] | None = None,
+) -> tuple[Int[Array, "B T"], Int[Array, "B T"]]:
+    """(page, offset) each token's K/V is written at, the same for every layer.
+
+    From the flat list: the entry of the token's sequence and page index; from a page table: the
+    entry at the page index. Padding tokens write to the scratch page.
+    """
+    logical = positions // page_size
+    if pages is not None:
+        rows = jnp.arange(positions.shape[0])[:, None, None]
+        hit = (pages.seq == rows) & (pages.index == logical[:, :, None])  # [B, T, U]
+        page = jnp.sum(jnp.where(hit, pages.page, 0), axis=-1)
+    else:
+        logical = jnp.minimum(logical, page_table.shape[1] - 1)
+        page = jnp.take_along_axis(page_table, logical, axis=1)
+    return jnp.where(valid, page, SCRATCH_PAGE), positions % page_size
+
+
+def _write_pages(kv, new, page, offset):
+    """Scatters each token's combined K/V [B, T, 2K, D] into (page, offset)."""
+    flat = new.reshape(-1, *new.shape[2:]).astype(kv.dtype)
+    return kv.at[page.reshape(-1), offset.reshape(-1)].set(flat, mode="drop")
+
+
+def _xla_attention(q, kv, positions, pages: PageList):
+    """Attention of q [B,T,N,D] over the listed pages: work grows with the pages in use.
+
+    Each listed page is attended to by its sequence's queries on its own (scores, their max,
+    the exp-sum and the weighted values of that page), and the pages of a sequence are then
+    merged with the usual rescaling by the per-sequence max (the flash-attention identity),
+    with segment reductions over the list. Exact in float32.
+    """
+    B, T, N, D = q.shape
+    num_pages, page_size, C, _ = kv.shape
+    K = C // 2
+    U = pages.page.shape[0]
+    ctx = jnp.take(kv.reshape(num_pages, -1), pages.page, axis=0, mode="clip")
+    ctx = ctx.reshape(U, page_size, K, 2, D).astype(q.dtype)
+    k, v = ctx[..., 0, :], ctx[..., 1, :]  # [U, P, K, D]
+    seq = jnp.minimum(pages.seq, B - 1)
+    qu = jnp.take(q, seq, axis=0).reshape(U, T, K, N // K, D)
+    scores = jnp.einsum("UTKGD,UPKD->UKTGP", qu, k, preferred_element_type=jnp.float32)
+    scores = scores * (D**-0.5)
+    key_pos = pages.index[:, None] * page_size + jnp.arange(page_size)  # [U, P]
+    visible = key_pos[:, None, :] <= jnp.take(positions, seq, axis=0)[:, :, None]  # [U, T, P]
+    visible &= (pages.seq < B)[:, None, None]
+    scores = jnp.where(visible[:, None, :, None, :], scores, -jnp.inf)
+    page_max = jnp.max(scores, axis=-1)  # [U, K, T, G], -inf where nothing is visible
+    seq_max = jax.ops.segment_max(page_max, pages.seq, num_segments=B)
+    scale = jnp.exp(page_max - jnp.take(seq_max, seq, axis=0))  # 0 for empty pages
+    weights = jnp.exp(scores - jnp.where(jnp.isfinite(page_max), page_max, 0.0)[..., None])
+    page_sum = jnp.sum(weights, axis=-1) * scale
+    page_out = jnp.einsum("UKTGP,UPKD->UKTGD", weights.astype(v.dtype), v)
+    page_out = page_out * scale[..., None].astype(v.dtype)
+    total = jax.ops.segment_sum(page_sum, pages.seq, num_segments=B)  # [B, K, T, G]
+    out = jax.ops.segment_sum(page_out.astype(jnp.float32), pages.seq, num_segments=B)
+    out = out / jnp.where(total > 0, total, 1.0)[..., None]  # rows with no key: 0
+    return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(B, T, N, D).astype(q.dtype)
+
+
+def _pallas_attention(q, kv, positions, page_table, mesh: Mesh | None):
+    """Decode attention (T = 1) with JAX's ragged paged attention TPU kernel."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    B, T, N, D = q.shape
+    if T != 1:
+        raise ValueError(f"the pallas paged attention path is for decode (T = 1), got T = {T}")
+    kv_lens = (positions[:, 0] + 1).astype(jnp.int32)
+    cu_q_lens = jnp.arange(B + 1, dtype=jnp.int32)
+    num_seqs = jnp.array([B], jnp.int32)
+
+    def kernel(q, kv, kv_lens, page_table, cu_q_lens, num_seqs):
+        # Block sizes given explicitly: the kernel's tuned table looks up jax.devices(), which
+        # is not the target TPU when compiling ahead of time for a topology.
+        return ragged_paged_attention(
+            q,
+            kv,
+            kv_lens,
+            page_table,
+            cu_q_lens,
+            num_seqs,
+            sm_scale=D**-0.5,
+            num_kv_pages_per_block=min(page_table.shape[1], PALLAS_KV_PAGES_PER_BLOCK),
+            num_queries_per_block=PALLAS_QUERIES_PER_BLOCK,
+        )
+
+    if mesh is not None:
+        # Mosaic kernels are not partitioned by XLA: one kernel per KV-head shard, every
+        # sequence on every shard (heads are what tensor parallelism splits).
+        heads = ax.logical_to_mesh((ax.KV_HEADS,), spmd.get_logical_axis_rules(), mesh)[0]
+        kernel = jax.shard_map(
+            kernel,
+            mesh=mesh,
+            in_specs=(P(None, heads, None), P(None, None, heads, None), P(), P(), P(), P()),
+            out_specs=P(None, heads, None),
+            check_vma=False,
+        )
+    out = kernel(q.reshape(B, N, D), kv, kv_lens, page_table, cu_q_lens, num_seqs)
+    return out.reshape(B, T, N, D)
+
+
+def _paged_block(cfg, dtype, p, x, cos, sin, kv, positions, write_at, attend):
+    """One decoder block (the maths of ``transformer._block``) with paged K/V."""
+    eps = cfg.rms_norm_eps
+    w = {k: v.astype(dtype) for k, v in p.items()}
+    h = _rms_norm(x, w["attn_norm"], eps, dtype)
+    q = jnp.einsum("BTH,HND->BTND", h, w["wq"])
+    k = jnp.einsum("BTH,HKD->BTKD", h, w["wk"])
+    v = jnp.einsum("BTH,HKD->BTKD", h, w["wv"])
+    if cfg.qkv_bias:
+        q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+    if cfg.qk_norm:
+        q = _rms_norm(q, w["q_norm"], eps, dtype)
+        k = _rms_norm(k, w["k_norm"], eps, dtype)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    B, T, K, D = k.shape
+    combined = jnp.stack([k, v], axis=3).reshape(B, T, 2 * K, D)  # keys even, values odd
+    kv = _write_pages(kv, combined, *write_at)
+    attn = attend(q, kv, positions)
+    N = attn.shape[2]
+    x = x + jnp.einsum("BTE,EH->BTH", attn.reshape(B, T, N * D), w["wo"].reshape(N * D, -1))
+    h = _rms_norm(x, w["mlp_norm"], eps, dtype)
+    gate = jnp.einsum("BTH,HF->BTF", h, w["w_gate"])
+    up = jnp.einsum("BTH,HF->BTF", h, w["w_up"])
+    x = x + jnp.einsum("BTF,FH->BTH", jax.nn.silu(gate) * up, w["w_down"])
+    return x, kv
+
+
+def paged_forward(
+    model: Transformer,
+    layers: list[dict[str, jax.Array]],
+    ids: Int[Array, "B T"],
+    positions: Int[Array, "B T"],
+    valid: Bool[Array, "B T"],
+    pool: PagePool,
+    *,
+    pages: PageList | None = None,
+    page_table: Int[Array, "B NB"] | None = None,
+    attention: Attention = "xla",
+    mesh: Mesh | None = None,
+) -> tuple[Float[Array, "B T H"], PagePool]:
+    """Runs the decoder on ``T`` tokens per sequence over its pages.
+
+    Token ``(b, t)`` is written at ``positions[b, t]`` (when ``valid``) and attends to positions
+    ``<= positions[b, t]`` of its sequence, which must all have been written before or in this
+    call. The sequences' pages come as a flat :class:`PageList` (``xla``) or as a page table
+    ``[B, NB]`` listing each sequence's pages from position 0 on (``pallas``).
+
+    Returns:
+      The final RMS-normed hidden states [B, T, H] and the updated pool.
+    """
+    cfg, dtype = model.config, model.dtype
+    if attention == "pallas":
+
+        def attend(q, kv, positions):
+            return _pallas_attention(q, kv, positions, page_table, mesh)
+
+        write_at = write_slots(positions, valid, pool.page_size, page_table=page_table)
+    else:
+
+        def attend(q, kv, positions):
+            return _xla_attention(q, kv, positions, pages)
+
+        write_at = write_slots(positions, valid, pool.page_size, pages=pages)
+    x = jnp.take(model.embed[...], ids, axis=0).astype(dtype)
+    x = ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
+    cos, sin = _rope_tables(cfg, positions, dtype)
+    new = []
+    for layer, kv in enumerate(pool.kv):
+        x, kv = _paged_block(
+            cfg, dtype, layers[layer], x, cos, sin, kv, positions, write_at, attend
+        )
+        new.append(ax.constrain(kv, PAGE_AXES))
+    hidden = _rms_norm(x, model.final_norm[...], cfg.rms_norm_eps, dtype)
+    return hidden, PagePool(kv=tuple(new))

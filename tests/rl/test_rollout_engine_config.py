@@ -1,0 +1,33 @@
+"""The rollout engine config keys reach the trainer's sampler."""
+
+import pytest
+
+from delta_jax.config import ConfigError, load_config
+from delta_jax.rl.setup import build_run_parts
+from tests.rl.conftest import tiny_overrides
+from tests.rl.test_loop import DEMO
+
+
+def test_engine_keys_are_wired(tmp_path, demo_model_dir):
+    default = build_run_parts(load_config(DEMO, tiny_overrides(tmp_path / "a", demo_model_dir)))
+    assert default.sampler.engine == "continuous"
+    extra = ("rollout.engine=static", "rollout.decode_slots=8", "rollout.page_size=32")
+    parts = build_run_parts(
+        load_config(DEMO, tiny_overrides(tmp_path / "b", demo_model_dir, *extra))
+    )
+    s = parts.sampler
+    assert (s.engine, s.decode_slots, s.page_size) == ("static", 8, 32)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rollout.decode_slots=0", "rollout.decode_slots=0 must be >= 1"),
+        ("rollout.page_size=0", "rollout.page_size=0 must be >= 1"),
+        ("rollout.decode_slots=4", "samples_per_prompt=8 exceeds rollout.decode_slots=4"),
+        ("rollout.engine=paged", "rollout.engine"),
+    ],
+)
+def test_engine_keys_are_validated(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(DEMO, [override])

@@ -1,0 +1,248 @@
+"""Continuous-batching engine: parity with transformers and full forwards, scheduling-independent
+determinism, page accounting, limits, sharding and compile-only TPU lowering."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from delta_jax.models import ModelConfig, Transformer, from_pretrained, token_logprobs
+from delta_jax.sampling import Buckets, Sampler
+from tests.sampling.helpers import (
+    chisquare_pvalue,
+    log_softmax,
+    truncated_distribution,
+    truncated_logprobs,
+)
+from tests.sampling.test_hf_parity import CONFIGS, PAD
+from tests.sampling.test_sampler import ATOL, CompileCounter, _forward, _full_forward
+
+# Prompt lengths around page boundaries (page_size 4: prefixes of 0, 3, 4, 5 and 12 tokens).
+PROMPTS = [[5, 9, 2, 17], [7, 1, 4, 4, 8, 3], [20], [3, 3, 6, 2, 9], list(range(30, 43))]
+BUDGETS = [9, 3, 14, 6, 11]
+PAGE = 4
+
+
+def engine(model, **kw) -> Sampler:
+    kw = {"decode_slots": 4, "page_size": PAGE, "decode_chunk": 4, **kw}
+    return Sampler(model, stop_token_ids=(), engine="continuous", **kw)
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig.tiny("qwen3", vocab_size=96)
+    m = Transformer(cfg, rngs=nnx.Rngs(3))
+    _, params = nnx.split(m, nnx.Param)
+    nnx.update(m, jax.tree.map(lambda x: x * 4.0 if x.ndim == 2 else x, params))
+    return m
+
+
+@pytest.fixture(scope="module")
+def small(model):
+    """One engine shared by tests: 8 slots for 10 sequences, so slots are refilled."""
+    return engine(model, decode_slots=8)
+
+
+def _hf_greedy(hf_model, prompts, new_tokens):
+    """Each prompt alone through transformers' generate (no padding involved)."""
+    out = []
+    for p, budget in zip(prompts, new_tokens, strict=True):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            gen = hf_model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=budget,
+                min_new_tokens=budget,
+                do_sample=False,
+                pad_token_id=PAD,
+                eos_token_id=None,
+            )
+        out.append(gen[0, len(p) :].tolist())
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_greedy_matches_transformers_with_refilled_slots(tmp_path, family):
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
+    hf_model.generation_config.eos_token_id = None
+    hf_model.save_pretrained(tmp_path)
+    expected = _hf_greedy(hf_model, PROMPTS, BUDGETS)
+    sampler = engine(from_pretrained(tmp_path), decode_slots=2)
+    out = sampler.generate(PROMPTS, max_new_tokens=BUDGETS, temperature=0.0)
+    assert out.lengths == BUDGETS
+    assert out.tokens == expected
+    assert len({t for row in expected for t in row}) > 10
+    stats = out.engine_stats
+    assert stats.chunks > 1 and stats.useful_steps == sum(BUDGETS)
+
+
+def test_logprobs_and_hidden_match_full_forward(model, small):
+    kw = dict(temperature=0.8, top_k=20, top_p=0.9)
+    out = small.generate(PROMPTS, max_new_tokens=BUDGETS, n=2, seed=1, return_hidden=True, **kw)
+    assert out.lengths == [b for b in BUDGETS for _ in range(2)]
+    rows = _full_forward(model, out)
+    ids = np.stack([r[0] for r in rows])
+    mask = np.stack([r[1] for r in rows])
+    ref = np.asarray(
+        token_logprobs(
+            model, ids[:, :-1], ids[:, 1:], attention_mask=mask[:, :-1], temperature=0.8
+        ).logprobs
+    )
+    truncated_seen = False
+    for row, (_, _, logits, hidden, gen, plen) in enumerate(rows):
+        t = np.arange(gen.size)
+        behaviour = truncated_logprobs(logits, **kw)[t, gen]
+        untruncated = log_softmax(logits / kw["temperature"])[t, gen]
+        np.testing.assert_allclose(out.logprobs[row], behaviour, atol=ATOL)
+        np.testing.assert_allclose(out.untruncated_logprobs[row], untruncated, atol=ATOL)
+        np.testing.assert_allclose(np.asarray(out.hidden_array[row, : gen.size]), hidden, atol=ATOL)
+        np.testing.assert_allclose(
+            out.untruncated_logprobs[row], ref[row, plen - 1 : plen - 1 + gen.size], atol=ATOL
+        )
+        truncated_seen |= bool(np.any(behaviour - untruncated > 1e-3))
+    assert truncated_seen
+    assert out.tokens[0] != out.tokens[1]  # samples of one prompt draw their own tokens
+
+
+def test_same_tokens_for_any_slot_count_and_tight_pool(model, small):
+    """4 slots with a pool too small for them (preemptions) vs 32 slots: same draws."""
+    kw = dict(max_new_tokens=BUDGETS, n=3, temperature=1.0, seed=11)
+    # 9 usable pages: one sequence (prompt 4, 12-token prefix + 11 new) needs 3 + 6 pages, so
+    # the four slots cannot all grow; sequences are preempted and recomputed later.
+    few = engine(model, decode_slots=4, num_pages=10).generate(PROMPTS, **kw)
+    many = engine(model, decode_slots=32).generate(PROMPTS, **kw)
+    assert few.engine_stats.preemptions > 0 and many.engine_stats.preemptions == 0
+    assert few.tokens == many.tokens
+    np.testing.assert_allclose(
+        np.asarray(few.logprob_array), np.asarray(many.logprob_array), atol=1e-5
+    )
+    np.testing.assert_allclose(
+        np.asarray(few.untruncated_logprob_array),
+        np.asarray(many.untruncated_logprob_array),
+        atol=1e-5,
+    )
+    assert few.engine_stats.free_pages_after == 9
+    assert few.engine_stats.chunks > many.engine_stats.chunks
+    assert small.generate(PROMPTS, **kw).tokens == few.tokens
+    assert small.generate(PROMPTS, **dict(kw, seed=12)).tokens != few.tokens
+
+
+def test_prompt_pages_are_shared_and_all_freed(model, small):
+    """n = 8 samples of a 101-token prompt: 100 prefix tokens = 25 pages, stored once."""
+    prompt = [int(i) for i in np.random.default_rng(0).integers(1, 96, 101)]
+    out = small.generate([prompt], max_new_tokens=3, n=8, temperature=0.0)
+    stats = out.engine_stats
+    # Prefix positions 0..99 fill 25 shared pages; each sample writes positions 100..101 into
+    # one own page. Without sharing the 8 samples would hold 8 x 26 = 208 pages.
+    assert stats.high_water_pages == 25 + 8
+    assert stats.free_pages_after == stats.num_pages - 1
+    assert len(set(map(tuple, out.tokens))) == 1  # greedy: every sample the same
+
+    # A partially filled last prompt page is copied per sample, never written in place: the
+    # samples of a 7-token prompt (prefix 6 = 1.5 pages) match the static sampler exactly.
+    static = Sampler(model, stop_token_ids=())
+    prompts = [[4, 8, 15, 16, 23, 42, 7], [9, 9, 1]]
+    got = small.generate(prompts, max_new_tokens=9, n=4, temperature=0.0)
+    want = static.generate(prompts, max_new_tokens=9, n=4, temperature=0.0)
+    assert got.tokens == want.tokens
+    assert got.engine_stats.free_pages_after == got.engine_stats.num_pages - 1
+
+
+def test_stops_and_limits_match_static(model, small):
+    static = Sampler(model, stop_token_ids=())
+    free = static.generate(PROMPTS, max_new_tokens=12, temperature=0.0)
+    stops = [[free.tokens[0][3]], [], [], [free.tokens[3][0]], []]
+    kw = dict(max_new_tokens=[12, 6, 12, 12, 2], temperature=0.0, stop_token_ids=stops)
+    want = static.generate(PROMPTS, **kw)
+    got = small.generate(PROMPTS, **kw)
+    assert got.lengths == want.lengths and got.lengths[1:] == [6, 12, 1, 2]
+    assert got.tokens == want.tokens
+    for row, length in enumerate(got.lengths):
+        np.testing.assert_array_equal(np.asarray(got.token_array[row, length:]), 0)
+        np.testing.assert_array_equal(np.asarray(got.logprob_array[row, length:]), 0.0)
+    assert int(got.num_steps) == 12 and got.token_array.shape == (5, 16)
+
+
+def test_no_recompilation_within_buckets(small):
+    with CompileCounter() as counter:
+        small.generate(PROMPTS, max_new_tokens=BUDGETS, temperature=0.7, top_p=0.9, seed=0)
+        first, programs = counter.count, small.num_compilations
+        # Same buckets and row lengths; other ids, sampling values and seed: nothing compiles.
+        other = [[(t * 7 + 3) % 96 for t in p] for p in PROMPTS]
+        small.generate(other, max_new_tokens=BUDGETS, temperature=1.3, top_p=0.5, seed=3)
+        assert first >= 1 and counter.count == first
+        assert small.num_compilations == programs
+        small.generate([list(range(1, 40))], max_new_tokens=4, temperature=0.7, top_p=0.9)
+        assert small.num_compilations > programs  # a new prompt bucket
+
+
+def test_first_token_frequencies():
+    """Chi-square of 2048 first tokens (256 prompts x 8 samples) against the exact law."""
+    cfg = ModelConfig.tiny("llama", vocab_size=16)
+    m = Transformer(cfg, rngs=nnx.Rngs(0))
+    _, params = nnx.split(m, nnx.Param)
+    nnx.update(m, jax.tree.map(lambda x: x * 6.0 if x.ndim == 2 else x, params))
+    prompt = [3, 1, 4, 1, 5]
+    ids = jnp.asarray([prompt], jnp.int32)
+    logits = np.asarray(_forward(m, ids, jnp.ones_like(ids, bool))[0][0, -1], np.float64)
+    kw = dict(temperature=1.3, top_k=10, top_p=0.85)
+    sampler = Sampler(m, stop_token_ids=(), engine="continuous", decode_slots=256, decode_chunk=1)
+    out = sampler.generate([prompt] * 256, max_new_tokens=1, n=8, seed=0, **kw)
+    first = np.asarray(out.token_array[:, 0])
+    exact = truncated_distribution(logits, **kw)
+    assert chisquare_pvalue(first, exact) > 1e-3
+    untruncated = truncated_distribution(logits, temperature=kw["temperature"])
+    assert chisquare_pvalue(first, untruncated) < 1e-6
+
+
+def test_mesh_same_tokens_as_one_device(model, small):
+    devices = np.array(jax.devices()[:8]).reshape(4, 2)
+    mesh = jax.sharding.Mesh(devices, ("data", "tensor"))
+    kw = dict(max_new_tokens=BUDGETS, n=2, temperature=1.0, seed=2)
+    want = small.generate(PROMPTS, **kw)
+    got = engine(model, mesh=mesh).generate(PROMPTS, **kw)
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(
+        np.asarray(got.logprob_array), np.asarray(want.logprob_array), atol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, generate, match",
+    [
+        (dict(num_pages=4), dict(max_new_tokens=8), "too small for one sequence"),
+        (dict(decode_slots=2), dict(max_new_tokens=4, n=3), "exceeds decode_slots"),
+        (dict(buckets=Buckets(prompt=(8,))), dict(max_new_tokens=4), "exceeds the largest"),
+    ],
+)
+def test_bad_input_raises_before_compiling(model, kwargs, generate, match):
+    sampler = engine(model, **kwargs)
+    prompts = [list(range(1, 12)), [5]]
+    with CompileCounter() as counter, pytest.raises(ValueError, match=match):
+        sampler.generate(prompts, **generate)
+    assert counter.count == 0 and sampler.num_compilations == 0
+
+
+def test_decode_compiles_for_tpu_with_ragged_paged_attention():
+    """The decode program with JAX's Pallas kernel, compiled for a v5p 2x2x1 slice (no TPU)."""
+    topologies = pytest.importorskip("jax.experimental.topologies")
+    pytest.importorskip("libtpu")
+    from delta_jax.sampling import SAMPLING_RULES
+    from delta_jax.sampling.engine import lower_decode
+
+    topo = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu")
+    mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(2, 2), ("data", "tensor"))
+    cfg = ModelConfig.tiny(
+        "qwen3", num_heads=8, num_kv_heads=4, head_dim=128, hidden_size=256, intermediate_size=512
+    )
+    lowered = lower_decode(
+        cfg, mesh, SAMPLING_RULES, slots=8, steps=4, page_size=16, num_pages=64, table_pages=8
+    )
+    assert "tpu_custom_call" in lowered.as_text()  # the Mosaic kernel, not an XLA fallback
+    compiled = lowered.compile()
+    assert compiled.memory_analysis().temp_size_in_bytes > 0
