@@ -475,14 +475,15 @@ def _mesh(config, topology_name: str, compiler: str):
 
 
 def compile_train_step(
-    config, topology_name: str, *, compiler: str = "tpu", **model_changes
+    config, topology_name: str, *, compiler: str = "tpu", model_config=None, **model_changes
 ) -> ProgramMemory:
     """Memory of the run's train step alone (one micro-batch as configured) on the slice.
 
-    ``model_changes`` override fields of the resolved model config (e.g. ``attention="dense"``).
+    ``model_changes`` override fields of the model config (``model_config``, default the run's),
+    e.g. ``attention="dense"``.
     """
     mesh, _ = _mesh(config, topology_name, compiler)
-    model_config = resolve_model_config(config).replace(**model_changes)
+    model_config = (model_config or resolve_model_config(config)).replace(**model_changes)
     c = config
     rows = c.rollout.prompts_per_step * c.rollout.samples_per_prompt // c.algo.mini_batches
     return _Planner(config, mesh, model_config).train(rows // c.algo.micro_batches)
