@@ -459,8 +459,12 @@ def tpu_topology_devices(topology_name: str) -> tuple[str, list]:
     return name, list(desc.devices)
 
 
-# The TPU compiler's refusal: "... required for HLO temporaries (334.10G) exceeds available HBM".
-_OOM = re.compile(r"RESOURCE_EXHAUSTED: .*?HLO temporaries \(([\d.]+)([KMGT])\)")
+# The TPU compiler's refusals: "... required for HLO temporaries (334.10G) exceeds available
+# HBM", or "CompileTimeHbmOom ... Program hbm requirement 9.08G".
+_OOM = re.compile(
+    r"RESOURCE_EXHAUSTED: (?:.*?HLO temporaries \(|[\s\S]*?Program hbm requirement )"
+    r"([\d.]+)([KMGT])"
+)
 
 
 def _mesh(config, topology_name: str, compiler: str):
