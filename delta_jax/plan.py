@@ -438,8 +438,38 @@ def tpu_topology_devices(topology_name: str) -> tuple[str, list]:
     return name, list(desc.devices)
 
 
-# The TPU compiler's refusal: "... required for HLO temporaries (334.10G) exceeds available HBM".
-_OOM = re.compile(r"RESOURCE_EXHAUSTED: .*?HLO temporaries \(([\d.]+)([KMGT])\)")
+# The TPU compiler's refusals: "... required for HLO temporaries (334.10G) exceeds available
+# HBM", or "CompileTimeHbmOom ... Program hbm requirement 9.08G".
+_OOM = re.compile(
+    r"RESOURCE_EXHAUSTED: (?:.*?HLO temporaries \(|[\s\S]*?Program hbm requirement )"
+    r"([\d.]+)([KMGT])"
+)
+
+
+def _mesh(config, topology_name: str, compiler: str):
+    """The run's mesh on the slice's devices for ``compiler``, and the compiler described."""
+    kind, why = resolve_compiler(compiler)
+    if kind == "tpu":
+        grid, devices = tpu_topology_devices(topology_name)
+        mesh = sh.make_mesh(*config.run.mesh, devices=devices)
+        return mesh, f"TPU compiler, compile-only for {grid} ({why})"
+    mesh = sh.mesh_from_config(config.run.mesh, topology_name=topology_name)
+    return mesh, f"XLA:CPU on {mesh.size} stand-in devices, an estimate ({why})"
+
+
+def compile_train_step(
+    config, topology_name: str, *, compiler: str = "tpu", model_config=None, **model_changes
+) -> ProgramMemory:
+    """Memory of the run's train step alone (one micro-batch as configured) on the slice.
+
+    ``model_changes`` override fields of the model config (``model_config``, default the run's),
+    e.g. ``attention="dense"``.
+    """
+    mesh, _ = _mesh(config, topology_name, compiler)
+    model_config = (model_config or resolve_model_config(config)).replace(**model_changes)
+    c = config
+    rows = c.rollout.prompts_per_step * c.rollout.samples_per_prompt // c.algo.mini_batches
+    return _Planner(config, mesh, model_config).train(rows // c.algo.micro_batches)
 
 
 def _compile(lower: Callable, mesh, rules) -> ProgramMemory:
@@ -556,15 +586,8 @@ def plan(
     """
     log = log or (lambda _: None)
     topo = sh.topology(topology_name)
-    kind, why = resolve_compiler(compiler)
-    if kind == "tpu":
-        grid, devices = tpu_topology_devices(topology_name)
-        mesh = sh.make_mesh(*config.run.mesh, devices=devices)
-        described = f"TPU compiler, compile-only for {grid} ({why})"
-    else:
-        mesh = sh.mesh_from_config(config.run.mesh, topology_name=topology_name)
-        devices = list(mesh.devices.flat)
-        described = f"XLA:CPU on {len(devices)} stand-in devices, an estimate ({why})"
+    mesh, described = _mesh(config, topology_name, compiler)
+    devices = list(mesh.devices.flat)
     log(f"compiler: {described}")
     model_config = model_config or resolve_model_config(config)
     planner = _Planner(config, mesh, model_config)
@@ -582,9 +605,11 @@ def plan(
         )
     log(f"compiling train step ({micro_rows} rows per micro-batch) on {len(devices)} devices")
     train = planner.train(micro_rows)
+    log(f"  train temporaries {train.temporaries / _GiB:.2f} GiB ({train.compile_s:.0f}s)")
     prompts = c.rollout.prompts_per_step
     log(f"compiling sampler ({prompts} prompts x {c.rollout.samples_per_prompt})")
     sampler = planner.sampler(prompts)
+    log(f"  sampler temporaries {sampler.temporaries / _GiB:.2f} GiB ({sampler.compile_s:.0f}s)")
     _, _, P, G = planner._request(prompts)
     report = PlanReport(
         topology=topo.name,

@@ -174,7 +174,7 @@ def test_main_prints_table(capsys):
         == 0
     )
     out = capsys.readouterr().out
-    assert out.startswith("demo:tiny (L=2 H=64") and "on v6e-1 (1 chips, 32 GiB HBM" in out
+    assert out.startswith("demo:tiny (L=2 H=64") and "on v6e-1 (1 devices, 32 GiB HBM" in out
     assert math.isfinite(float(out.split("fits: ")[1].split("(train ")[1].split("%")[0]))
     assert "compiler: XLA:CPU on 1 stand-in devices, an estimate (--compiler cpu)" in out
     assert "train temporaries" in out and "XLA:CPU estimate" in out.split("train temporaries")[1]
