@@ -30,12 +30,14 @@ class ConfigError(ValueError):
 class ModelConfigSection:
     """Which policy to train.
 
-    ``path`` is a Hugging Face directory (config.json + safetensors + tokenizer), a hub id found in
-    the local Hugging Face cache, or ``demo:tiny`` for the built-in tiny model that the CPU demo
-    warms up on its synthetic task before RL.
+    ``path`` is a Hugging Face directory (config.json + safetensors + tokenizer), a hub id such as
+    ``Qwen/Qwen3-0.6B`` (downloaded on first use at ``revision``, then read from the cache;
+    ``HF_HUB_OFFLINE=1`` for cache only), or ``demo:tiny`` for the built-in tiny model that the
+    CPU demo warms up on its synthetic task before RL.
     """
 
     path: str = "demo:tiny"
+    revision: str | None = None
     dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     scan_layers: bool = False
@@ -49,9 +51,11 @@ class ModelConfigSection:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfigSection:
-    """Prompts: a local file/directory, a cached dataset name, or ``demo:arithmetic``."""
+    """Prompts: a local file/directory, a hub data set (``openai/gsm8k`` with ``subset: main``;
+    downloaded on first use through ``datasets``), or ``demo:arithmetic``."""
 
     source: str = "demo:arithmetic"
+    subset: str | None = None
     adapter: str = "generic"
     split: str = "train"
     eval_source: str | None = None

@@ -89,7 +89,7 @@ class RunParts:
 
 def _load_model(config: Config, run_dir: Path):
     from delta_jax.demo import warm_up_demo_model
-    from delta_jax.models import from_pretrained, load_tokenizer
+    from delta_jax.models import from_pretrained, load_tokenizer, resolve_model_dir
 
     m = config.model
     path: str | Path = m.path
@@ -106,6 +106,7 @@ def _load_model(config: Config, run_dir: Path):
                 seed=config.run.seed,
             )
         distributed.barrier("demo-model")
+    path = resolve_model_dir(str(path), revision=m.revision)  # a hub id: downloaded once
     dtype = jnp.dtype(m.dtype)
     model = from_pretrained(
         str(path),
@@ -127,7 +128,12 @@ def _load_records(config: Config, source: str, split: str, *, eval_set: bool):
             d.limit or (256 if eval_set else 4096), seed=config.run.seed + (1 if eval_set else 0)
         )
     result = load_records(
-        source, adapter=d.adapter, split=split, on_bad_row=d.on_bad_row, limit=d.limit
+        source,
+        adapter=d.adapter,
+        split=split,
+        config=d.subset,
+        on_bad_row=d.on_bad_row,
+        limit=d.limit,
     )
     if result.skipped:
         log.warning("%s: skipped %d bad rows %s", source, result.skipped, result.skip_reasons)

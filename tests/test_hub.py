@@ -1,0 +1,126 @@
+"""Hub ids resolve like every Hugging Face tool, against a local stand-in for the hub.
+
+``delta-jax train`` with a model id and a data set id (subset + split) downloads both on first
+use and trains; a second run reads the cache with the server stopped; offline mode with an
+empty cache, a missing repository and a gated one give one-line errors naming the id and the
+cause. The CLI runs in subprocesses whose ``HF_ENDPOINT`` points at the server (the libraries
+read it at import).
+"""
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from delta_jax.demo import warm_up_demo_model
+from tests.hub_server import FakeHub, read_tree
+from tests.rl.conftest import tiny_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+README = b"""---
+configs:
+- config_name: main
+  data_files:
+  - split: train
+    path: main/train-*
+  - split: test
+    path: main/test-*
+---
+A tiny GSM8K-shaped data set.
+"""
+
+
+def _parquet(rows) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), buf)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def repos(tmp_path_factory):
+    rows = [{"question": f"{i}+{i}=", "answer": f"add #### {2 * i}"} for i in range(1, 17)]
+    data = {
+        "README.md": README,
+        "main/train-00000-of-00001.parquet": _parquet(rows),
+        "main/test-00000-of-00001.parquet": _parquet(rows[:4]),
+    }
+    model = read_tree(warm_up_demo_model(tmp_path_factory.mktemp("m") / "m", steps=1, lr=1e-3))
+    model["pytorch_model.bin"] = b"pickled weights: must never be downloaded"
+    return {"models": {"someone/tiny-policy": model}, "datasets": {"someone/tiny-gsm8k": data}}
+
+
+def _env(hf_home: Path, endpoint: str, offline: bool = False) -> dict:
+    return dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        HF_HOME=str(hf_home),
+        HF_ENDPOINT=endpoint,
+        HF_HUB_OFFLINE="1" if offline else "0",
+        HF_DATASETS_OFFLINE="1" if offline else "0",
+        TRANSFORMERS_OFFLINE="1" if offline else "0",
+        HF_HUB_DISABLE_TELEMETRY="1",
+    )
+
+
+def _train(run_dir, env, model="someone/tiny-policy", data="someone/tiny-gsm8k"):
+    cmd = [sys.executable, "-m", "delta_jax.cli", "train", "--config", "configs/demo.yaml"]
+    cmd += tiny_overrides(run_dir, model, "run.steps=2", "run.save_every=2")
+    cmd += [f"data.source={data}", "data.subset=main", "data.adapter=gsm8k", "data.split=train"]
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_train_downloads_hub_ids_then_runs_from_the_cache(tmp_path, repos):
+    hf_home = tmp_path / "hf"
+    with FakeHub(**repos) as hub:
+        first = _train(tmp_path / "run1", _env(hf_home, hub.url))
+        requests = list(hub.requests)
+    assert first.returncode == 0, first.stderr[-3000:]
+    got = [r.split(" ", 1)[1] for r in requests if "/resolve/" in r and r.startswith("GET")]
+    assert any(r.endswith("/model.safetensors") for r in got), requests
+    assert any("main/train-00000-of-00001.parquet" in r for r in got), requests
+    assert not any(r.endswith("pytorch_model.bin") for r in got)  # safetensors only
+    lines = (tmp_path / "run1" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2]
+
+    # The server is gone: the second run reads the model and the data set from the cache.
+    second = _train(tmp_path / "run2", _env(hf_home, hub.url))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert len((tmp_path / "run2" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_offline_with_empty_cache_names_the_id_and_the_cause(tmp_path):
+    run = _train(tmp_path / "run", _env(tmp_path / "hf", "http://127.0.0.1:9", offline=True))
+    assert run.returncode == 2
+    assert (
+        run.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "error: model 'someone/tiny-policy' is not in the local cache and HF_HUB_OFFLINE=1"
+        )
+    ), run.stderr[-2000:]
+
+
+def test_missing_and_gated_repositories_and_no_network(tmp_path, repos):
+    env = _env(tmp_path / "hf", "")
+    with FakeHub(**repos, gated=("someone/tiny-gsm8k",)) as hub:
+        env["HF_ENDPOINT"] = hub.url
+        missing = _train(tmp_path / "a", env, model="someone/absent")
+        gated = _train(tmp_path / "b", env)
+    down = _train(tmp_path / "c", env, model="someone/other")  # nothing listens there any more
+    last = lambda run: run.stderr.strip().splitlines()[-1]  # noqa: E731
+    assert last(missing).startswith("error: model 'someone/absent' was not found on the hub"), (
+        missing.stderr[-2000:]
+    )
+    assert last(gated).startswith(
+        "error: data set 'someone/tiny-gsm8k' is a gated repository: accept its terms"
+    ), gated.stderr[-2000:]
+    assert last(down).startswith(
+        "error: model 'someone/other' is not in the local cache and the hub"
+    ) and "could not be reached" in last(down), down.stderr[-2000:]
