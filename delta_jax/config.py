@@ -26,6 +26,9 @@ class ConfigError(ValueError):
     """A configuration mistake, described in one line."""
 
 
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfigSection:
     """Which policy to train.
@@ -38,6 +41,19 @@ class ModelConfigSection:
 
     path: str = "demo:tiny"
     revision: str | None = None
+    # LoRA (delta_jax.models.lora): rank 0 trains every weight; rank r > 0 freezes the base and
+    # trains adapters of rank r on `lora_targets` (PEFT module names), scaled by alpha / r.
+    lora_rank: int = 0
+    lora_alpha: float = 32.0
+    lora_targets: tuple[LoraTarget, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
     dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     scan_layers: bool = False
@@ -213,6 +229,10 @@ def _check_value(key: str, value: Any, tp: Any) -> Any:
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        if not isinstance(value, list | tuple) or not value:
+            raise ConfigError(f"{key}={value!r} must be a non-empty list")
+        return tuple(_check_value(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value))
     if origin is tuple:
         if not isinstance(value, list | tuple) or len(value) != len(args):
             raise ConfigError(f"{key}={value!r} must be a list of {len(args)} values")

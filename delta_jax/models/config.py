@@ -49,6 +49,9 @@ class ModelConfig:
       scan_layers: run the blocks with ``lax.scan`` (one compiled block) instead of unrolled.
       remat: "none"; "block" = each block recomputed in the backward pass except its matmul
         outputs against weights; "full" = each block recomputed from its input only.
+      lora_rank, lora_alpha: LoRA adapters' rank (0: none) and scale numerator (the adapted
+        projection adds ``lora_alpha / lora_rank · B A x``); set by
+        :func:`delta_jax.models.lora.add_adapters`, never written to ``config.json``.
     """
 
     family: Family
@@ -71,6 +74,8 @@ class ModelConfig:
     pad_token_id: int | None = None
     scan_layers: bool = False
     remat: Remat = "none"
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
 
     def __post_init__(self):
         if self.family not in _ARCH_OF_FAMILY:

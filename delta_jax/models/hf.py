@@ -342,6 +342,11 @@ def save_pretrained(
     """
     if max_shard_size <= 0:
         raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
+    if model.config.lora_rank:
+        raise ValueError(
+            "the model has LoRA adapters: fold them in first (lora.merge_adapters) or write "
+            "them alone (lora.save_peft_adapters)"
+        )
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     cfg = model.config

@@ -29,6 +29,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from delta_jax.models import axes as ax
+from delta_jax.models import lora
 from delta_jax.models.config import ModelConfig
 
 # Logical axes of each layer's cached keys and values (the layout :class:`KVCache` describes).
@@ -355,10 +356,11 @@ def _block(cfg: ModelConfig, dtype, p: dict[str, Any], x, cos, sin, attn_mask, k
     """One decoder block; ``kv`` is None or this layer's ([B, K, D, S], [B, K, S, D]) cache."""
     eps = cfg.rms_norm_eps
     w = {k: v.astype(dtype) for k, v in p.items()}
+    s = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0  # LoRA scale (if adapters)
     h = _rms_norm(x, w["attn_norm"], eps, dtype)
-    q = jnp.einsum("BTH,HND->BTND", h, w["wq"])
-    k = jnp.einsum("BTH,HKD->BTKD", h, w["wk"])
-    v = jnp.einsum("BTH,HKD->BTKD", h, w["wv"])
+    q = lora.project("BTH,HND->BTND", h, w, "wq", s)
+    k = lora.project("BTH,HKD->BTKD", h, w, "wk", s)
+    v = lora.project("BTH,HKD->BTKD", h, w, "wv", s)
     if cfg.qkv_bias:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     if cfg.qk_norm:
@@ -385,13 +387,14 @@ def _block(cfg: ModelConfig, dtype, p: dict[str, Any], x, cos, sin, attn_mask, k
     # Contract the flattened (head, head_dim) pair as one axis: given the pair, XLA:CPU reorders
     # it and copies (transposes) the whole output projection at every call.
     B, T, N, D = attn.shape
-    x = x + jnp.einsum("BTE,EH->BTH", attn.reshape(B, T, N * D), w["wo"].reshape(N * D, -1))
+    w["wo"] = w["wo"].reshape(N * D, -1)
+    x = x + lora.project("BTE,EH->BTH", attn.reshape(B, T, N * D), w, "wo", s)
     x = ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
     h = _rms_norm(x, w["mlp_norm"], eps, dtype)
-    gate = jnp.einsum("BTH,HF->BTF", h, w["w_gate"])
-    up = jnp.einsum("BTH,HF->BTF", h, w["w_up"])
+    gate = lora.project("BTH,HF->BTF", h, w, "w_gate", s)
+    up = lora.project("BTH,HF->BTF", h, w, "w_up", s)
     act = ax.constrain(jax.nn.silu(gate) * up, (ax.BATCH, ax.LENGTH, ax.MLP))
-    x = x + jnp.einsum("BTF,FH->BTH", act, w["w_down"])
+    x = x + lora.project("BTF,FH->BTH", act, w, "w_down", s)
     return ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED)), kv
 
 

@@ -115,6 +115,16 @@ def _load_model(config: Config, run_dir: Path):
         scan_layers=m.scan_layers,
         remat=m.remat,
     )
+    if m.lora_rank:
+        from delta_jax.models import lora
+
+        lora.add_adapters(
+            model,
+            rank=m.lora_rank,
+            alpha=m.lora_alpha,
+            targets=m.lora_targets,
+            seed=config.run.seed,
+        )
     return model, load_tokenizer(str(path))
 
 

@@ -36,7 +36,7 @@ from delta_jax.losses import (
     loss_normalizer,
     policy_loss,
 )
-from delta_jax.models import token_logprobs
+from delta_jax.models import lora, token_logprobs
 from delta_jax.rl.objectives import Objective
 
 
@@ -92,10 +92,11 @@ def make_optimizer(cfg: OptimConfigSection, total_updates: int) -> optax.Gradien
 
 
 def init_train_state(params: Any, optimizer: optax.GradientTransformation) -> TrainState:
+    """Optimiser state for the trainable parameters only (the adapters when there are some)."""
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
-        opt_state=optimizer.init(params),
+        opt_state=optimizer.init(lora.split_trainable(params)[0]),
         skipped=jnp.zeros((), jnp.int32),
     )
 
@@ -165,8 +166,8 @@ def make_train_step(
     loss_kwargs = objective.loss_kwargs
     aggregation = loss_kwargs["aggregation"]
 
-    def micro_loss(params, mb: TrainBatch, normalizer):
-        model = nnx.merge(graphdef, params)
+    def micro_loss(params, frozen, mb: TrainBatch, normalizer):
+        model = nnx.merge(graphdef, params, frozen)
         inline_delta = objective.uses_delta and mb.coefficients is None
         need_entropy = objective.needs_entropy or (
             objective.uses_forking_mask and mb.token_mask is None
@@ -237,22 +238,24 @@ def make_train_step(
         # The whole mini-batch's denominator: micro-batch losses then sum to its loss.
         mask = batch.response_mask
         normalizer = loss_normalizer(mask.reshape(-1, mask.shape[-1]), aggregation)
+        # With LoRA adapters only they are differentiated and updated; the base passes through.
+        params, frozen = lora.split_trainable(state.params)
 
         def accumulate(grads_sum, mb):
-            (loss, metrics), grads = grad_fn(state.params, mb, normalizer)
+            (loss, metrics), grads = grad_fn(params, frozen, mb, normalizer)
             grads_sum = jax.tree.map(jnp.add, grads_sum, grads)
             return grads_sum, (loss, metrics)
 
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        zeros = jax.tree.map(jnp.zeros_like, params)
         grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, batch)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
-        updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
+        updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
+        new_params = optax.apply_updates(params, updates)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         new_state = TrainState(
             step=state.step + finite.astype(jnp.int32),
-            params=keep(new_params, state.params),
+            params=nnx.merge_state(keep(new_params, params), frozen),
             opt_state=keep(new_opt_state, state.opt_state),
             skipped=state.skipped + (~finite).astype(jnp.int32),
         )
