@@ -142,6 +142,25 @@ def resolve_model_dir(path_or_id: str | os.PathLike, *, revision: str | None = N
     return model_dir
 
 
+def model_config_file(path_or_id: str | os.PathLike, *, revision: str | None = None) -> str:
+    """The ``config.json`` of a model directory or hub id, fetching that one file only.
+
+    For tools that need the shapes but not the weights (the memory planner). Raises like
+    :func:`resolve_model_dir`.
+    """
+    path = os.fspath(path_or_id)
+    if os.path.isdir(path):
+        return os.path.join(path, "config.json")
+    if not hub.looks_like_hub_id(path):
+        raise FileNotFoundError(f"{path!r}: no such model directory (nor a hub id 'org/name')")
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return hf_hub_download(path, "config.json", revision=revision)
+    except Exception as e:
+        raise hub.hub_error("model", path, revision, e) from e
+
+
 class _SafetensorsFile:
     """One safetensors file opened with the library (lazy: each tensor is read on request)."""
 

@@ -24,8 +24,11 @@ What holds with adapters on:
 * export writes the merged model (:func:`merge_adapters`, then ``save_pretrained``) or PEFT's
   ``adapter_model.safetensors`` + ``adapter_config.json`` (:func:`save_peft_adapters`).
 
-Initialisation follows PEFT: ``A`` uniform in ``±1/sqrt(fan_in)`` (Kaiming-uniform with
-``a = sqrt(5)``), ``B = 0``, so the adapted model starts equal to the base model.
+Adapters are float32 whatever ``param_dtype`` is, so a LoRA run can keep the frozen base in
+bfloat16 (``model.param_dtype=bfloat16``: half the base's bytes) while the adapters and their
+AdamW moments stay float32. Initialisation follows PEFT: ``A`` uniform in ``±1/sqrt(fan_in)``
+(Kaiming-uniform with ``a = sqrt(5)``), ``B = 0``, so the adapted model starts equal to the base
+model.
 """
 
 from __future__ import annotations
