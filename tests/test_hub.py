@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -124,3 +125,34 @@ def test_missing_and_gated_repositories_and_no_network(tmp_path, repos):
     assert last(down).startswith(
         "error: model 'someone/other' is not in the local cache and the hub"
     ) and "could not be reached" in last(down), down.stderr[-2000:]
+
+
+def test_one_download_per_host_the_others_wait_on_the_lock(tmp_path, repos, monkeypatch):
+    """While one process holds the download lock of an id, another resolving it asks the hub
+    nothing; once released, it proceeds (and finds what the first one downloaded)."""
+    import huggingface_hub.constants
+
+    from delta_jax import hub as hub_lib
+
+    hf_home = tmp_path / "hf"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+    code = (
+        "import sys\nfrom delta_jax.models import resolve_model_dir\nprint('ready', flush=True)\n"
+        "print(resolve_model_dir('someone/tiny-policy'), flush=True)\n"
+    )
+    with FakeHub(**repos) as hub:
+        with hub_lib.download_lock("model", "someone/tiny-policy"):
+            proc = subprocess.Popen(
+                [sys.executable, "-c", code],
+                env=_env(hf_home, hub.url),
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert proc.stdout.readline().strip() == "ready"
+            time.sleep(2.0)
+            assert not [r for r in hub.requests if "tiny-policy" in r]  # waiting, not fetching
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0
+        assert (Path(out.strip()) / "model.safetensors").is_file()
+        assert any(r.endswith("/model.safetensors") for r in hub.requests)
