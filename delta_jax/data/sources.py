@@ -149,9 +149,8 @@ def _hub_part(
         try:
             with hub.download_lock("dataset", name):
                 return datasets.load_dataset(name, config, split=split, cache_dir=cache_dir)
-        except (OSError, ValueError, huggingface_hub.errors.HfHubHTTPError) as e:
-            if isinstance(e, ValueError) and "split" in str(e).lower():
-                raise  # a wrong split or subset: the library's message lists the valid ones
+        except (OSError, huggingface_hub.errors.HfHubHTTPError) as e:
+            # (A wrong split or subset is a ValueError whose message lists the valid ones.)
             raise hub.hub_error("data set", name, None, e) from e
 
     label = f"{name}[{split}]" if config is None else f"{name}/{config}[{split}]"
