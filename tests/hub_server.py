@@ -12,7 +12,8 @@ Serves model and data set repositories held in memory (``{path: bytes}``) at one
 
 Unknown repositories answer 404 with ``X-Error-Code: RepoNotFound``, repositories listed in
 ``gated`` answer 401 with ``X-Error-Code: GatedRepo``, missing files 404 with
-``X-Error-Code: EntryNotFound`` — the headers ``huggingface_hub`` turns into its error types.
+``X-Error-Code: EntryNotFound``, revisions other than :data:`REVISIONS` 404 with
+``X-Error-Code: RevisionNotFound`` — the headers ``huggingface_hub`` turns into its error types.
 ``requests`` records every request line, so a test can tell whether the hub was asked at all.
 """
 
@@ -26,6 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 COMMIT = "c0ffee" + "0" * 34
+REVISIONS = ("main", "v1.0", COMMIT)  # every revision names the same commit
 
 
 def read_tree(root: Path) -> dict[str, bytes]:
@@ -109,6 +111,9 @@ class FakeHub:
             return self._send(h, 404, headers={"X-Error-Code": "RepoNotFound"}, body=body)
         if repo_id in self.gated:
             return self._send(h, 401, headers={"X-Error-Code": "GatedRepo"}, body=body)
+        rev = rest[1] if len(rest) > 1 and rest[0] in ("resolve", "revision", "tree") else None
+        if rev is not None and rev not in REVISIONS:
+            return self._send(h, 404, headers={"X-Error-Code": "RevisionNotFound"}, body=body)
         if not parts[:1] == ["api"] and rest[0] == "resolve":
             name = "/".join(rest[2:])
             if name not in files:

@@ -156,3 +156,19 @@ def test_one_download_per_host_the_others_wait_on_the_lock(tmp_path, repos, monk
         assert proc.returncode == 0
         assert (Path(out.strip()) / "model.safetensors").is_file()
         assert any(r.endswith("/model.safetensors") for r in hub.requests)
+
+
+def test_model_revision_is_asked_for_and_a_missing_one_is_named(tmp_path, repos):
+    code = (
+        "from delta_jax.models import resolve_model_dir\n"
+        "print(resolve_model_dir('someone/tiny-policy', revision='v1.0'))\n"
+        "resolve_model_dir('someone/tiny-policy', revision='v9')\n"
+    )
+    with FakeHub(**repos) as hub:
+        env = _env(tmp_path / "hf", hub.url)
+        run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True)
+    assert "GET /api/models/someone/tiny-policy/revision/v1.0" in hub.requests
+    assert run.returncode == 1
+    assert b"HubError: model 'someone/tiny-policy' (revision 'v9') exists, but that revision" in (
+        run.stderr
+    ), run.stderr[-2000:]
