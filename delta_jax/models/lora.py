@@ -95,8 +95,11 @@ def add_adapters(
         names = var.get_metadata().get("out_sharding") or (None,) * w.ndim
         L, ins, outs = w.shape[0], w.shape[1 : 1 + n_in], w.shape[1 + n_in :]
         bound = 1.0 / np.sqrt(np.prod(ins))
-        a = jax.random.uniform(jax.random.fold_in(key, i), (L, *ins, rank), w.dtype, -bound, bound)
-        b = jnp.zeros((L, rank, *outs), w.dtype)
+        # float32 whatever the base's dtype: a bfloat16 base stays frozen, the adapters (and
+        # their AdamW moments) that do move are small.
+        key_i = jax.random.fold_in(key, i)
+        a = jax.random.uniform(key_i, (L, *ins, rank), jnp.float32, -bound, bound)
+        b = jnp.zeros((L, rank, *outs), jnp.float32)
         a_axes = (names[0], *names[1 : 1 + n_in], None)
         b_axes = (names[0], None, *names[1 + n_in :])
         name_a, name_b = _names(weight)

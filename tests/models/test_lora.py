@@ -171,3 +171,16 @@ def test_peft_export_loads_with_peft(base, tmp_path):
     base_logits = hf_logits(hf, ids)[0]
     assert np.abs(base_logits - want).max() > 1e-2  # the adapters change the output
     np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL)
+
+
+def test_fresh_adapters_are_float32_and_leave_a_bfloat16_base_unchanged():
+    from delta_jax.models import ModelConfig, Transformer
+
+    model = Transformer(ModelConfig.tiny("qwen3"), param_dtype=jnp.bfloat16)
+    ids = _ids(9, (2, 5), vocab=256)
+    before, _ = forward(model, ids)
+    lora.add_adapters(model, rank=2, alpha=4.0, targets=("q_proj", "down_proj"))
+    assert model.blocks.wq_lora_a.dtype == model.blocks.w_down_lora_b.dtype == jnp.float32
+    assert model.blocks.wq.dtype == jnp.bfloat16
+    after, _ = forward(model, ids)
+    np.testing.assert_array_equal(after, before)  # B = 0: the adapted model is the base model
