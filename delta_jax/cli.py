@@ -54,11 +54,22 @@ def _restore_policy(run_dir: Path, step: int | None):
 
 
 def _cmd_export(args) -> int:
-    from delta_jax.models import save_pretrained
+    from delta_jax.models import lora, save_pretrained
+    from delta_jax.rl.setup import DEMO_MODEL
 
-    model, tokenizer, step = _restore_policy(Path(args.run), args.step)
-    save_pretrained(model, args.out, tokenizer=tokenizer)
-    print(f"exported step {step} of {args.run} to {args.out}")
+    run_dir = Path(args.run)
+    model, tokenizer, step = _restore_policy(run_dir, args.step)
+    if args.adapters:
+        if not model.config.lora_rank:
+            raise ConfigError(f"{run_dir}: --adapters needs a LoRA run (model.lora_rank > 0)")
+        base = load_config(run_dir / "config.yaml").model.path
+        base = str(run_dir / "demo_model") if base == DEMO_MODEL else base
+        lora.save_peft_adapters(model, args.out, base_model=base)
+        what = "LoRA adapters (PEFT format)"
+    else:
+        what = "model with its LoRA adapters merged" if model.config.lora_rank else "model"
+        save_pretrained(lora.merge_adapters(model), args.out, tokenizer=tokenizer)
+    print(f"exported step {step} of {args.run} to {args.out}: {what}")
     return 0
 
 
@@ -117,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", required=True, help="run directory")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--out", required=True, help="output directory")
+    p.add_argument(
+        "--adapters",
+        action="store_true",
+        help="LoRA runs: write only the adapters, as PEFT's adapter_model.safetensors + "
+        "adapter_config.json (default: the adapters merged into a full model)",
+    )
     p.set_defaults(fn=_cmd_export)
 
     def sampling_args(p, *, temperature, top_p, max_new_tokens):

@@ -26,16 +26,34 @@ class ConfigError(ValueError):
     """A configuration mistake, described in one line."""
 
 
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfigSection:
     """Which policy to train.
 
-    ``path`` is a Hugging Face directory (config.json + safetensors + tokenizer), a hub id found in
-    the local Hugging Face cache, or ``demo:tiny`` for the built-in tiny model that the CPU demo
-    warms up on its synthetic task before RL.
+    ``path`` is a Hugging Face directory (config.json + safetensors + tokenizer), a hub id such as
+    ``Qwen/Qwen3-0.6B`` (downloaded on first use at ``revision``, then read from the cache;
+    ``HF_HUB_OFFLINE=1`` for cache only), or ``demo:tiny`` for the built-in tiny model that the
+    CPU demo warms up on its synthetic task before RL.
     """
 
     path: str = "demo:tiny"
+    revision: str | None = None
+    # LoRA (delta_jax.models.lora): rank 0 trains every weight; rank r > 0 freezes the base and
+    # trains adapters of rank r on `lora_targets` (PEFT module names), scaled by alpha / r.
+    lora_rank: int = 0
+    lora_alpha: float = 32.0
+    lora_targets: tuple[LoraTarget, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
     dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     scan_layers: bool = False
@@ -53,9 +71,11 @@ class ModelConfigSection:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfigSection:
-    """Prompts: a local file/directory, a cached dataset name, or ``demo:arithmetic``."""
+    """Prompts: a local file/directory, a hub data set (``openai/gsm8k`` with ``subset: main``;
+    downloaded on first use through ``datasets``), or ``demo:arithmetic``."""
 
     source: str = "demo:arithmetic"
+    subset: str | None = None
     adapter: str = "generic"
     split: str = "train"
     eval_source: str | None = None
@@ -228,6 +248,10 @@ def _check_value(key: str, value: Any, tp: Any) -> Any:
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        if not isinstance(value, list | tuple) or not value:
+            raise ConfigError(f"{key}={value!r} must be a non-empty list")
+        return tuple(_check_value(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value))
     if origin is tuple:
         if not isinstance(value, list | tuple) or len(value) != len(args):
             raise ConfigError(f"{key}={value!r} must be a list of {len(args)} values")

@@ -50,8 +50,9 @@ from jax._src import xla_bridge  # backends_are_initialized: no public equivalen
 from jax.sharding import NamedSharding
 
 from delta_jax import sharding as sh
-from delta_jax.models import ModelConfig, Transformer, resolve_model_dir
+from delta_jax.models import ModelConfig, Transformer, lora
 from delta_jax.models.axes import logical_to_mesh
+from delta_jax.models.hf import model_config_file
 from delta_jax.models.transformer import KEY_CACHE_AXES, VALUE_CACHE_AXES
 from delta_jax.rl.state import init_train_state, make_optimizer
 from delta_jax.rl.train_step import abstract_batch, make_train_step
@@ -116,8 +117,8 @@ def resolve_model_config(config):
     )
     if m.path == "demo:tiny":
         return ModelConfig.tiny("qwen3", **runtime)
-    try:
-        return ModelConfig.from_hf(resolve_model_dir(m.path), **runtime)
+    try:  # config.json only: the planner never downloads weights
+        return ModelConfig.from_hf(model_config_file(m.path, revision=m.revision), **runtime)
     except FileNotFoundError:
         return known_model_config(m.path, **runtime)
 
@@ -264,9 +265,16 @@ class _Planner:
         self.config, self.mesh, self.model_config = config, mesh, model_config
         m = config.model
         dtype, param_dtype = jnp.dtype(m.dtype), jnp.dtype(m.param_dtype)
-        abstract_model = nnx.eval_shape(
-            lambda: Transformer(model_config, dtype=dtype, param_dtype=param_dtype)
-        )
+
+        def build():
+            model = Transformer(model_config, dtype=dtype, param_dtype=param_dtype)
+            if m.lora_rank:  # adapters only train: optimiser state for them alone
+                lora.add_adapters(
+                    model, rank=m.lora_rank, alpha=m.lora_alpha, targets=m.lora_targets
+                )
+            return model
+
+        abstract_model = nnx.eval_shape(build)
         self.graphdef, self.params, self.rest = nnx.split(abstract_model, nnx.Param, ...)
         self.optimizer = make_optimizer(config.optim, total_updates=max(config.run.steps, 1))
         self.state = jax.eval_shape(lambda p: init_train_state(p, self.optimizer), self.params)

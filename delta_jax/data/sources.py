@@ -1,10 +1,14 @@
 """Prompt records from Hugging Face ``datasets`` sources.
 
 A *source* is a local ``.parquet`` / ``.json`` / ``.jsonl`` / ``.arrow`` file, a directory of
-such files (or one written by ``Dataset.save_to_disk``), or a dataset name such as
-``"openai/gsm8k"`` resolved from the local ``datasets`` cache only: every load runs with the
-library's offline switch on, so nothing is ever downloaded. Each file is read through
-``datasets.load_dataset`` on its own so that a bad row can be reported by file and row index.
+such files (or one written by ``Dataset.save_to_disk``), or a hub data set name such as
+``"openai/gsm8k"`` (with a subset such as ``"main"`` and a split) loaded through
+``datasets.load_dataset`` as every Hugging Face tool does: downloaded on first use, read from the
+``datasets`` cache after, cache-only with ``HF_HUB_OFFLINE=1``; one process per host downloads
+while the others wait (:func:`delta_jax.hub.download_lock`), and a failure names the data set and
+the cause (:func:`delta_jax.hub.hub_error`). Local files are read with the library's offline
+switch on (they need no hub), each file on its own so that a bad row can be reported by file
+and row index.
 
 An *adapter* turns one row of a known schema into a :class:`PromptRecord`. Rows that cannot be
 converted (a missing or empty field, a value of the wrong type) are *bad rows*: by default they
@@ -26,8 +30,10 @@ from pathlib import Path
 
 import datasets
 import huggingface_hub.constants
+import huggingface_hub.errors
 import pyarrow.parquet as pq
 
+from delta_jax import hub
 from delta_jax.data.adapters import Adapter, BadRowError, resolve_adapter
 
 FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".arrow": "arrow"}
@@ -77,7 +83,7 @@ class LoadResult:
 @contextlib.contextmanager
 def _offline() -> Iterator[None]:
     # `datasets` reads HF_HUB_OFFLINE once at import; flipping its config for the duration of the
-    # call is the only way to force cache-only resolution when the caller's environment is online.
+    # call keeps a local-file load from ever asking the hub anything.
     saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
     datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
     try:
@@ -136,19 +142,16 @@ def _local_parts(
     return [from_file(f) for f in files]
 
 
-def _cached_part(
+def _hub_part(
     name: str, config: str | None, split: str, cache_dir: str | None
 ) -> tuple[str, Callable[[], datasets.Dataset]]:
     def load() -> datasets.Dataset:
         try:
-            return datasets.load_dataset(name, config, split=split, cache_dir=cache_dir)
-        except (ConnectionError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
-            where = cache_dir or datasets.config.HF_DATASETS_CACHE
-            raise FileNotFoundError(
-                f"source {name!r} is neither a local path nor a dataset in the local datasets "
-                f"cache ({where}); delta_jax never downloads: run datasets.load_dataset({name!r}) "
-                "once with network access (same cache directory), or pass a local file/directory"
-            ) from e
+            with hub.download_lock("dataset", name):
+                return datasets.load_dataset(name, config, split=split, cache_dir=cache_dir)
+        except (OSError, huggingface_hub.errors.HfHubHTTPError) as e:
+            # (A wrong split or subset is a ValueError whose message lists the valid ones.)
+            raise hub.hub_error("data set", name, None, e) from e
 
     label = f"{name}[{split}]" if config is None else f"{name}/{config}[{split}]"
     return label, load
@@ -165,22 +168,22 @@ def load_records(
     config: str | None = None,
     cache_dir: str | os.PathLike | None = None,
 ) -> LoadResult:
-    """Loads prompt records from a local file, a directory, or a locally cached dataset name.
+    """Loads prompt records from a local file, a directory, or a hub data set name.
 
     Args:
       source: a ``.parquet`` / ``.json`` / ``.jsonl`` / ``.arrow`` file; a directory of such
         files (split chosen by the Hub's file-name conventions) or one written by
-        ``save_to_disk``; or a dataset name (``"org/name"``) already in the local ``datasets``
-        cache. A single file is read whole, whatever ``split`` says.
+        ``save_to_disk``; or a hub data set name (``"org/name"``), downloaded on first use. A
+        single file is read whole, whatever ``split`` says.
       adapter: a name in :data:`ADAPTERS` or an :class:`Adapter`.
-      split: split of a directory or cached dataset.
+      split: split of a directory or hub data set.
       fields: for the ``"generic"`` adapter only, ``{"prompt": col, "answer": col, "system": col,
         "tests": col}``; keys left out are not read (default ``{"prompt": "prompt",
         "answer": "answer"}``).
       on_bad_row: ``"error"`` raises :class:`BadRowError` at the first bad row; ``"skip"`` drops
         bad rows and counts them in the result.
       limit: stop after this many records (``None``: all).
-      config: the data set configuration of a cached dataset name (e.g. ``"main"`` for GSM8K).
+      config: the subset (configuration) of a hub data set (e.g. ``"main"`` for GSM8K).
       cache_dir: the ``datasets`` cache directory (default: the library's).
 
     Returns:
@@ -198,19 +201,22 @@ def load_records(
     adapter = resolve_adapter(adapter, fields)
     cache_dir = None if cache_dir is None else str(cache_dir)
     path = Path(source)
-    with _offline():
-        if path.exists():
+    from_hub = not path.exists()
+    if not from_hub:
+        with _offline():
             parts = _local_parts(path, split, adapter, cache_dir)
-        elif path.suffix.lower() in FILE_BUILDERS or str(source).count("/") > 1:
-            raise FileNotFoundError(f"source {str(source)!r}: no such file or directory")
-        else:
-            parts = [_cached_part(str(source), config, split, cache_dir)]
-        records: list[PromptRecord] = []
-        reasons: dict[str, int] = {}
-        for label, load in parts:
-            if limit is not None and len(records) >= limit:
-                break
-            _convert_part(label, load(), adapter, on_bad_row, limit, records, reasons)
+    elif path.suffix.lower() in FILE_BUILDERS or not hub.looks_like_hub_id(str(source)):
+        raise FileNotFoundError(f"source {str(source)!r}: no such file or directory")
+    else:
+        parts = [_hub_part(str(source), config, split, cache_dir)]
+    records: list[PromptRecord] = []
+    reasons: dict[str, int] = {}
+    for label, load in parts:
+        if limit is not None and len(records) >= limit:
+            break
+        with contextlib.nullcontext() if from_hub else _offline():
+            ds = load()
+        _convert_part(label, ds, adapter, on_bad_row, limit, records, reasons)
     return LoadResult(records=records, skipped=sum(reasons.values()), skip_reasons=reasons)
 
 

@@ -58,6 +58,9 @@ class ModelConfig:
       attention: attention implementation, one of
         :data:`delta_jax.models.attention.IMPLS` (see that module).
       attention_block: query / key block length of the ``chunked`` and ``splash`` attention.
+      lora_rank, lora_alpha: LoRA adapters' rank (0: none) and scale numerator (the adapted
+        projection adds ``lora_alpha / lora_rank · B A x``); set by
+        :func:`delta_jax.models.lora.add_adapters`, never written to ``config.json``.
     """
 
     family: Family
@@ -82,6 +85,8 @@ class ModelConfig:
     remat: Remat = "none"
     attention: Impl = "auto"
     attention_block: int = 512
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
 
     def __post_init__(self):
         if self.family not in _ARCH_OF_FAMILY:

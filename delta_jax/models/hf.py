@@ -1,10 +1,16 @@
 """Hugging Face checkpoint import/export: config.json + safetensors <-> :class:`Transformer`.
 
-Import builds the model abstractly (``nnx.eval_shape``), then reads one tensor at a time from the
-memory-mapped safetensors files, converts it to our layout and dtype, and ``device_put``s it with
-its sharding (stacked per-layer tensors are written in place into a preallocated device buffer),
-so the host never holds more than one tensor beyond the mapped files. Export streams the
-parameters to disk one tensor at a time the same way.
+Import builds the model abstractly (``nnx.eval_shape``), then reads one tensor at a time through
+``safetensors.safe_open(..., framework="numpy")`` (lazy: the library maps the file and returns
+only the tensor asked for), converts it to our layout and dtype, and ``device_put``s it with its
+sharding (stacked per-layer tensors are written in place into a preallocated device buffer), so
+the host never holds more than one tensor. A hub id is downloaded on first use
+(:func:`resolve_model_dir`).
+
+Export keeps a small hand-written streaming writer: the ``safetensors`` library writes a file
+only from a complete ``{name: array}`` dict (``save_file`` / ``serialize``), i.e. with the whole
+model (or shard) in host memory, while ours writes the header from the shapes, then fetches and
+writes one tensor at a time.
 
 Layouts: HF linear weights are [out, in]; ours are [in, ...out] split by heads (``wq`` [H, N, D],
 ``wo`` [N, D, H]) and stacked over layers. One key table, :data:`KEY_TABLE`, says which HF name
@@ -27,20 +33,22 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from safetensors import safe_open
 
+from delta_jax import hub
 from delta_jax.models import axes as ax
 from delta_jax.models.config import ModelConfig
 from delta_jax.models.transformer import Transformer
 
-_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64,
-    "I32": np.int32,
+# Safetensors dtype codes of the dtypes the writer emits.
+_CODES = {
+    np.dtype(np.float64): "F64",
+    np.dtype(np.float32): "F32",
+    np.dtype(np.float16): "F16",
+    np.dtype(ml_dtypes.bfloat16): "BF16",
+    np.dtype(np.int64): "I64",
+    np.dtype(np.int32): "I32",
 }
-_CODES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
 
 def _hf_in_first(w):  # ours [in, *out] -> HF [out, in]
@@ -96,68 +104,79 @@ KEY_TABLE: tuple[tuple[str, str, Callable, Callable], ...] = (
 _IGNORED = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
 
 
-def resolve_model_dir(path_or_id: str | os.PathLike) -> str:
-    """A local directory, or a hub id resolved from the local Hugging Face cache only.
+# What a model download fetches: weights as safetensors only (never pickled .bin / .pt), the
+# configs, and the tokenizer files.
+MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "*.json", "*.txt", "*.model", "*.jinja")
+
+
+def resolve_model_dir(path_or_id: str | os.PathLike, *, revision: str | None = None) -> str:
+    """A local directory, or a hub id downloaded on first use and read from the cache after.
+
+    Hub ids go through ``huggingface_hub.snapshot_download`` (progress bars, resumable, the
+    usual cache; ``HF_HUB_OFFLINE=1`` reads the cache only), fetching :data:`MODEL_FILES`. One
+    process per host downloads while the others wait (:func:`delta_jax.hub.download_lock`).
 
     Raises:
-      FileNotFoundError: not a directory and not in the local cache (nothing is downloaded).
+      delta_jax.hub.HubError: (a ``FileNotFoundError``) naming the id and the cause: offline
+        with nothing cached, no network, missing or gated repository, missing revision, or a
+        repository without safetensors weights.
+      FileNotFoundError: a local path that does not exist.
     """
     path = os.fspath(path_or_id)
     if os.path.isdir(path):
         return path
-    try:
-        from huggingface_hub import snapshot_download
+    if not hub.looks_like_hub_id(path):
+        raise FileNotFoundError(f"{path!r}: no such model directory (nor a hub id 'org/name')")
+    from huggingface_hub import snapshot_download
 
-        return snapshot_download(path, local_files_only=True)
+    try:
+        with hub.download_lock("model", path):
+            model_dir = snapshot_download(path, revision=revision, allow_patterns=MODEL_FILES)
     except Exception as e:
-        raise FileNotFoundError(
-            f"{path!r} is not a directory and not in the local Hugging Face cache "
-            f"(offline resolution only; download it first): {e}"
-        ) from None
+        raise hub.hub_error("model", path, revision, e) from e
+    if not any(n.endswith(".safetensors") for n in os.listdir(model_dir)):
+        raise hub.HubError(
+            f"model {path!r} has no *.safetensors weights; delta_jax reads safetensors only "
+            "(convert the checkpoint or pick a repository that ships them)"
+        )
+    return model_dir
+
+
+def model_config_file(path_or_id: str | os.PathLike, *, revision: str | None = None) -> str:
+    """The ``config.json`` of a model directory or hub id, fetching that one file only.
+
+    For tools that need the shapes but not the weights (the memory planner). Raises like
+    :func:`resolve_model_dir`.
+    """
+    path = os.fspath(path_or_id)
+    if os.path.isdir(path):
+        return os.path.join(path, "config.json")
+    if not hub.looks_like_hub_id(path):
+        raise FileNotFoundError(f"{path!r}: no such model directory (nor a hub id 'org/name')")
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return hf_hub_download(path, "config.json", revision=revision)
+    except Exception as e:
+        raise hub.hub_error("model", path, revision, e) from e
 
 
 class _SafetensorsFile:
-    """Header of one safetensors file plus a read-only memory map of its data."""
+    """One safetensors file opened with the library (lazy: each tensor is read on request)."""
 
     def __init__(self, path: str):
         self.path = path
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise ValueError(f"{path}: truncated safetensors file ({size} bytes)")
-            (n,) = struct.unpack("<Q", raw)
-            if 8 + n > size:
-                raise ValueError(
-                    f"{path}: truncated safetensors header ({size} bytes, need {8 + n})"
-                )
-            try:
-                header = json.loads(f.read(n))
-            except ValueError as e:
-                raise ValueError(f"{path}: unreadable safetensors header: {e}") from None
-        header.pop("__metadata__", None)
-        self.start = 8 + n
-        data = size - self.start
-        for name, info in header.items():
-            end = info["data_offsets"][1]
-            if end > data:
-                raise ValueError(
-                    f"{path}: truncated: tensor {name!r} needs data bytes up to {end} but the file "
-                    f"holds {data}"
-                )
-            if info["dtype"] not in _DTYPES:
-                raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
-        self.header = header
-        self._map = np.memmap(path, dtype=np.uint8, mode="r") if data else None
+        try:
+            self._file = safe_open(path, framework="numpy")
+            self.names = set(self._file.keys())
+        except Exception as e:  # SafetensorError: truncated or malformed header / data
+            raise ValueError(f"{path}: truncated or corrupt safetensors file: {e}") from None
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.header[name]["shape"])
+        return tuple(self._file.get_slice(name).get_shape())
 
     def get(self, name: str) -> np.ndarray:
-        info = self.header[name]
-        a, b = info["data_offsets"]
-        buf = self._map[self.start + a : self.start + b]
-        return buf.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        return self._file.get_tensor(name)
 
 
 def _open_checkpoint(model_dir: str) -> dict[str, _SafetensorsFile]:
@@ -180,11 +199,11 @@ def _open_checkpoint(model_dir: str) -> dict[str, _SafetensorsFile]:
         files[n] = _SafetensorsFile(p)
     where: dict[str, _SafetensorsFile] = {}
     for f in files.values():
-        for t in f.header:
+        for t in f.names:
             where[t] = f
     if weight_map is not None:
         for t, n in weight_map.items():
-            if t not in files[n].header:
+            if t not in files[n].names:
                 raise ValueError(f"{index} maps tensor {t!r} to {files[n].path}, which lacks it")
     return where
 
@@ -221,18 +240,20 @@ def from_pretrained(
     param_dtype=None,
     mesh: jax.sharding.Mesh | None = None,
     rules: ax.Rules | None = None,
+    revision: str | None = None,
     **runtime_options,
 ) -> Transformer:
-    """Loads a Hugging Face Qwen3 / Qwen2.5 / Llama-3 directory (or locally cached hub id).
+    """Loads a Hugging Face Qwen3 / Qwen2.5 / Llama-3 directory or hub id.
 
     Args:
       path_or_id: model directory (config.json + safetensors, single or sharded with an index)
-        or a hub id already in the local Hugging Face cache.
+        or a hub id (downloaded on first use, see :func:`resolve_model_dir`).
       dtype: compute dtype, and parameter dtype unless ``param_dtype`` is given.
       param_dtype: dtype the tensors are cast to as they are read.
       mesh: optional mesh; each tensor is placed with the sharding its logical axes get under
         ``rules`` (default :data:`delta_jax.models.axes.DEFAULT_RULES`). None: default device.
       rules: logical-to-mesh rules used with ``mesh``.
+      revision: hub revision (branch, tag or commit) of a hub id.
       **runtime_options: ``scan_layers``, ``remat``, ``attention`` (``auto``, ``dense``,
         ``chunked``, ``splash``, ``cudnn``; see :mod:`delta_jax.models.attention`),
         ``attention_block``.
@@ -248,7 +269,7 @@ def from_pretrained(
     Example:
       >>> model = from_pretrained("/models/Qwen3-0.6B", dtype=jnp.bfloat16)  # doctest: +SKIP
     """
-    model_dir = resolve_model_dir(path_or_id)
+    model_dir = resolve_model_dir(path_or_id, revision=revision)
     config_path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"no config.json in {model_dir}")
@@ -342,6 +363,11 @@ def save_pretrained(
     """
     if max_shard_size <= 0:
         raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
+    if model.config.lora_rank:
+        raise ValueError(
+            "the model has LoRA adapters: fold them in first (lora.merge_adapters) or write "
+            "them alone (lora.save_peft_adapters)"
+        )
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     cfg = model.config

@@ -1,4 +1,5 @@
-"""Tokenizer loading (``transformers.AutoTokenizer``, local files only) and chat formatting."""
+"""Tokenizer loading (``transformers.AutoTokenizer`` on the resolved model directory) and chat
+formatting."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ from delta_jax.models.hf import resolve_model_dir
 Message = dict[str, str]
 
 
-def load_tokenizer(path_or_id: str | os.PathLike) -> Any:
-    """Loads the tokenizer stored with a model (directory or locally cached hub id).
+def load_tokenizer(path_or_id: str | os.PathLike, *, revision: str | None = None) -> Any:
+    """Loads the tokenizer stored with a model (directory or hub id, downloaded on first use).
 
     Args:
-      path_or_id: model directory or hub id in the local Hugging Face cache.
+      path_or_id: model directory or hub id (see :func:`delta_jax.models.resolve_model_dir`).
+      revision: hub revision of a hub id.
 
     Returns:
       A ``transformers`` tokenizer.
@@ -25,7 +27,8 @@ def load_tokenizer(path_or_id: str | os.PathLike) -> Any:
     """
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model_dir(path_or_id), local_files_only=True)
+    model_dir = resolve_model_dir(path_or_id, revision=revision)
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 
 def apply_chat_template(

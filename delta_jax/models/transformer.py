@@ -33,6 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Bool, Float, Int
 
 from delta_jax.models import axes as ax
+from delta_jax.models import lora
 from delta_jax.models.attention import attention
 from delta_jax.models.config import ModelConfig
 
@@ -403,8 +404,9 @@ def _remat(block, policy: str):
 _MATMUL, _ATTENTION = "matmul", "attention"
 
 
-def _matmul(spec: str, x, w):
-    return checkpoint_name(jnp.einsum(spec, x, w), _MATMUL)
+def _matmul(spec: str, x, w: dict[str, jax.Array], weight: str, lora_scale: float):
+    """``einsum(spec, x, w[weight])`` (plus its LoRA adapters, if any), named for remat."""
+    return checkpoint_name(lora.project(spec, x, w, weight, lora_scale), _MATMUL)
 
 
 def _block(cfg: ModelConfig, dtype, p: dict[str, Any], x, cos, sin, segments, kv, index):
@@ -417,10 +419,11 @@ def _block(cfg: ModelConfig, dtype, p: dict[str, Any], x, cos, sin, segments, kv
     """
     eps = cfg.rms_norm_eps
     w = {k: v.astype(dtype) for k, v in p.items()}
+    s = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0  # LoRA scale (if adapters)
     h = _rms_norm(x, w["attn_norm"], eps, dtype)
-    q = _matmul("BTH,HND->BTND", h, w["wq"])
-    k = _matmul("BTH,HKD->BTKD", h, w["wk"])
-    v = _matmul("BTH,HKD->BTKD", h, w["wv"])
+    q = _matmul("BTH,HND->BTND", h, w, "wq", s)
+    k = _matmul("BTH,HKD->BTKD", h, w, "wk", s)
+    v = _matmul("BTH,HKD->BTKD", h, w, "wv", s)
     if cfg.qkv_bias:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     if cfg.qk_norm:
@@ -432,20 +435,20 @@ def _block(cfg: ModelConfig, dtype, p: dict[str, Any], x, cos, sin, segments, kv
         out = attention(
             q, k, v, segments, impl=cfg.attention, block=cfg.attention_block, name=_ATTENTION
         )
-        x = x + _matmul("BTND,NDH->BTH", checkpoint_name(out, _ATTENTION), w["wo"])
+        x = x + _matmul("BTND,NDH->BTH", checkpoint_name(out, _ATTENTION), w, "wo", s)
     else:
-        out, kv = _cached_attention(q, k, v, kv, segments, index, w["wo"])
+        out, kv = _cached_attention(q, k, v, kv, segments, index, w, s)
         x = x + out
     x = ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
     h = _rms_norm(x, w["mlp_norm"], eps, dtype)
-    gate = _matmul("BTH,HF->BTF", h, w["w_gate"])
-    up = _matmul("BTH,HF->BTF", h, w["w_up"])
+    gate = _matmul("BTH,HF->BTF", h, w, "w_gate", s)
+    up = _matmul("BTH,HF->BTF", h, w, "w_up", s)
     act = ax.constrain(jax.nn.silu(gate) * up, (ax.BATCH, ax.LENGTH, ax.MLP))
-    x = x + _matmul("BTF,FH->BTH", act, w["w_down"])
+    x = x + _matmul("BTF,FH->BTH", act, w, "w_down", s)
     return ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED)), kv
 
 
-def _cached_attention(q, k, v, kv, visible, index, wo):
+def _cached_attention(q, k, v, kv, visible, index, w, lora_scale):
     """The decode path: writes K/V at ``index`` into the cache, attends, projects -> [B, T, H].
 
     Its layout serves XLA:CPU, which runs the sampler's decode loop on CPU: keys are cached
@@ -458,7 +461,8 @@ def _cached_attention(q, k, v, kv, visible, index, wo):
       kv: this layer's cache ([B, K, D, S], [B, K, S, D]).
       visible: bool[B, T, S], slot s visible to query t.
       index: the first slot to write.
-      wo: [N, D, H] output projection.
+      w: the block's weights (``wo`` [N, D, H] output projection, its LoRA adapters if any).
+      lora_scale: the adapters' scale.
 
     Returns:
       (attention output projected, [B, T, H]; the updated cache).
@@ -473,7 +477,8 @@ def _cached_attention(q, k, v, kv, visible, index, wo):
     cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, index, 0))
     attn = _attend_cache(q, ck.astype(q.dtype), cv.astype(q.dtype), visible)
     B, T, N, D = attn.shape
-    out = jnp.einsum("BTE,EH->BTH", attn.reshape(B, T, N * D), wo.reshape(N * D, -1))
+    w = dict(w, wo=w["wo"].reshape(N * D, -1))
+    out = lora.project("BTE,EH->BTH", attn.reshape(B, T, N * D), w, "wo", lora_scale)
     return out, (ck, cv)
 
 

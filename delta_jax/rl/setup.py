@@ -86,7 +86,7 @@ def special_token_ids(tokenizer, model) -> tuple[int, tuple[int, ...]]:
 def load_model(config: Config, run_dir: Path):
     """The run's policy and tokenizer (the demo model is warmed up once, by process 0)."""
     from delta_jax.demo import warm_up_demo_model
-    from delta_jax.models import from_pretrained, load_tokenizer
+    from delta_jax.models import from_pretrained, load_tokenizer, resolve_model_dir
 
     m = config.model
     path: str | Path = m.path
@@ -103,6 +103,7 @@ def load_model(config: Config, run_dir: Path):
                 seed=config.run.seed,
             )
         distributed.barrier("demo-model")
+    path = resolve_model_dir(str(path), revision=m.revision)  # a hub id: downloaded once
     dtype = jnp.dtype(m.dtype)
     model = from_pretrained(
         str(path),
@@ -113,6 +114,16 @@ def load_model(config: Config, run_dir: Path):
         attention=m.attention,
         attention_block=m.attention_block,
     )
+    if m.lora_rank:
+        from delta_jax.models import lora
+
+        lora.add_adapters(
+            model,
+            rank=m.lora_rank,
+            alpha=m.lora_alpha,
+            targets=m.lora_targets,
+            seed=config.run.seed,
+        )
     return model, load_tokenizer(str(path))
 
 
@@ -126,7 +137,12 @@ def _load_records(config: Config, source: str, split: str, *, eval_set: bool):
             d.limit or (256 if eval_set else 4096), seed=config.run.seed + (1 if eval_set else 0)
         )
     result = load_records(
-        source, adapter=d.adapter, split=split, on_bad_row=d.on_bad_row, limit=d.limit
+        source,
+        adapter=d.adapter,
+        split=split,
+        config=d.subset,
+        on_bad_row=d.on_bad_row,
+        limit=d.limit,
     )
     if result.skipped:
         log.warning("%s: skipped %d bad rows %s", source, result.skipped, result.skip_reasons)

@@ -11,6 +11,7 @@ import optax
 
 from delta_jax import sharding as sh
 from delta_jax.config import OptimConfigSection
+from delta_jax.models import lora
 
 
 @flax.struct.dataclass
@@ -47,10 +48,11 @@ def make_optimizer(cfg: OptimConfigSection, total_updates: int) -> optax.Gradien
 
 
 def init_train_state(params: Any, optimizer: optax.GradientTransformation) -> TrainState:
+    """Optimiser state for the trainable parameters only (the adapters when there are some)."""
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
-        opt_state=optimizer.init(params),
+        opt_state=optimizer.init(lora.split_trainable(params)[0]),
         skipped=jnp.zeros((), jnp.int32),
     )
 

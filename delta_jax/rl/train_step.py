@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 
 from delta_jax.losses import delta_coefficients, forking_tokens_mask, loss_normalizer, policy_loss
-from delta_jax.models import token_logprobs
+from delta_jax.models import lora, token_logprobs
 from delta_jax.rl.state import TrainState
 from delta_jax.rl.update_plan import UpdatePlan
 
@@ -128,12 +128,12 @@ def delta_kwargs(plan: UpdatePlan, mesh) -> dict[str, Any]:
     return kwargs
 
 
-def _micro_loss(graphdef, plan: UpdatePlan, mesh, params, mb: TrainBatch, normalizer):
+def _micro_loss(graphdef, plan: UpdatePlan, mesh, params, frozen, mb: TrainBatch, normalizer):
     objective = plan.objective
     in_loss = plan.coefficients == "in_loss"
     live_mask = objective.uses_forking_mask and not plan.fixed_token_mask
     logp, entropy, hidden = window_logprobs(
-        nnx.merge(graphdef, params),
+        nnx.merge(graphdef, params, frozen),
         mb.tokens,
         mb.targets,
         mb.segment_ids,
@@ -197,7 +197,7 @@ def make_train_step(
     """
     aggregation = plan.objective.loss_kwargs["aggregation"]
     grad_fn = jax.value_and_grad(
-        lambda p, mb, n: _micro_loss(graphdef, plan, mesh, p, mb, n), has_aux=True
+        lambda p, f, mb, n: _micro_loss(graphdef, plan, mesh, p, f, mb, n), has_aux=True
     )
 
     def step(state: TrainState, batch: TrainBatch):
@@ -208,21 +208,23 @@ def make_train_step(
         flat = lambda x: None if x is None else x.reshape(-1, x.shape[-1])
         segments = flat(loss_segments(plan, batch))
         normalizer = loss_normalizer(flat(batch.loss_mask), aggregation, segments)
+        # With LoRA adapters only they are differentiated and updated; the base passes through.
+        params, frozen = lora.split_trainable(state.params)
 
         def accumulate(grads_sum, mb):
-            (loss, metrics), grads = grad_fn(state.params, mb, normalizer)
+            (loss, metrics), grads = grad_fn(params, frozen, mb, normalizer)
             return jax.tree.map(jnp.add, grads_sum, grads), (loss, metrics)
 
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        zeros = jax.tree.map(jnp.zeros_like, params)
         grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, batch)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
-        updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
+        updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
+        new_params = optax.apply_updates(params, updates)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         new_state = TrainState(
             step=state.step + finite.astype(jnp.int32),
-            params=keep(new_params, state.params),
+            params=nnx.merge_state(keep(new_params, params), frozen),
             opt_state=keep(new_opt_state, state.opt_state),
             skipped=state.skipped + (~finite).astype(jnp.int32),
         )
