@@ -173,4 +173,7 @@ def test_fresh_adapters_are_float32_and_leave_a_bfloat16_base_unchanged():
     assert model.blocks.wq_lora_a.dtype == model.blocks.w_down_lora_b.dtype == jnp.float32
     assert model.blocks.wq.dtype == jnp.bfloat16
     after, _ = forward(model, ids)
-    np.testing.assert_array_equal(after, before)  # B = 0: the adapted model is the base model
+    # B = 0: the adapted model is the base model. Not bitwise: the adapted program is another
+    # XLA program (the adapter term fuses with the base matmul), so f32 rounding may differ by
+    # an ulp or so; 1e-6 is the single-op bound of tests/models, far below a real adapter effect.
+    np.testing.assert_allclose(after, before, atol=1e-6, rtol=0)
