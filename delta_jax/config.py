@@ -40,11 +40,14 @@ class ModelConfigSection:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     scan_layers: bool = False
     remat: Literal["none", "block", "full"] = "none"
-    # Supervised warm-up steps for the demo model (ignored for real checkpoints).
-    demo_warmup_steps: int = 400
+    # Supervised warm-up of the demo model (ignored for real checkpoints): at most this many
+    # steps, stopped early once the held-out probability of the correct answer reaches
+    # `demo_warmup_target` (None: all the steps). See delta_jax.demo.
+    demo_warmup_steps: int = 800
     demo_warmup_lr: float = 3e-3
+    demo_warmup_target: float | None = 0.1
     # Fraction of warm-up demonstrations with a corrupted answer (see delta_jax.demo).
-    demo_warmup_noise: float = 0.5
+    demo_warmup_noise: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +55,8 @@ class DataConfigSection:
     """Prompts: a local file/directory, a cached dataset name, or ``demo:arithmetic``."""
 
     source: str = "demo:arithmetic"
+    # Response template of the demo task (delta_jax.demo.TEMPLATES): formatting density.
+    demo_template: Literal["short", "long"] = "short"
     adapter: str = "generic"
     split: str = "train"
     eval_source: str | None = None
@@ -91,6 +96,9 @@ class RewardConfigSection:
     # DAPO soft overlong punishment, in tokens (buffer 0 disables it).
     overlong_buffer: int = 0
     overlong_factor: float = 1.0
+    # Reward noise: this fraction of training rewards (chosen at random, reproducibly) is
+    # flipped r -> 1 - r before advantages; evaluation rewards are never flipped.
+    flip_fraction: float = 0.0
 
 
 LossName = Literal["delta", "dapo", "grpo", "dr_grpo", "gspo", "sapo", "dapo_forking_tokens"]
@@ -338,6 +346,8 @@ def validate(config: Config) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
+    if not 0.0 <= config.reward.flip_fraction <= 1.0:
+        raise ConfigError(f"reward.flip_fraction={config.reward.flip_fraction} must be in [0, 1]")
     if r.temperature < 0:
         raise ConfigError(f"rollout.temperature={r.temperature} must be >= 0")
     if not 0.0 < r.top_p <= 1.0:

@@ -33,7 +33,8 @@ class RunParts:
     model: Any
     tokenizer: Any
     sampler: Any
-    scorer: Any
+    scorer: Any  # training rewards (noisy when reward.flip_fraction > 0)
+    eval_scorer: Any  # the verifier itself
     pipeline: PromptPipeline
     prompt_ids: list[list[int]]
     records: list[PromptRecord]
@@ -70,7 +71,7 @@ class RunParts:
         return evaluate_prompts(
             sampler=self.sampler,
             params=params,
-            scorer=self.scorer,
+            scorer=self.eval_scorer,
             tokenizer=self.tokenizer,
             prompt_ids=self.eval_prompt_ids,
             records=self.eval_records,
@@ -84,7 +85,7 @@ class RunParts:
         )
 
     def close(self) -> None:
-        self.scorer.close()
+        self.eval_scorer.close()
 
 
 def _load_model(config: Config, run_dir: Path):
@@ -104,6 +105,8 @@ def _load_model(config: Config, run_dir: Path):
                 lr=m.demo_warmup_lr,
                 noise=m.demo_warmup_noise,
                 seed=config.run.seed,
+                target_accuracy=m.demo_warmup_target,
+                template=config.data.demo_template,
             )
         distributed.barrier("demo-model")
     dtype = jnp.dtype(m.dtype)
@@ -134,8 +137,18 @@ def _load_records(config: Config, source: str, split: str, *, eval_set: bool):
     return result.records
 
 
+def make_scorers(config: Config):
+    """(training scorer, evaluation scorer): the same verifier, noisy for training only."""
+    from delta_jax.rewards import FlippedRewards, RewardScorer
+
+    r = config.reward
+    scorer = RewardScorer(r.kind, num_workers=r.num_workers, timeout_s=r.timeout_s)
+    if r.flip_fraction > 0:
+        return FlippedRewards(scorer, r.flip_fraction, config.run.seed), scorer
+    return scorer, scorer
+
+
 def build_run_parts(config: Config, mesh=None) -> RunParts:
-    from delta_jax.rewards import RewardScorer
     from delta_jax.sampling import Sampler
 
     run_dir = Path(config.run.dir)
@@ -199,9 +212,7 @@ def build_run_parts(config: Config, mesh=None) -> RunParts:
         mesh=mesh,
     )
     objective = resolve_objective(config.algo, max_response_length=config.rollout.max_new_tokens)
-    scorer = RewardScorer(
-        config.reward.kind, num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s
-    )
+    train_scorer, scorer = make_scorers(config)
     old_pass = make_old_pass(
         _graphdef(model),
         temperature=config.rollout.temperature or 1.0,
@@ -219,7 +230,8 @@ def build_run_parts(config: Config, mesh=None) -> RunParts:
         model=model,
         tokenizer=tokenizer,
         sampler=sampler,
-        scorer=scorer,
+        scorer=train_scorer,
+        eval_scorer=scorer,
         pipeline=pipeline,
         prompt_ids=train.ids,
         records=train.records,
