@@ -16,7 +16,8 @@ overrides, ``algo.loss=<loss>`` and ``run.seed=<k>``, nothing else changes — t
 
 Runs go to ``--workers`` processes at once (default: one per two cores). An interrupted sweep
 resumes: a finished run (its ``DONE`` file) is skipped, a partial one is restarted with the same
-command, which resumes from its last checkpoint exactly like ``delta-jax train`` does.
+command, which resumes from its last checkpoint exactly like ``delta-jax train`` does; a run
+another live sweep is training (its ``RUNNING`` lock) is waited for, not repeated.
 """
 
 from __future__ import annotations
@@ -71,15 +72,50 @@ def train_argv(config: str, overrides: Sequence[str], loss: str, seed: int, out:
     ]
 
 
-def _run_one(argv: list[str], rdir: Path) -> dict:
-    """Runs (or resumes) one training run; writes ``DONE`` with its timing when it succeeds."""
+def _claim(rdir: Path) -> bool:
+    """Takes ``rdir/RUNNING`` for this process; False while a live process holds it.
+
+    Two sweeps over one directory (a wider sweep started while a narrower one runs) then share
+    runs instead of training the same run twice; a lock left by a dead process is taken over.
+    """
+    lock = rdir / "RUNNING"
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        try:
+            os.kill(int(lock.read_text() or 0), 0)
+            return False
+        except (ProcessLookupError, ValueError, FileNotFoundError):
+            lock.unlink(missing_ok=True)  # stale: its process is gone
+            return _claim(rdir)
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    return True
+
+
+def _ready(model_dir: Path | None) -> bool:
+    return model_dir is None or (
+        (model_dir / "config.json").exists() and any(model_dir.glob("*.safetensors"))
+    )
+
+
+def _run_one(argv: list[str], rdir: Path, *, needs: Path | None = None, poll_s: float = 5.0):
+    """Runs (or resumes) one training run; writes ``DONE`` with its timing when it succeeds.
+
+    ``needs``: a model directory another run writes (the shared demo warm-up) to wait for.
+    """
     done = rdir / "DONE"
+    rdir.mkdir(parents=True, exist_ok=True)
+    while not done.exists() and not (_ready(needs) and _claim(rdir)):
+        time.sleep(poll_s)
     if done.exists():
         return json.loads(done.read_text())
-    rdir.mkdir(parents=True, exist_ok=True)
     load_before, t0 = os.getloadavg()[0], time.perf_counter()
-    with open(rdir / "train.log", "a") as logf:
-        rc = subprocess.run(argv, stdout=logf, stderr=subprocess.STDOUT).returncode
+    try:
+        with open(rdir / "train.log", "a") as logf:
+            rc = subprocess.run(argv, stdout=logf, stderr=subprocess.STDOUT).returncode
+    finally:
+        (rdir / "RUNNING").unlink(missing_ok=True)
     info = {
         "rc": rc,
         "wall_s": time.perf_counter() - t0,
@@ -95,19 +131,27 @@ def _run_one(argv: list[str], rdir: Path) -> dict:
 
 
 def run_sweep(config, overrides, losses, seeds, out, *, workers: int | None = None) -> list[dict]:
-    """Runs every (loss, seed) not finished yet, ``workers`` at a time; returns their infos."""
+    """Runs every (loss, seed) not finished yet, ``workers`` at a time; returns their infos.
+
+    With the built-in demo model, the runs of one seed share one warm-up: the first loss's
+    run warms the policy up as ``delta-jax train`` always does, the others load that directory
+    (``model.path=``) instead of repeating the same deterministic warm-up.
+    """
+    from delta_jax.config import load_config
+
     out = Path(out)
     workers = workers or max(1, (os.cpu_count() or 2) // 2)
-    jobs = [(loss, seed) for seed in seeds for loss in losses]
+    shared = load_config(config, overrides).model.path == "demo:tiny"
+    jobs = [(loss, seed) for seed in seeds for loss in losses]  # first loss of a seed first
     with ThreadPoolExecutor(workers) as pool:
-        futures = [
-            pool.submit(
-                _run_one,
-                train_argv(config, overrides, loss, seed, out),
-                run_dir(out, loss, seed),
-            )
-            for loss, seed in jobs
-        ]
+        futures = []
+        for loss, seed in jobs:
+            extra, needs = [], None
+            if shared and loss != losses[0]:
+                needs = run_dir(out, losses[0], seed) / "demo_model"
+                extra = [f"model.path={needs}"]
+            argv = train_argv(config, [*overrides, *extra], loss, seed, out)
+            futures.append(pool.submit(_run_one, argv, run_dir(out, loss, seed), needs=needs))
         infos = [f.result() for f in futures]
     failed = [j for j, i in zip(jobs, infos, strict=True) if i["rc"] != 0]
     if failed:
