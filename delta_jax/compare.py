@@ -360,8 +360,9 @@ def compare(
         cache = out / "coefficients.json"
         coefs = json.loads(cache.read_text()) if cache.exists() else {}
         for s in seeds:
-            coefs.setdefault(str(s), coefficient_stats(run_dir(out, "delta", s)))
-            cache.write_text(json.dumps(coefs, indent=1))
+            if str(s) not in coefs:  # computed once per run, kept across resumed sweeps
+                coefs[str(s)] = coefficient_stats(run_dir(out, "delta", s))
+                cache.write_text(json.dumps(coefs, indent=1))
     command = " ".join(
         ["delta-jax compare --config", str(config), "--losses", *losses, "--seeds"]
         + [str(s) for s in seeds]

@@ -4,6 +4,7 @@ import csv
 import json
 
 import numpy as np
+import pytest
 
 from delta_jax.cli import main
 from delta_jax.compare import RUN_COLUMNS, TABLE_COLUMNS, t_interval
@@ -17,6 +18,7 @@ def test_t_interval_matches_the_textbook_formula():
     assert np.isnan(t_interval([0.5])[1])
 
 
+@pytest.mark.slow  # four 2-step training processes (two at a time) and two coefficient batches
 def test_compare_runs_resumes_and_writes_its_table(tmp_path, demo_model_dir):
     out = tmp_path / "sweep"
     argv = [
