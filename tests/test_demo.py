@@ -68,3 +68,37 @@ def test_warm_up_stops_at_the_target_and_is_a_function_of_the_seed(tmp_path):
     read = lambda d: (d / "model.safetensors").read_bytes()
     assert read(a) == read(a2)  # the warm-up is a function of its arguments, bit for bit
     assert read(a) != read(b) and read(a) != read(c)
+
+
+@pytest.mark.slow  # two demo runs of 30 RL steps: about 2 minutes each on 2 idle cores
+@pytest.mark.parametrize("seed", [0, 1])
+def test_demo_starts_in_the_band_and_learns(tmp_path, seed):
+    """The README's demo, shortened to 30 RL steps, at two seeds.
+
+    The full demo's target (held-out accuracy at step 60 >= 1.5x step 0 and >= +0.08) needs
+    ten minutes a seed, so CI checks what it rests on, with looser bounds:
+
+    * the warm-up lands the policy in the band at every seed (issue 16: seeds 1-3 used to start
+      at 3-6% held-out accuracy, where RL has almost no signal): step-0 accuracy in
+      [0.08, 0.25] (measured: 0.125 and 0.164 at seeds 0 and 1; 0.094 at seed 2);
+    * RL improves the policy within 30 steps: the mean training reward of steps 26-30 exceeds
+      that of steps 1-5 (1280 samples each, standard error of the difference about 0.014;
+      measured +0.052 and +0.085 at these seeds, 3.7 and 6 standard errors).
+
+    The optimiser schedule is constant, so these 30 steps are the first 30 of the 60-step demo.
+    """
+    from delta_jax.config import load_config
+    from delta_jax.rl.loop import train
+    from delta_jax.rl.metrics_log import read_metrics
+
+    config = load_config(
+        "configs/demo.yaml",
+        [f"run.seed={seed}", f"run.dir={tmp_path}", "run.steps=30", "run.eval_every=30",
+         "run.save_every=30", "run.progress=false", "run.tensorboard=false"],
+    )  # fmt: skip
+    rows = read_metrics(train(config).metrics_path)
+    start = next(r["eval/avg@1"] for r in rows if r["step"] == 0)
+    assert 0.08 <= start <= 0.25, start
+    reward = {r["step"]: r["reward_mean"] for r in rows if "reward_mean" in r}
+    first, late = (np.mean([reward[s] for s in steps]) for steps in (range(1, 6), range(26, 31)))
+    assert late > first, (first, late)
