@@ -47,7 +47,16 @@ TABLE_COLUMNS = (
     *(f"{q}_{s}" for q in SUMMARY_QUANTITIES for s in ("mean", "lo", "hi")),
     *(f"diff_{q}_{s}" for q in SUMMARY_QUANTITIES for s in ("mean", "lo", "hi")),
 )
-COEF_COLUMNS = ("mean_answer", "mean_format", "answer_count_share", "answer_weight_share")
+COEF_COLUMNS = (
+    "mean_answer",
+    "mean_format",
+    "mean_answer_pos",
+    "mean_format_pos",
+    "mean_answer_neg",
+    "mean_format_neg",
+    "answer_count_share",
+    "answer_weight_share",
+)
 
 
 def run_dir(out: Path, loss: str, seed: int) -> Path:
@@ -327,8 +336,9 @@ def summary_markdown(title: str, command: str, runs, table, coefs: dict, losses)
     if coefs:
         lines += ["", "DelTA coefficients on answer vs formatting tokens (mean over seeds):", ""]
         lines += [
-            "| policy | λ̄ answer | λ̄ format | answer token share | answer weight share |",
-            "|---|---|---|---|---|",
+            "| policy | λ̄ answer | λ̄ format | λ̄ answer, Â>0 | λ̄ format, Â>0 | λ̄ answer, Â<0 "
+            "| λ̄ format, Â<0 | answer token share | answer weight share |",
+            "|---" * 9 + "|",
         ]
         for when in ("start", "final"):
             vals = [np.nanmean([c[when][k] for c in coefs.values()]) for k in COEF_COLUMNS]
