@@ -114,6 +114,27 @@ def _cmd_plot(args) -> int:
     return 0
 
 
+def _cmd_compare(args) -> int:
+    from delta_jax.compare import compare
+    from delta_jax.config import load_config
+
+    for loss in args.losses:  # a bad key or loss is an error before any run starts
+        load_config(args.config, [*args.overrides, f"algo.loss={loss}"])
+    print(
+        compare(
+            args.config,
+            args.overrides,
+            args.losses,
+            args.seeds,
+            args.out,
+            workers=args.workers,
+            title=args.title,
+            coefficients=not args.no_coefficients,
+        )
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="delta-jax", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -161,6 +182,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_lib.build_parser(p)
     p.set_defaults(fn=plan_lib.run)
+
+    p = sub.add_parser("compare", help="seeds x losses on one config: table with intervals")
+    p.add_argument("--config", required=True)
+    p.add_argument("--losses", nargs="+", default=["delta", "dapo"])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    p.add_argument("--out", required=True, help="sweep directory (re-run to resume)")
+    p.add_argument("--workers", type=int, default=None, help="runs at once (default cores/2)")
+    p.add_argument("--title", default=None)
+    p.add_argument("--no-coefficients", action="store_true", help="skip DelTA statistics")
+    p.add_argument("overrides", nargs="*", help="section.key=value for every run")
+    p.set_defaults(fn=_cmd_compare)
 
     p = sub.add_parser("plot", help="learning curves of one or more runs")
     p.add_argument("runs", nargs="+")

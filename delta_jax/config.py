@@ -62,11 +62,14 @@ class ModelConfigSection:
     # cudnn, and the block length of chunked / splash.
     attention: Literal["auto", "dense", "chunked", "splash", "cudnn"] = "auto"
     attention_block: int = 512
-    # Supervised warm-up steps for the demo model (ignored for real checkpoints).
-    demo_warmup_steps: int = 400
+    # Supervised warm-up of the demo model (ignored for real checkpoints): at most this many
+    # steps, stopped early once the held-out probability of the correct answer reaches
+    # `demo_warmup_target` (None: all the steps). See delta_jax.demo.
+    demo_warmup_steps: int = 800
     demo_warmup_lr: float = 3e-3
+    demo_warmup_target: float | None = 0.1
     # Fraction of warm-up demonstrations with a corrupted answer (see delta_jax.demo).
-    demo_warmup_noise: float = 0.5
+    demo_warmup_noise: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +79,8 @@ class DataConfigSection:
 
     source: str = "demo:arithmetic"
     subset: str | None = None
+    # Response template of the demo task (delta_jax.demo.TEMPLATES): formatting density.
+    demo_template: Literal["short", "long"] = "short"
     adapter: str = "generic"
     split: str = "train"
     eval_source: str | None = None
@@ -120,6 +125,9 @@ class RewardConfigSection:
     # DAPO soft overlong punishment, in tokens (buffer 0 disables it).
     overlong_buffer: int = 0
     overlong_factor: float = 1.0
+    # Reward noise: this fraction of training rewards (chosen at random, reproducibly) is
+    # flipped r -> 1 - r before advantages; evaluation rewards are never flipped.
+    flip_fraction: float = 0.0
 
 
 LossName = Literal["delta", "dapo", "grpo", "dr_grpo", "gspo", "sapo", "dapo_forking_tokens"]
@@ -388,6 +396,8 @@ def validate(config: Config) -> None:
             f"rollout.samples_per_prompt={r.samples_per_prompt} exceeds "
             f"rollout.decode_slots={r.decode_slots}"
         )
+    if not 0.0 <= config.reward.flip_fraction <= 1.0:
+        raise ConfigError(f"reward.flip_fraction={config.reward.flip_fraction} must be in [0, 1]")
     if r.temperature < 0:
         raise ConfigError(f"rollout.temperature={r.temperature} must be >= 0")
     if not 0.0 < r.top_p <= 1.0:

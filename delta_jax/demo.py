@@ -3,17 +3,23 @@
 Task: two-number addition with a fixed answer format, e.g. prompt ``"Q: 47+38=?\\nA: "`` and a
 correct response ``"Answer: \\boxed{85}"``. Every response shares the boilerplate
 ``Answer: \\boxed{...}`` whether its digits are right or wrong — exactly the situation DelTA is
-about — and the reward is the project's real math verifier on the boxed answer.
+about — and the reward is the project's real math verifier on the boxed answer. The ``long``
+template wraps the same answer in a longer shared chain-of-thought text (:data:`TEMPLATES`), so
+the share of formatting tokens in a response — the formatting density — is a knob.
 
 The policy is a tiny Qwen3-style decoder over a character-level tokenizer, both built locally
-(nothing downloaded), given a short supervised warm-up so that it answers in format and is right
-part of the time; RL then has something to improve. The warmed-up model is written as a normal
-Hugging Face directory (config.json, model.safetensors, tokenizer files) and loaded back through
+(nothing downloaded), given a supervised warm-up so that it answers in format and is right part
+of the time; RL then has something to improve. How fast the warm-up learns arithmetic depends on
+the seed, so instead of a fixed number of steps it runs until a held-out probe says the policy
+is right about ``target_accuracy`` of the time (:func:`answer_probability`): every seed starts
+RL from the same useful band. The warmed-up model is written as a normal Hugging Face directory
+(config.json, model.safetensors, tokenizer files) and loaded back through
 :func:`delta_jax.models.from_pretrained` like any real checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from pathlib import Path
@@ -29,7 +35,15 @@ from delta_jax.data import PromptRecord
 log = logging.getLogger(__name__)
 
 PROMPT_TEMPLATE = "Q: {a}+{b}=?\nA: "
-RESPONSE_TEMPLATE = "Answer: \\boxed{{{c}}}"
+# Response templates by formatting density: the answer's 2-3 digits inside 16 (short) or 54
+# (long) characters of text shared by every response, right or wrong.
+TEMPLATES = {
+    "short": "Answer: \\boxed{{{c}}}",
+    "long": "Add the ones, then the tens.\nAnswer: \\boxed{{{c}}}. Done.",
+}
+RESPONSE_TEMPLATE = TEMPLATES["short"]
+_PROBE_EVERY = 10  # warm-up steps between two probes of the held-out answer probability
+_PROBE_PROMPTS = 256
 _CHARS = (
     list("0123456789+-*=?:.,() \n\\{}")
     + [chr(c) for c in range(ord("a"), ord("z") + 1)]
@@ -74,7 +88,27 @@ def build_char_tokenizer():
     )
 
 
-def _sft_batches(tokenizer, *, batch: int, seed: int, length: int, noise: float):
+def _encode_example(tokenizer, a: int, b: int, c: int, template: str):
+    """(prompt ids, response ids + eos) of one demonstration ``a + b = c``."""
+    prompt = tokenizer.encode(PROMPT_TEMPLATE.format(a=a, b=b))
+    response = tokenizer.encode(TEMPLATES[template].format(c=c)) + [tokenizer.eos_token_id]
+    return prompt, response
+
+
+def _pack(examples, pad_id: int, length: int):
+    """(ids, loss mask) arrays; the mask marks the positions that predict a response token."""
+    ids = np.full((len(examples), length), pad_id, np.int32)
+    loss_mask = np.zeros((len(examples), length), np.float32)
+    for i, (prompt, response) in enumerate(examples):
+        seq = prompt + response
+        assert len(seq) <= length, (len(seq), length)
+        ids[i, : len(seq)] = seq
+        # Targets are ids shifted by one: position t predicts token t + 1.
+        loss_mask[i, len(prompt) - 1 : len(seq) - 1] = 1.0
+    return ids, loss_mask
+
+
+def _sft_batches(tokenizer, *, batch: int, seed: int, length: int, noise: float, template: str):
     """Endless batches of (ids, loss mask) for prompt + response + eos.
 
     A fraction ``noise`` of the demonstrations carry a wrong sum (off by 1 to 10), so the
@@ -83,45 +117,54 @@ def _sft_batches(tokenizer, *, batch: int, seed: int, length: int, noise: float)
     """
     rng = np.random.default_rng(seed)
     while True:
-        ids = np.full((batch, length), tokenizer.pad_token_id, np.int32)
-        loss_mask = np.zeros((batch, length), np.float32)
-        for i in range(batch):
-            a, b = rng.integers(10, 100, size=2)
-            prompt = tokenizer.encode(PROMPT_TEMPLATE.format(a=a, b=b))
+        examples = []
+        for _ in range(batch):
+            a, b = (int(x) for x in rng.integers(10, 100, size=2))
             c = a + b
             if rng.random() < noise:
                 c = max(0, c + int(rng.choice([-1, 1])) * int(rng.integers(1, 11)))
-            response = tokenizer.encode(RESPONSE_TEMPLATE.format(c=c)) + [tokenizer.eos_token_id]
-            seq = prompt + response
-            assert len(seq) <= length, (len(seq), length)
-            ids[i, : len(seq)] = seq
-            # Loss on predicting each response token (targets are ids shifted by one).
-            loss_mask[i, len(prompt) - 1 : len(seq) - 1] = 1.0
-        yield ids, loss_mask
+            examples.append(_encode_example(tokenizer, a, b, c, template))
+        yield _pack(examples, tokenizer.pad_token_id, length)
 
 
-def warm_up_demo_model(
-    out_dir: str | Path,
-    *,
-    steps: int,
-    lr: float,
-    noise: float = 0.5,
-    seed: int = 0,
-    batch: int = 64,
-) -> Path:
-    """Train the tiny demo policy for ``steps`` supervised steps and save it as an HF directory.
+def _sequence_length(template: str) -> int:
+    """Longest prompt + response + eos of ``template``, rounded up to a multiple of 8."""
+    longest = len(PROMPT_TEMPLATE.format(a=99, b=99)) + len(TEMPLATES[template].format(c=198)) + 1
+    return -(-longest // 8) * 8
 
-    ``noise`` is the fraction of demonstrations with a corrupted answer (see ``_sft_batches``).
 
-    Returns ``out_dir``. Reuses an existing complete directory (resume after a crash).
+def answer_logprob(graphdef, params, ids, loss_mask) -> jax.Array:
+    """Per row, ``log p(response + eos | prompt)`` under the policy at temperature 1: ``[B]``."""
+    logits = nnx.merge(graphdef, params)(ids[:, :-1], attention_mask=ids[:, :-1] != 0).logits
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    tok = jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
+    return (tok * loss_mask[:, :-1]).sum(axis=1)
+
+
+def answer_probability(graphdef, params, ids, loss_mask) -> jax.Array:
+    """Mean over rows of ``p(correct response + eos | prompt)`` (see :func:`answer_logprob`).
+
+    This is exactly the chance that one temperature-1 sample is the reference response
+    character for character, so it tracks — and slightly under-states — the sampled accuracy
+    the RL evaluation measures, at the cost of one forward pass instead of a decode.
     """
-    from delta_jax.models import ModelConfig, Transformer, save_pretrained
+    return jnp.exp(answer_logprob(graphdef, params, ids, loss_mask)).mean()
 
-    out_dir = Path(out_dir)
-    if (out_dir / "config.json").exists() and any(out_dir.glob("*.safetensors")):
-        return out_dir
-    tokenizer = build_char_tokenizer()
-    config = ModelConfig.tiny(
+
+def _probe_set(tokenizer, *, seed: int, template: str, length: int):
+    """Held-out problems with their correct responses (independent of training and RL data)."""
+    records = arithmetic_records(_PROBE_PROMPTS, seed=seed + 2)
+    examples = []
+    for r in records:
+        a, b = (int(x) for x in r.prompt[3:].split("=")[0].split("+"))
+        examples.append(_encode_example(tokenizer, a, b, a + b, template))
+    return _pack(examples, tokenizer.pad_token_id, length)
+
+
+def _tiny_config(tokenizer):
+    from delta_jax.models import ModelConfig
+
+    return ModelConfig.tiny(
         family="qwen3",
         vocab_size=DEMO_VOCAB,
         hidden_size=128,
@@ -136,9 +179,49 @@ def warm_up_demo_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model = Transformer(config, rngs=nnx.Rngs(seed))
+
+
+def warm_up_demo_model(
+    out_dir: str | Path,
+    *,
+    steps: int,
+    lr: float,
+    noise: float = 0.5,
+    seed: int = 0,
+    batch: int = 64,
+    target_accuracy: float | None = None,
+    template: str = "short",
+) -> Path:
+    """Train the tiny demo policy with supervised steps and save it as an HF directory.
+
+    Args:
+      out_dir: where the Hugging Face directory goes.
+      steps: the most supervised steps (all of them when ``target_accuracy`` is None).
+      lr: peak learning rate (linear warm-up, then cosine decay over ``steps``).
+      noise: the fraction of demonstrations with a corrupted answer (see ``_sft_batches``).
+      seed: initialisation and data seed (the run's ``run.seed``).
+      batch: demonstrations per step.
+      target_accuracy: stop at the first probe (every 10 steps) whose held-out
+        :func:`answer_probability` reaches this value; None runs all ``steps``. Learning
+        addition has a sharp transition (the probe can go 0.09 -> 0.26 in 40 steps), hence
+        frequent probes.
+      template: the response template, a key of :data:`TEMPLATES`.
+
+    Returns ``out_dir``, with ``demo_warmup.json`` (steps taken, last probe). Reuses an
+    existing complete directory (resume after a crash); the warm-up is a pure function of its
+    arguments, so a rebuilt one is the same model.
+    """
+    from delta_jax.models import Transformer, save_pretrained
+
+    out_dir = Path(out_dir)
+    if (out_dir / "config.json").exists() and any(out_dir.glob("*.safetensors")):
+        return out_dir
+    if template not in TEMPLATES:
+        raise ValueError(f"template={template!r} is not one of {', '.join(TEMPLATES)}")
+    tokenizer = build_char_tokenizer()
+    model = Transformer(_tiny_config(tokenizer), rngs=nnx.Rngs(seed))
     graphdef, params = nnx.split(model, nnx.Param)
-    warmup = min(20, steps // 5)  # short runs (tests) still get a decaying schedule
+    warmup = min(20, max(steps // 5, 1))  # short runs (tests) still ramp up
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1))
     tx = optax.adamw(schedule, weight_decay=0.0)
     opt_state = tx.init(params)
@@ -155,17 +238,30 @@ def warm_up_demo_model(
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    # Longest example: 14 prompt + 19 response characters + eos; never truncated.
-    batches = _sft_batches(tokenizer, batch=batch, seed=seed, length=40, noise=noise)
-    loss = float("nan")
-    for i in range(steps):
+    length = _sequence_length(template)
+    batches = _sft_batches(
+        tokenizer, batch=batch, seed=seed, length=length, noise=noise, template=template
+    )
+    probe = jax.jit(lambda p, i, m: answer_probability(graphdef, p, i, m))
+    probe_ids, probe_mask = _probe_set(tokenizer, seed=seed, template=template, length=length)
+    loss, acc, done = float("nan"), float("nan"), 0
+    while done < steps:
         ids, mask = next(batches)
         params, opt_state, loss = sft_step(params, opt_state, ids, mask)
-        if (i + 1) % 100 == 0:
-            log.info("demo warm-up step %d/%d: loss %.4f", i + 1, steps, float(loss))
+        done += 1
+        if target_accuracy is not None and done % _PROBE_EVERY == 0:
+            acc = float(probe(params, probe_ids, probe_mask))
+            log.info("demo warm-up step %d: loss %.4f, probe %.3f", done, float(loss), acc)
+            if acc >= target_accuracy:
+                break
+    if target_accuracy is not None and not acc >= target_accuracy:
+        log.warning(
+            "demo warm-up: probe %.3f < target %.3f after %d steps", acc, target_accuracy, done
+        )
     nnx.update(model, params)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     save_pretrained(model, tmp, tokenizer=tokenizer)
+    (tmp / "demo_warmup.json").write_text(json.dumps({"steps": done, "probe": acc, "seed": seed}))
     tmp.rename(out_dir)  # complete or absent: a crash mid-save leaves no half directory
-    log.info("demo warm-up done (final loss %.4f); model saved to %s", float(loss), out_dir)
+    log.info("demo warm-up: %d steps (loss %.4f), saved to %s", done, float(loss), out_dir)
     return out_dir

@@ -13,6 +13,8 @@ from delta_jax.diagnostics.heatmap import coefficient_color, heatmap_html, rende
 from delta_jax.diagnostics.plots import plot_runs
 from delta_jax.diagnostics.stats import (
     DELTA_KEYS,
+    answer_token_mask,
+    answer_token_share,
     delta_series,
     frequent_token_share,
     plot_delta_stats,
@@ -23,6 +25,8 @@ from delta_jax.diagnostics.stats import (
 __all__ = [
     "DELTA_KEYS",
     "CoefficientBatch",
+    "answer_token_mask",
+    "answer_token_share",
     "capture_batch",
     "coefficient_color",
     "delta_series",

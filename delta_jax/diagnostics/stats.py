@@ -266,3 +266,55 @@ def _metric_lines(ax, panel: str, series: dict[str, dict]) -> None:
     ax.set_title(_TITLES[panel])
     ax.set_xlabel("step")
     ax.legend(fontsize=7)
+
+
+def answer_token_mask(pieces: Sequence[str]) -> np.ndarray:
+    r"""Which tokens of a response carry its final answer: those inside the last ``\boxed{...}``.
+
+    A token is an answer token when the text it adds overlaps the braces' content; every other
+    token (``Answer: \boxed{``, the closing brace, any chain-of-thought template) is formatting
+    shared by right and wrong responses. No ``\boxed{`` (or no closing brace): no answer token.
+    """
+    text = "".join(pieces)
+    start = text.rfind("\\boxed{")
+    out = np.zeros(len(pieces), bool)
+    if start < 0:
+        return out
+    lo = start + len("\\boxed{")
+    hi = text.find("}", lo)
+    if hi < 0:
+        return out
+    ends = np.cumsum([len(p) for p in pieces])
+    begins = ends - np.array([len(p) for p in pieces])
+    return (begins < hi) & (ends > lo) & (ends > begins)
+
+
+def answer_token_share(batch: CoefficientBatch) -> dict[str, float]:
+    r"""Coefficient weight on answer tokens (inside ``\boxed{}``) vs formatting tokens.
+
+    With ``A`` the answer tokens of :func:`answer_token_mask` and sums over valid tokens::
+
+      answer_count_share  = |A| / |valid|
+      answer_weight_share = Σ_{t ∈ A} λ̄_t / Σ_t λ̄_t
+      mean_answer         = mean λ̄ over A,   mean_format = over the other tokens
+
+    and the same per side (``_pos``: ``Â > 0``, ``_neg``: ``Â < 0``). Under plain DAPO
+    (``λ̄ ≡ 1``) weight share equals count share; DelTA moving credit from shared formatting
+    to the discriminative answer shows as ``mean_answer > mean_format``.
+    """
+    mask = np.asarray(batch.mask, bool)
+    answer = np.zeros(mask.shape, bool)
+    for i, pieces in enumerate(batch.pieces):
+        answer[i, np.flatnonzero(mask[i])] = answer_token_mask(pieces)
+    lam = np.asarray(batch.coefficients, np.float64)[mask]
+    a = answer[mask]
+    adv = np.broadcast_to(np.asarray(batch.advantages)[:, None], mask.shape)[mask]
+    out: dict[str, float] = {}
+    for suffix, sel in (("", np.ones_like(a)), ("_pos", adv > 0), ("_neg", adv < 0)):
+        t, w = a[sel], lam[sel]
+        total = w.sum()
+        out[f"answer_count_share{suffix}"] = float(t.mean()) if t.size else float("nan")
+        out[f"answer_weight_share{suffix}"] = float(w[t].sum() / total) if total > 0 else np.nan
+        out[f"mean_answer{suffix}"] = float(w[t].mean()) if t.any() else float("nan")
+        out[f"mean_format{suffix}"] = float(w[~t].mean()) if (~t).any() else float("nan")
+    return out

@@ -5,7 +5,7 @@ and crash isolation; the functions below are the per-item rewards it runs. The D
 penalty lives with the advantages (:func:`delta_jax.losses.advantages.overlong_penalty`).
 """
 
-from delta_jax.rewards.batch import RewardBatch, RewardScorer
+from delta_jax.rewards.batch import FlippedRewards, RewardBatch, RewardScorer
 from delta_jax.rewards.code import CodeResult, extract_code, run_code
 from delta_jax.rewards.custom import load_reward_fn
 from delta_jax.rewards.format import format_reward, score_format
@@ -13,6 +13,7 @@ from delta_jax.rewards.math import extract_last_boxed, math_reward, score_math
 
 __all__ = [
     "CodeResult",
+    "FlippedRewards",
     "RewardBatch",
     "RewardScorer",
     "extract_code",

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from delta_jax.models import Transformer
-    from delta_jax.rewards import RewardScorer
+    from delta_jax.rewards import FlippedRewards, RewardScorer
     from delta_jax.sampling import Sampler
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,8 @@ class RunParts:
     model: Transformer
     tokenizer: PreTrainedTokenizerBase
     sampler: Sampler
-    scorer: RewardScorer
+    scorer: RewardScorer | FlippedRewards  # training rewards (noisy if reward.flip_fraction > 0)
+    eval_scorer: RewardScorer  # the verifier itself
     pipeline: PromptPipeline
     prompt_ids: list[list[int]]
     records: list[PromptRecord]
@@ -58,7 +59,7 @@ class RunParts:
         return evaluate_prompts(
             sampler=self.sampler,
             params=params,
-            scorer=self.scorer,
+            scorer=self.eval_scorer,
             tokenizer=self.tokenizer,
             prompt_ids=self.eval_prompt_ids,
             records=self.eval_records,
@@ -72,7 +73,7 @@ class RunParts:
         )
 
     def close(self) -> None:
-        self.scorer.close()
+        self.eval_scorer.close()
 
 
 def special_token_ids(tokenizer, model) -> tuple[int, tuple[int, ...]]:
@@ -101,6 +102,8 @@ def load_model(config: Config, run_dir: Path):
                 lr=m.demo_warmup_lr,
                 noise=m.demo_warmup_noise,
                 seed=config.run.seed,
+                target_accuracy=m.demo_warmup_target,
+                template=config.data.demo_template,
             )
         distributed.barrier("demo-model")
     path = resolve_model_dir(str(path), revision=m.revision)  # a hub id: downloaded once
@@ -187,8 +190,18 @@ def _encoded_prompts(config: Config, tokenizer):
     return train, evals
 
 
+def make_scorers(config: Config) -> tuple[RewardScorer | FlippedRewards, RewardScorer]:
+    """(training scorer, evaluation scorer): the same verifier, noisy for training only."""
+    from delta_jax.rewards import FlippedRewards, RewardScorer
+
+    r = config.reward
+    scorer = RewardScorer(r.kind, num_workers=r.num_workers, timeout_s=r.timeout_s)
+    if r.flip_fraction > 0:
+        return FlippedRewards(scorer, r.flip_fraction, config.run.seed), scorer
+    return scorer, scorer
+
+
 def build_run_parts(config: Config, mesh=None) -> RunParts:
-    from delta_jax.rewards import RewardScorer
     from delta_jax.sampling import Sampler
 
     run_dir = Path(config.run.dir)
@@ -216,16 +229,15 @@ def build_run_parts(config: Config, mesh=None) -> RunParts:
         decode_slots=config.rollout.decode_slots,
         page_size=config.rollout.page_size,
     )
-    scorer = RewardScorer(
-        config.reward.kind, num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s
-    )
+    train_scorer, scorer = make_scorers(config)
     return RunParts(
         config=config,
         run_dir=run_dir,
         model=model,
         tokenizer=tokenizer,
         sampler=sampler,
-        scorer=scorer,
+        scorer=train_scorer,
+        eval_scorer=scorer,
         pipeline=pipeline,
         prompt_ids=train.ids,
         records=train.records,

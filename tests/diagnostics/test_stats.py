@@ -149,3 +149,46 @@ def test_plot_runs_keeps_runs_with_the_same_name(tmp_path, monkeypatch):
     )
     plot_runs([a, b], tmp_path / "c.png", panels=("reward_mean",))
     assert drawn == [str(a), str(b)]
+
+
+def test_answer_token_mask_marks_the_boxed_content():
+    from delta_jax.diagnostics import answer_token_mask
+
+    pieces = list("Answer: \\boxed{85}")
+    assert "".join(np.array(pieces)[answer_token_mask(pieces)]) == "85"
+    multi = ["Ans", "wer: \\box", "ed{1", "23}", " Done."]  # pieces spanning the braces
+    np.testing.assert_array_equal(answer_token_mask(multi), [0, 0, 1, 1, 0])
+    assert not answer_token_mask(list("no answer {1}")).any()
+    assert not answer_token_mask(list("\\boxed{12")).any()  # unclosed: nothing counted
+
+
+def test_answer_token_share_matches_a_loop_oracle():
+    from delta_jax.diagnostics import answer_token_share
+
+    batch = synthetic_batch(seed=1)
+    got = answer_token_share(batch)
+    lam, adv = np.asarray(batch.coefficients, np.float64), np.asarray(batch.advantages)
+    for suffix, keep in (
+        ("", lambda a: True),
+        ("_pos", lambda a: a > 0),
+        ("_neg", lambda a: a < 0),
+    ):
+        ans, fmt = [], []
+        for i, pieces in enumerate(batch.pieces):
+            if not keep(adv[i]):
+                continue
+            text, pos = "".join(pieces), 0
+            lo = text.rfind("\\boxed{") + len("\\boxed{")
+            hi = text.find("}", lo)
+            for j, p in enumerate(pieces):
+                (ans if lo <= pos < hi else fmt).append(lam[i, j])
+                pos += len(p)
+        np.testing.assert_allclose(got[f"mean_answer{suffix}"], np.mean(ans), rtol=1e-6)
+        np.testing.assert_allclose(got[f"mean_format{suffix}"], np.mean(fmt), rtol=1e-6)
+        share = sum(ans) / (sum(ans) + sum(fmt))
+        np.testing.assert_allclose(got[f"answer_weight_share{suffix}"], share, rtol=1e-6)
+        np.testing.assert_allclose(
+            got[f"answer_count_share{suffix}"], len(ans) / (len(ans) + len(fmt)), rtol=1e-9
+        )
+    # The synthetic batch's digits are its discriminative tokens: DelTA weights them up.
+    assert got["mean_answer"] > got["mean_format"]
