@@ -31,8 +31,9 @@ from jax.experimental import topologies
 from delta_jax.config import load_config
 from delta_jax.models import Transformer
 from delta_jax.plan import KNOWN_MODELS
-from delta_jax.rl.objectives import resolve_objective
-from delta_jax.rl.train_step import TrainBatch, init_train_state, make_optimizer, make_train_step
+from delta_jax.rl.state import init_train_state, make_optimizer
+from delta_jax.rl.train_step import abstract_batch, make_train_step
+from delta_jax.rl.update_plan import UpdatePlan
 
 # A 70B-shaped Qwen3 (Llama-3-70B widths and depth, Qwen3 vocabulary and qk-norm).
 MODELS = {
@@ -57,18 +58,23 @@ def step_cost(shape: dict, layers: int, loss: str, prompt: int, gen: int, device
     graphdef, params = nnx.split(abstract, nnx.Param)
     optimizer = make_optimizer(load_config(None).optim, 100)
     state = jax.eval_shape(lambda p: init_train_state(p, optimizer), params)
-    objective = resolve_objective(
-        load_config(None, [f"algo.loss={loss}"]).algo, max_response_length=gen
+    # One response row in the padded layout, one update: DelTA's coefficients in the loss.
+    plan = UpdatePlan.from_config(
+        load_config(
+            None,
+            [
+                f"algo.loss={loss}",
+                "algo.packing=false",
+                f"data.max_prompt_length={prompt}",
+                f"rollout.max_new_tokens={gen}",
+                "rollout.prompts_per_step=1",
+                "rollout.samples_per_prompt=2",
+            ],
+        )
     )
-    step = make_train_step(graphdef, optimizer, objective, temperature=1.0, gen_len=gen)
-    s = prompt + gen
+    step = make_train_step(graphdef, optimizer, plan)
     sds = jax.ShapeDtypeStruct
-    batch = TrainBatch(
-        input_ids=sds((1, 1, s), jnp.int32),
-        attention_mask=sds((1, 1, s), jnp.bool_),
-        response_mask=sds((1, 1, gen), jnp.bool_),
-        advantages=sds((1, 1), jnp.float32),
-    )
+    batch = abstract_batch(plan, 1)
     on_chip = jax.sharding.SingleDeviceSharding(device)
     place = lambda tree: jax.tree.map(lambda x: sds(x.shape, x.dtype, sharding=on_chip), tree)
     compiled = step.lower(place(state), place(batch)).compile()
