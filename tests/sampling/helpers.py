@@ -1,7 +1,11 @@
 """Float64 NumPy oracles shared by the sampling tests (independent of the package code)."""
 
+import jax
 import numpy as np
+from flax import nnx
 from scipy import stats
+
+from delta_jax.models import ModelConfig, Transformer
 
 
 def truncated_distribution(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
@@ -61,3 +65,12 @@ def chisquare_pvalue(tokens, probs):
     if counts[~support].sum():
         return 0.0
     return stats.chisquare(counts[support], probs[support] * tokens.size).pvalue
+
+
+def peaked_model():
+    """The tiny Qwen3 of the sampler tests, its matrices scaled x4 so that the next-token
+    distributions are far from uniform (sampling tests then have power)."""
+    m = Transformer(ModelConfig.tiny("qwen3", vocab_size=96), rngs=nnx.Rngs(3))
+    _, params = nnx.split(m, nnx.Param)
+    nnx.update(m, jax.tree.map(lambda x: x * 4.0 if x.ndim == 2 else x, params))
+    return m

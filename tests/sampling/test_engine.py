@@ -14,6 +14,7 @@ from delta_jax.sampling import Buckets, Sampler
 from tests.sampling.helpers import (
     chisquare_pvalue,
     log_softmax,
+    peaked_model,
     truncated_distribution,
     truncated_logprobs,
 )
@@ -33,11 +34,7 @@ def engine(model, **kw) -> Sampler:
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = ModelConfig.tiny("qwen3", vocab_size=96)
-    m = Transformer(cfg, rngs=nnx.Rngs(3))
-    _, params = nnx.split(m, nnx.Param)
-    nnx.update(m, jax.tree.map(lambda x: x * 4.0 if x.ndim == 2 else x, params))
-    return m
+    return peaked_model()
 
 
 @pytest.fixture(scope="module")

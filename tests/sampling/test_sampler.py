@@ -13,6 +13,7 @@ from delta_jax.sampling.buckets import bucket_size
 from tests.sampling.helpers import (
     chisquare_pvalue,
     log_softmax,
+    peaked_model,
     truncated_distribution,
     truncated_logprobs,
 )
@@ -23,12 +24,7 @@ ATOL = 1e-4  # whole-model tolerance
 
 @pytest.fixture(scope="module")
 def model():
-    # A larger init scale than the default so that the distributions are far from uniform.
-    cfg = ModelConfig.tiny("qwen3", vocab_size=96)
-    m = Transformer(cfg, rngs=nnx.Rngs(3))
-    _, params = nnx.split(m, nnx.Param)
-    nnx.update(m, jax.tree.map(lambda x: x * 4.0 if x.ndim == 2 else x, params))
-    return m
+    return peaked_model()
 
 
 @pytest.fixture(scope="module")
