@@ -13,13 +13,16 @@ from delta_jax.models import ModelConfig, Transformer, from_pretrained, token_lo
 from delta_jax.sampling import Buckets, Sampler
 from tests.sampling.helpers import (
     chisquare_pvalue,
-    log_softmax,
     peaked_model,
     truncated_distribution,
-    truncated_logprobs,
 )
 from tests.sampling.test_hf_parity import CONFIGS, PAD
-from tests.sampling.test_sampler import ATOL, CompileCounter, _forward, _full_forward
+from tests.sampling.test_sampler import (
+    CompileCounter,
+    _forward,
+    _full_forward,
+    check_rows_against_full_forward,
+)
 
 # Prompt lengths around page boundaries (page_size 4: prefixes of 0, 3, 4, 5 and 12 tokens).
 PROMPTS = [[5, 9, 2, 17], [7, 1, 4, 4, 8, 3], [20], [3, 3, 6, 2, 9], list(range(30, 43))]
@@ -90,18 +93,7 @@ def test_logprobs_and_hidden_match_full_forward(model, small):
             model, ids[:, :-1], ids[:, 1:], attention_mask=mask[:, :-1], temperature=0.8
         ).logprobs
     )
-    truncated_seen = False
-    for row, (_, _, logits, hidden, gen, plen) in enumerate(rows):
-        t = np.arange(gen.size)
-        behaviour = truncated_logprobs(logits, **kw)[t, gen]
-        untruncated = log_softmax(logits / kw["temperature"])[t, gen]
-        np.testing.assert_allclose(out.logprobs[row], behaviour, atol=ATOL)
-        np.testing.assert_allclose(out.untruncated_logprobs[row], untruncated, atol=ATOL)
-        np.testing.assert_allclose(np.asarray(out.hidden_array[row, : gen.size]), hidden, atol=ATOL)
-        np.testing.assert_allclose(
-            out.untruncated_logprobs[row], ref[row, plen - 1 : plen - 1 + gen.size], atol=ATOL
-        )
-        truncated_seen |= bool(np.any(behaviour - untruncated > 1e-3))
+    truncated_seen = check_rows_against_full_forward(out, rows, ref, kw)
     assert truncated_seen
     assert out.tokens[0] != out.tokens[1]  # samples of one prompt draw their own tokens
 

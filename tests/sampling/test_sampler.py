@@ -81,19 +81,11 @@ def _full_forward(model, out):
     return result
 
 
-def test_logprobs_and_hidden_match_full_forward(model, sampler):
-    kw = dict(temperature=0.8, top_k=20, top_p=0.9)
-    out = sampler.generate(PROMPTS, max_new_tokens=12, n=2, seed=1, return_hidden=True, **kw)
-    assert out.num_rows == 8 and len(out.tokens) == 8 and out.lengths == [12] * 8
+def check_rows_against_full_forward(out, rows, ref, kw) -> bool:
+    """Each sampled row's behaviour / untruncated log-probs and hidden states against the full
+    forward (``rows`` from :func:`_full_forward`, ``ref`` its untruncated log-probs); returns
+    whether the truncation removed mass somewhere (so the test had power)."""
     truncated_seen = False
-    rows = _full_forward(model, out)
-    # The trainer recomputes with token_logprobs at the same temperature (right-padded batch).
-    ids = np.stack([r[0] for r in rows])
-    mask = np.stack([r[1] for r in rows])
-    ref = token_logprobs(
-        model, ids[:, :-1], ids[:, 1:], attention_mask=mask[:, :-1], temperature=kw["temperature"]
-    )
-    ref = np.asarray(ref.logprobs)
     for row, (_, _, logits, hidden, gen, plen) in enumerate(rows):
         t = np.arange(gen.size)
         behaviour = truncated_logprobs(logits, **kw)[t, gen]
@@ -105,6 +97,22 @@ def test_logprobs_and_hidden_match_full_forward(model, sampler):
             out.untruncated_logprobs[row], ref[row, plen - 1 : plen - 1 + gen.size], atol=ATOL
         )
         truncated_seen |= bool(np.any(behaviour - untruncated > 1e-3))
+    return truncated_seen
+
+
+def test_logprobs_and_hidden_match_full_forward(model, sampler):
+    kw = dict(temperature=0.8, top_k=20, top_p=0.9)
+    out = sampler.generate(PROMPTS, max_new_tokens=12, n=2, seed=1, return_hidden=True, **kw)
+    assert out.num_rows == 8 and len(out.tokens) == 8 and out.lengths == [12] * 8
+    rows = _full_forward(model, out)
+    # The trainer recomputes with token_logprobs at the same temperature (right-padded batch).
+    ids = np.stack([r[0] for r in rows])
+    mask = np.stack([r[1] for r in rows])
+    ref = token_logprobs(
+        model, ids[:, :-1], ids[:, 1:], attention_mask=mask[:, :-1], temperature=kw["temperature"]
+    )
+    ref = np.asarray(ref.logprobs)
+    truncated_seen = check_rows_against_full_forward(out, rows, ref, kw)
     assert truncated_seen  # the truncation really removed mass in this setting
     # Prompt-major rows: both samples of a prompt carry that prompt.
     np.testing.assert_array_equal(out.prompt_array[0], out.prompt_array[1])
