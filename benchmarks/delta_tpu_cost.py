@@ -59,19 +59,7 @@ def step_cost(shape: dict, layers: int, loss: str, prompt: int, gen: int, device
     optimizer = make_optimizer(load_config(None).optim, 100)
     state = jax.eval_shape(lambda p: init_train_state(p, optimizer), params)
     # One response row in the padded layout, one update: DelTA's coefficients in the loss.
-    plan = UpdatePlan.from_config(
-        load_config(
-            None,
-            [
-                f"algo.loss={loss}",
-                "algo.packing=false",
-                f"data.max_prompt_length={prompt}",
-                f"rollout.max_new_tokens={gen}",
-                "rollout.prompts_per_step=1",
-                "rollout.samples_per_prompt=2",
-            ],
-        )
-    )
+    plan = UpdatePlan.padded(loss, prompt, gen, 2)
     step = make_train_step(graphdef, optimizer, plan)
     sds = jax.ShapeDtypeStruct
     batch = abstract_batch(plan, 1)

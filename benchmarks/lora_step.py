@@ -62,19 +62,7 @@ def main() -> None:
         ),
     )
     optimizer = make_optimizer(load_config(None).optim, 100)
-    plan = UpdatePlan.from_config(
-        load_config(
-            None,
-            [
-                "algo.loss=delta",
-                "algo.packing=false",
-                f"data.max_prompt_length={args.prompt}",
-                f"rollout.max_new_tokens={args.gen}",
-                f"rollout.prompts_per_step={max(args.rows // 2, 1)}",
-                "rollout.samples_per_prompt=2",
-            ],
-        )
-    )
+    plan = UpdatePlan.padded("delta", args.prompt, args.gen, args.rows)
     steps, states, first, opt_bytes = {}, {}, {}, {}
     for kind in ("full", "lora"):
         model = Transformer(bench_config("small"), rngs=nnx.Rngs(0))

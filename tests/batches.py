@@ -2,27 +2,13 @@
 
 import numpy as np
 
-from delta_jax.config import load_config
 from delta_jax.rl.train_step import TrainBatch
 from delta_jax.rl.update_plan import UpdatePlan
 
 
 def padded_plan(loss: str, prompt: int, gen: int, rows: int, *algo: str) -> UpdatePlan:
     """The update plan of ``rows`` sequences (one update) in the padded layout."""
-    return UpdatePlan.from_config(
-        load_config(
-            None,
-            [
-                f"algo.loss={loss}",
-                "algo.packing=false",
-                f"data.max_prompt_length={prompt}",
-                f"rollout.max_new_tokens={gen}",
-                f"rollout.prompts_per_step={rows // 2}",
-                "rollout.samples_per_prompt=2",
-                *algo,
-            ],
-        )
-    )
+    return UpdatePlan.padded(loss, prompt, gen, rows, *algo)
 
 
 def padded_batch(ids, attention, response, advantages) -> TrainBatch:

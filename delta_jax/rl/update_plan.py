@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from delta_jax.config import Config
+from delta_jax.config import Config, load_config
 from delta_jax.rl.objectives import Objective, resolve_objective
 
 CoefficientSource = Literal["none", "in_loss", "sampler", "old_pass"]
@@ -59,6 +59,26 @@ class UpdatePlan:
     packing: bool
     tokens_per_row: int
     delta_scope: str
+
+    @classmethod
+    def padded(cls, loss: str, prompt_len: int, gen_len: int, rows: int, *overrides: str):
+        """The plan of one update on ``rows`` sequences (pairs of samples), one padded sequence
+        per row, default config otherwise (``overrides``: more ``key=value``): for benchmarks
+        and tests that build their batches by hand."""
+        return cls.from_config(
+            load_config(
+                None,
+                [
+                    f"algo.loss={loss}",
+                    "algo.packing=false",
+                    f"data.max_prompt_length={prompt_len}",
+                    f"rollout.max_new_tokens={gen_len}",
+                    f"rollout.prompts_per_step={max(rows // 2, 1)}",
+                    "rollout.samples_per_prompt=2",
+                    *overrides,
+                ],
+            )
+        )
 
     @classmethod
     def from_config(cls, config: Config) -> UpdatePlan:
