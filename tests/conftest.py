@@ -18,3 +18,20 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# Programs compiled by the CLI runs the tests start in subprocesses (the demo config with a few
+# overrides, again and again) go to one persistent XLA cache for the session, so a second run
+# of the same programs (a resume, the second process layout, the same config in another test)
+# loads them instead of compiling. JAX is imported first so that this test process keeps its own
+# in-memory caching only: tests here count compilations and must see them.
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402, F401
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _xla_cache = tempfile.mkdtemp(prefix="delta_jax_test_xla_cache_")
+    atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _xla_cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
