@@ -133,7 +133,7 @@ def tpu_flops(args) -> None:
     topo = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu")
     devices = np.array(topo.devices).reshape(1, -1, 1)
     mesh = Mesh(devices, sh.AXES)
-    mc = known_model_config("Qwen3-8B", scan_layers=True, remat="block")
+    mc = known_model_config("Qwen3-8B", scan_layers=True, remat=args.tpu_remat)
     # The paper configs: bf16 compute, float32 parameters.
     abstract = nnx.eval_shape(lambda: Transformer(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(abstract, nnx.Param)
@@ -178,6 +178,7 @@ def main() -> None:
     parser.add_argument("--tpu", action="store_true", help="also the TPU FLOP count (slow)")
     parser.add_argument("--tpu-max-len", type=int, default=20480, help="response cap (TPU)")
     parser.add_argument("--tpu-micro", type=int, default=16, help="algo.micro_batches (TPU)")
+    parser.add_argument("--tpu-remat", default="block", help="model.remat (TPU)")
     parser.add_argument("--no-timing", action="store_true", help="only the TPU FLOP count")
     args = parser.parse_args()
     if not args.no_timing:

@@ -146,14 +146,15 @@ def test_packed_update_equals_padded(setup, results, loss, mini, micro):
     """Same rollout, packed vs padded rows: same parameters, coefficients, loss and metrics.
 
     With 4 mini-batches the full RL update is four SGD steps of lr 1, each taken where the
-    previous one left the parameters, and the fourth is badly conditioned: the same padded
-    batch, applied to two starting points 9.5e-7 apart (one float32 ulp of the packed and padded
-    runs' parameters after three updates), gives parameters 2.7e-5 apart (gradient norm ~7,
-    30% of the tokens at the PPO clip). So the end points of the two chains differ by 2.7e-5
-    from float32 rounding alone (padded rows in another order: 1e-5). What the layout must not
-    change is each update: the packed run's updates are replayed one at a time, the padded
-    update applied to the very parameters the packed one started from, at lr 1 within 1e-5
-    (measured <= 8e-7); the replay ends exactly at the full update's parameters.
+    previous one left the parameters, and the fourth is badly conditioned (gradient norm ~7, 30%
+    of the tokens at the PPO clip): in the padded layout alone, the same batch applied to two
+    starting points 9.5e-7 apart (the packed and padded DelTA runs' parameters after three
+    updates, ~1 float32 ulp) gives parameters 2.7e-5 apart. So the two chains' end points differ
+    by float32 rounding amplified by the steps (DelTA 2.7e-5, DAPO 4.9e-6; padded rows merely
+    in another order: DelTA 9.5e-6), not by layout. What the layout must not change is each
+    update: the packed run's updates are replayed one at a time, the padded update applied to
+    the very parameters the packed one started from, at lr 1 within 1e-5 (DelTA: at most
+    7.8e-7); the replay ends exactly at the full update's parameters.
     """
     _, params, _ = setup
     packed, m_packed, b_packed = results(loss, True, mini, micro)
