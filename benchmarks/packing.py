@@ -5,18 +5,20 @@
    maximum (capped at it, default 2,048), prompts of 64 tokens; the same rollout laid out padded
    (one sequence per row of ``P + G - 1`` positions) and packed (first-fit-decreasing into rows
    of the same length, bucketed row count). Both programs are compiled first (compile time
-   printed apart), then timed calls alternate; the median of ``--repeats`` each.
+   printed apart), then timed calls alternate; the median of ``--repeats`` each. Rows cost the
+   same FLOPs whatever they hold, so the ratio follows the row counts. ``--micro 8`` holds one
+   row per micro-batch: the small model's padded 8-row micro-batch needs more than 14 GB of
+   host memory; ``--model tiny`` is the affordable run on a small shared machine.
 2. *TPU FLOPs* (``--tpu``, compile-only, no TPU needed): the train step of Qwen3-8B at the
    paper's lengths (prompt 2,048, response 20,480; 512 sequences per update, 16 micro-batches)
    lowered for a ``v5p:2x2x1`` topology; ``cost_analysis()`` of one micro-batch program, times
-   16, for the padded rows and for the packed rows of the same length distribution. Attention is
-   the model's dense path (the chunked/splash kernels are another issue's work), so the
-   quadratic part is counted densely over each row in both layouts; the TPU compiler refuses
-   programs that need more HBM than the chip has (it says so and how much), as dense attention
-   does at the paper's 22.5k-token rows: ``--tpu-max-len`` compares shorter responses.
+   the micro-batches, for the padded rows and for the packed rows of the same length distribution. Attention is
+   ``auto`` (splash on TPU); the TPU compiler refuses programs that need more HBM than the chip
+   has (it says so and how much), as 32 rows of 22.5k tokens per micro-batch do:
+   ``--tpu-micro 128 --tpu-remat full`` (one row per chip, blocks recomputed) fits.
 
     python benchmarks/packing.py [--sequences 8] [--max-len 2048] [--repeats 2] [--micro 8]
-    python benchmarks/packing.py --tpu --no-timing [--tpu-max-len 4096]
+    python benchmarks/packing.py --tpu --no-timing [--tpu-micro 128 --tpu-remat full]
 """
 
 from __future__ import annotations
