@@ -12,10 +12,11 @@
 2. *TPU FLOPs* (``--tpu``, compile-only, no TPU needed): the train step of Qwen3-8B at the
    paper's lengths (prompt 2,048, response 20,480; 512 sequences per update, 16 micro-batches)
    lowered for a ``v5p:2x2x1`` topology; ``cost_analysis()`` of one micro-batch program, times
-   the micro-batches, for the padded rows and for the packed rows of the same length distribution. Attention is
-   ``auto`` (splash on TPU); the TPU compiler refuses programs that need more HBM than the chip
-   has (it says so and how much), as 32 rows of 22.5k tokens per micro-batch do:
-   ``--tpu-micro 128 --tpu-remat full`` (one row per chip, blocks recomputed) fits.
+   the micro-batches, for the padded rows and for the packed rows of the same length
+   distribution. Attention is ``auto`` (splash on TPU); the TPU compiler refuses programs that
+   need more HBM than the chip has (it says so and how much), as 32 rows of 22.5k tokens per
+   micro-batch do: ``--tpu-micro 128 --tpu-remat full`` (one row per chip, blocks recomputed)
+   fits.
 
     python benchmarks/packing.py [--sequences 8] [--max-len 2048] [--repeats 2] [--micro 8]
     python benchmarks/packing.py --tpu --no-timing [--tpu-micro 128 --tpu-remat full]
