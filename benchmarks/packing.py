@@ -4,18 +4,22 @@
    (``bench_models``) on a rollout whose response lengths are log-normal with mean 25% of the
    maximum (capped at it, default 2,048), prompts of 64 tokens; the same rollout laid out padded
    (one sequence per row of ``P + G - 1`` positions) and packed (first-fit-decreasing into rows
-   of the same length, bucketed row count). Median of ``--repeats`` timed calls after compiling.
+   of the same length, bucketed row count). Both programs are compiled first (compile time
+   printed apart), then timed calls alternate; the median of ``--repeats`` each. Rows cost the
+   same FLOPs whatever they hold, so the ratio follows the row counts. ``--micro 8`` holds one
+   row per micro-batch: the small model's padded 8-row micro-batch needs more than 14 GB of
+   host memory; ``--model tiny`` is the affordable run on a small shared machine.
 2. *TPU FLOPs* (``--tpu``, compile-only, no TPU needed): the train step of Qwen3-8B at the
    paper's lengths (prompt 2,048, response 20,480; 512 sequences per update, 16 micro-batches)
    lowered for a ``v5p:2x2x1`` topology; ``cost_analysis()`` of one micro-batch program, times
-   16, for the padded rows and for the packed rows of the same length distribution. Attention is
-   the model's dense path (the chunked/splash kernels are another issue's work), so the
-   quadratic part is counted densely over each row in both layouts; the TPU compiler refuses
-   programs that need more HBM than the chip has (it says so and how much), as dense attention
-   does at the paper's 22.5k-token rows: ``--tpu-max-len`` compares shorter responses.
+   the micro-batches, for the padded rows and for the packed rows of the same length
+   distribution. Attention is ``auto`` (splash on TPU); the TPU compiler refuses programs that
+   need more HBM than the chip has (it says so and how much), as 32 rows of 22.5k tokens per
+   micro-batch do: ``--tpu-micro 128 --tpu-remat full`` (one row per chip, blocks recomputed)
+   fits.
 
-    python benchmarks/packing.py [--sequences 8] [--max-len 2048] [--repeats 2]
-    python benchmarks/packing.py --tpu --no-timing [--tpu-max-len 4096]
+    python benchmarks/packing.py [--sequences 8] [--max-len 2048] [--repeats 2] [--micro 8]
+    python benchmarks/packing.py --tpu --no-timing [--tpu-micro 128 --tpu-remat full]
 """
 
 from __future__ import annotations
@@ -64,40 +68,58 @@ def _config(prompt, gen, rows, packing, *extra):
 def update_time(args) -> None:
     rng = np.random.default_rng(0)
     P, G, B = 64, args.max_len, args.sequences
-    model = Transformer(bench_config("small"), rngs=nnx.Rngs(0))
+    # Each block recomputed in the backward pass, so that a padded micro-batch's activations
+    # fit a small machine's memory. Same in both layouts.
+    config = dataclasses.replace(bench_config(args.model), remat="full")
+    model = Transformer(config, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     glens = response_lengths(B, G, rng)
     plens = np.full(B, P, np.int32)
-    seqs = rng.integers(3, 32000, (B, P + G)).astype(np.int32)
-    inputs = (
+    seqs = rng.integers(3, config.vocab_size, (B, P + G)).astype(np.int32)
+    rollout = (
         jnp.asarray(seqs),
         jnp.asarray(-rng.uniform(size=(B, G)).astype(np.float32)),
         jnp.asarray(rng.normal(size=B).astype(np.float32)),
-        None,
     )
-    print(f"response lengths: mean {glens.mean():.0f}, max {glens.max()}, cap {G}", flush=True)
-    times = {}
+    # With micro-batches DelTA's coefficients are an input (from the sampler's hidden states).
+    coefficients = jnp.asarray(rng.uniform(0.5, 1.5, (B, G)).astype(np.float32))
+    print(
+        f"model {args.model}, {B} sequences, {args.micro} micro-batches; response lengths: "
+        f"mean {glens.mean():.0f}, max {glens.max()}, cap {G}",
+        flush=True,
+    )
+    programs = {}
     for packing in (False, True):
-        plan = UpdatePlan.from_config(_config(P, G, B, packing))
-        optimizer = make_optimizer(_config(P, G, B, packing).optim, 10)
+        cfg = _config(P, G, B, packing, f"algo.micro_batches={args.micro}")
+        plan = UpdatePlan.from_config(cfg)
+        optimizer = make_optimizer(cfg.optim, 10)
         index, stats = plan_rows(plan, np.arange(B), plens, glens, shards=1)
-        batch = jax.tree.map(lambda x: x[0], make_assemble(plan)(*inputs, index))
-        step = make_train_step(graphdef, optimizer, plan, donate=False)
+        coef = coefficients if plan.coefficients == "sampler" else None
+        batch = jax.tree.map(lambda x: x[0], make_assemble(plan)(*rollout, coef, index))
         state = init_train_state(params, optimizer)
-        jax.block_until_ready(step(state, batch))  # compile
-        runs = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(step(state, batch))
-            runs.append(time.perf_counter() - t0)
-        times[packing] = statistics.median(runs)
+        t0 = time.perf_counter()
+        step = (
+            make_train_step(graphdef, optimizer, plan, donate=False).lower(state, batch).compile()
+        )
         name = "packed" if packing else "padded"
         print(
-            f"{name}: {stats['batch/packed_rows']} rows x {plan.row_len} positions, pad "
-            f"fraction {stats['batch/pad_fraction']:.3f}, update {times[packing]:.2f} s",
+            f"{name}: {stats['batch/packed_rows']} rows x {plan.row_len} positions in "
+            f"{stats['batch/micro_batches']} micro-batches, pad "
+            f"fraction {stats['batch/pad_fraction']:.3f}, compiled in "
+            f"{time.perf_counter() - t0:.1f} s",
             flush=True,
         )
-    print(f"packed / padded update time: {times[True] / times[False]:.3f}")
+        programs[packing] = (step, state, batch)
+    # Padded and packed calls alternate, so a load change on a shared machine hits both.
+    times = {False: [], True: []}
+    for _ in range(args.repeats):
+        for packing, (step, state, batch) in programs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(step(state, batch))
+            times[packing].append(time.perf_counter() - t0)
+    padded, packed = (statistics.median(times[k]) for k in (False, True))
+    print(f"update: padded {padded:.2f} s, packed {packed:.2f} s (median of {args.repeats})")
+    print(f"packed / padded update time: {packed / padded:.3f}")
 
 
 def tpu_flops(args) -> None:
@@ -114,7 +136,7 @@ def tpu_flops(args) -> None:
     topo = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu")
     devices = np.array(topo.devices).reshape(1, -1, 1)
     mesh = Mesh(devices, sh.AXES)
-    mc = known_model_config("Qwen3-8B", scan_layers=True, remat="block")
+    mc = known_model_config("Qwen3-8B", scan_layers=True, remat=args.tpu_remat)
     # The paper configs: bf16 compute, float32 parameters.
     abstract = nnx.eval_shape(lambda: Transformer(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(abstract, nnx.Param)
@@ -154,9 +176,12 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=8)
     parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--model", choices=("tiny", "small"), default="small")
+    parser.add_argument("--micro", type=int, default=1, help="algo.micro_batches (timing)")
     parser.add_argument("--tpu", action="store_true", help="also the TPU FLOP count (slow)")
     parser.add_argument("--tpu-max-len", type=int, default=20480, help="response cap (TPU)")
     parser.add_argument("--tpu-micro", type=int, default=16, help="algo.micro_batches (TPU)")
+    parser.add_argument("--tpu-remat", default="block", help="model.remat (TPU)")
     parser.add_argument("--no-timing", action="store_true", help="only the TPU FLOP count")
     args = parser.parse_args()
     if not args.no_timing:
