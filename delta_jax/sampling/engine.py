@@ -283,7 +283,8 @@ class EngineSpec:
     steps: int
     page_size: int
     num_pages: int
-    max_table: int  # page-table width cap (pages of the longest sequence, power of two)
+    seq_pages: int  # pages of the longest sequence (prompt bucket + generation bucket)
+    max_table: int  # page-table width cap (``seq_pages`` up to a power of two)
     prefill_len: int  # longest prefill chunk
     min_len: int  # floor of the prefill-chunk and page-table (in tokens) buckets
     prefill_rows: int  # prompts per prefill call (fixed: a new count would compile again)
@@ -425,7 +426,8 @@ class _Scheduler:
                     valid[r, : part.size] = True
                 # Pages up to this chunk's end (the earlier chunks' ones included).
                 tables = [self.prompts[i].pages[: pages_for(offset + T, ps)] for i in group]
-                pages = self._page_list(tables, rows, floor=rows * pages_for(T, ps))
+                size = _pow2(max(sum(map(len, tables)), rows * pages_for(T, ps)))
+                pages = self._page_list(tables, rows, size)
                 self.compile("prefill", ids, positions.copy(), valid, pages)
                 self.stats.prefill_calls += 1
 
@@ -469,10 +471,8 @@ class _Scheduler:
         return self.done
 
     @staticmethod
-    def _page_list(tables: list[list[int]], rows: int, floor: int) -> dict[str, np.ndarray]:
-        """Flat :class:`PageList` arrays of per-row page lists, padded to a power of two."""
-        total = sum(len(t) for t in tables)
-        size = _pow2(max(total, floor, 1))
+    def _page_list(tables: list[list[int]], rows: int, size: int) -> dict[str, np.ndarray]:
+        """Flat :class:`PageList` arrays of per-row page lists, padded to ``size`` entries."""
         page = np.full(size, SCRATCH_PAGE, np.int32)
         seq = np.full(size, rows, np.int32)  # out of range: padding
         index = np.zeros(size, np.int32)
@@ -490,17 +490,19 @@ class _Scheduler:
         tables = [
             self.slots[i].table if self.slots[i] is not None else [] for i in range(spec.slots)
         ]
-        floor = pages_for(spec.min_len, spec.page_size)
         if spec.attention == "pallas":
+            floor = pages_for(spec.min_len, spec.page_size)
             widest = max(len(t) for t in tables)
             nb = min(spec.max_table, _pow2(max(widest, floor)))
             table = np.zeros((spec.slots, nb), np.int32)
             for i in live:
                 table[i, : len(tables[i])] = tables[i]
-            pages = self._page_list([], spec.slots, floor=1)
+            pages = self._page_list([], spec.slots, size=1)
         else:
+            # One list length for every chunk (every slot at the longest sequence): the XLA
+            # path reads only the real entries, so a longer list costs nothing but its indices.
             table = np.zeros((spec.slots, 1), np.int32)
-            pages = self._page_list(tables, spec.slots, floor=spec.slots * floor)
+            pages = self._page_list(tables, spec.slots, size=spec.slots * spec.seq_pages)
         before = state["count"].copy()
         out = self.compile("decode", dict(state, page_table=table), pages)
         self.stats.chunks += 1
