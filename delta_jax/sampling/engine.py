@@ -20,9 +20,11 @@ This engine keeps ``decode_slots`` sequences running instead:
 
 Every sequence draws token ``t`` with the key ``fold_in(fold_in(fold_in(key(seed), prompt),
 sample), t)``, so its tokens do not depend on the slot count, the slot order or preemptions.
-Programs have fixed shapes: slots, chunk ``k`` and the pool are fixed per sampler, the page-table
-width is a power of two of pages (the longest live sequence, so attention work follows the
-actual lengths) and prefill shapes are power-of-two buckets; each program compiles once.
+Programs have fixed shapes: slots, chunk ``k`` and the pool are fixed per sampler; the XLA
+path's flat page list has one length per request bucket (it stops reading at the last real
+entry, so attention work follows the actual lengths), the Pallas path's page-table width is a
+power of two of pages (the longest live sequence) and prefill shapes are power-of-two buckets;
+each program compiles once.
 """
 
 from __future__ import annotations

@@ -224,14 +224,16 @@ def _segment_sum(x, segments, num):
     return jax.ops.segment_sum(x, segments, num_segments=num, indices_are_sorted=True)
 
 
-def _pallas_attention(q, kv, positions, page_table, mesh: Mesh | None):
+def _pallas_attention(q, kv, positions, valid, page_table, mesh: Mesh | None):
     """Decode attention (T = 1) with JAX's ragged paged attention TPU kernel."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
     B, T, N, D = q.shape
     if T != 1:
         raise ValueError(f"the pallas paged attention path is for decode (T = 1), got T = {T}")
-    kv_lens = (positions[:, 0] + 1).astype(jnp.int32)
+    # The kernel copies every sequence's pages up to its length: an idle slot gets length 1
+    # (its scratch page) instead of the stale position it stopped at.
+    kv_lens = jnp.where(valid[:, 0], positions[:, 0] + 1, 1).astype(jnp.int32)
     cu_q_lens = jnp.arange(B + 1, dtype=jnp.int32)
     num_seqs = jnp.array([B], jnp.int32)
 
@@ -319,7 +321,7 @@ def paged_forward(
     if attention == "pallas":
 
         def attend(q, kv, positions):
-            return _pallas_attention(q, kv, positions, page_table, mesh)
+            return _pallas_attention(q, kv, positions, valid, page_table, mesh)
 
         write_at = write_slots(positions, valid, pool.page_size, page_table=page_table)
     else:
