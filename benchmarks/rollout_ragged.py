@@ -15,11 +15,12 @@ rows, prompts 256-2,048 tokens, responses the same log-normal scaled by 20, capp
 * static: the compiler's bytes for one decode step of every row over a 2,048 + 20,480 cache,
   times the steps it runs (the longest row);
 * engine: the steps its own scheduler runs on this workload (run on the host with a stand-in for
-  the device), each charged the compiler's bytes for one decode step less the whole-pool terms
-  (found from two pool sizes: the cost model charges the Pallas kernel's pool operand and the
-  in-place K/V scatter as whole-pool accesses), plus the pages the ragged paged attention kernel
-  actually copies (each slot's pages up to its length, in whole kernel blocks), the K/V rows
-  written and the page each joining sequence copies.
+  the device), each charged the compiler's bytes for one decode program of one step (its
+  once-per-chunk work included, so an upper bound) with the part that grows with the pool taken
+  out (from two pool sizes), plus what the cost model does not see: the pages the ragged paged
+  attention kernel copies (each slot's pages up to its length, in whole kernel blocks; the
+  custom call is charged nothing for them), the K/V rows written and the page each joining
+  sequence copies.
 
 Usage::
 
@@ -228,7 +229,7 @@ def _pool_slope(cfg, mesh, rules, slots: int, table: int, page: int, sizes) -> t
 
     Returns the intercept (bytes that do not grow with the pool: weights, activations, the
     LM head, sampling) and the slope in whole pools (how many times the cost model charges the
-    whole pool per step; the kernel and the K/V scatters touch only a few pages of it).
+    whole pool per step, where the kernel and the K/V scatter touch only a few of its pages).
     """
     from delta_jax.sampling.engine import lower_decode
 
@@ -314,8 +315,8 @@ def tpu_bytes(args) -> None:
     )
     print(
         f"  engine: {args.tpu_slots} slots, {len(lengths)} steps (occupancy "
-        f"{stats.occupancy:.3f}); compiler {fixed / 2**30:.1f} GiB/step without the pool (it "
-        f"charges {slope:.2f} whole pools per step, for the kernel and the K/V scatter), + "
+        f"{stats.occupancy:.3f}); compiler {fixed / 2**30:.1f} GiB/step without the pool (the "
+        f"pool adds {slope:.3f} pools to it), + "
         f"{copied / 2**40:.1f} TiB of pages copied by the kernel + {written / 2**30:.1f} GiB "
         f"written = {engine_total / 2**40:8.1f} TiB -> {engine_total / useful / 2**20:8.1f} MiB "
         "per useful token"
