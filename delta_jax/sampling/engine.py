@@ -141,10 +141,16 @@ def decode_chunk(
     pad_id: int,
     attention: Attention,
     mesh: Mesh | None,
+    hoist_layers: bool,
 ) -> dict[str, Any]:
-    """Up to ``steps`` decode steps of every live slot (exits early when none is live)."""
+    """Up to ``steps`` decode steps of every live slot (exits early when none is live).
+
+    ``hoist_layers`` (the CPU path) slices the per-layer weights once before the loop, as the
+    static sampler does; on accelerators the slices fuse into the matmuls inside the loop, where
+    hoisting them would copy every weight once per chunk and hold that copy in memory.
+    """
     model: Transformer = nnx.merge(graphdef, params, rest)
-    layers = model.layer_params()
+    hoisted = model.layer_params() if hoist_layers else None
     pool = PagePool(kv=tuple(kv.at[slots.copy_dst].set(kv[slots.copy_src]) for kv in pool.kv))
     tied = model.config.tie_word_embeddings
     head = (model.embed[...] if tied else lm_head_weight(model)).astype(model.dtype)
@@ -159,7 +165,7 @@ def decode_chunk(
         i, pool, s, out = carry
         h, pool = paged_forward(
             model,
-            layers,
+            model.layer_params() if hoisted is None else hoisted,
             s.last[:, None],
             s.pos[:, None],
             s.active[:, None],
@@ -631,6 +637,7 @@ def engine_programs(sampler, spec: EngineSpec, graphdef, params, rest, strategy,
     model = nnx.merge(graphdef, params, rest)
     make_pool = functools.partial(init_pool, model, spec.num_pages, spec.page_size, cache_dtype)
     pool = [build(base + ("pool",), make_pool, ())()]
+    platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
     decode = functools.partial(
         decode_chunk,
         graphdef=graphdef,
@@ -639,6 +646,7 @@ def engine_programs(sampler, spec: EngineSpec, graphdef, params, rest, strategy,
         pad_id=spec.pad_id,
         attention=spec.attention,
         mesh=mesh,
+        hoist_layers=platform == "cpu",
     )
     decode_key = (width, strategy_signature(strategy), spec.return_hidden, spec.attention)
 
@@ -776,6 +784,7 @@ def lower_decode(
         pad_id=0,
         attention=attention,
         mesh=mesh,
+        hoist_layers=False,
     )
     seed = jax.ShapeDtypeStruct((), jnp.uint32, sharding=NamedSharding(mesh, P()))
     strategy = make_strategy(1.0)
