@@ -7,27 +7,32 @@ Workload (fixed seed): ``--prompts`` prompts x ``--n`` samples, prompt lengths u
 compilation time taken out (XLA's backend-compile events, summed, are subtracted from the call's
 wall time and reported apart), and the slot occupancy (useful tokens / slot-steps run).
 
-``--tpu`` adds the TPU compiler's view (compile-only, libtpu) for Qwen3-8B in bfloat16 on a v5p
-2x2x1 slice (tensor parallel over its 4 chips) at the paper's lengths (prompt bucket 2,048,
-responses capped at 20,480, the same log-normal shape scaled to the cap): HBM bytes accessed by
-one decode step of each engine (``cost_analysis()['bytes accessed']`` summed over the chips), per
-useful token. The static step attends over the full ``P + G`` cache of every row and runs until
-the longest row ends (steps = longest length, useful tokens = sum of lengths); the engine step is
-its XLA paged path over a flat page list of the mean live length (a power-of-two bucket of the
-pages in use) with a pool of that many pages, at the slot occupancy measured on CPU. The TPU cost
-analysis counts a scatter into the pool as a read and write of the whole pool (the K/V writes
-and the join copies are scatters), so the engine figure is an upper bound.
+``--tpu`` adds the TPU compiler's view (compile-only, libtpu) for Qwen3-8B in bfloat16 on one
+tensor-parallel replica of v5p-64 (a v5p 2x2x1 slice, 4 chips) at the paper's lengths: HBM bytes
+accessed per useful token over the whole decode of one workload (``--tpu-prompts`` x ``--n``
+rows, prompts 256-2,048 tokens, responses the same log-normal scaled by 20, capped at 20,480):
+
+* static: the compiler's bytes for one decode step of every row over a 2,048 + 20,480 cache,
+  times the steps it runs (the longest row);
+* engine: the steps its own scheduler runs on this workload (run on the host with a stand-in for
+  the device), each charged the compiler's bytes for one decode program of one step (its
+  once-per-chunk work included, so an upper bound) with the part that grows with the pool taken
+  out (from two pool sizes), plus what the cost model does not see: the pages the ragged paged
+  attention kernel copies (each slot's pages up to its length, in whole kernel blocks; the
+  custom call is charged nothing for them), the K/V rows written and the page each joining
+  sequence copies.
 
 Usage::
 
     python benchmarks/rollout_ragged.py                       # 64 x 8, cap 1024, CPU only
-    python benchmarks/rollout_ragged.py --prompts 16 --tpu    # reduced CPU run + TPU figures
+    python benchmarks/rollout_ragged.py --skip-cpu --tpu      # TPU figures only
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -89,7 +94,7 @@ def run(sampler: Sampler, prompts, budgets, n: int) -> dict:
     )
 
 
-def cpu_table(args) -> float:
+def cpu_table(args) -> None:
     cfg = bench_config("tiny")
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     prompts, budgets = workload(args.prompts, args.n, args.mean_new, args.cap, cfg.vocab_size)
@@ -121,7 +126,6 @@ def cpu_table(args) -> float:
         )
     ratio = results["engine"]["tok_s"] / results["static"]["tok_s"]
     print(f"engine / static useful tokens/s: {ratio:.2f}x")
-    return results["engine"]["occupancy"]
 
 
 def _abstract_params(cfg, mesh, rules):
@@ -172,59 +176,152 @@ def _static_step_bytes(cfg, mesh, rules, rows: int, slots: int) -> float:
     return float(lowered.compile().cost_analysis()["bytes accessed"]) * mesh.size
 
 
-def tpu_bytes(args, occupancy: float) -> None:
+def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int):
+    """Runs the engine's host scheduler on the workload with a stand-in for the device programs.
+
+    Returns one entry per decode step the engine would run, ``[slots]`` K/V lengths (0 for an
+    idle slot), and the number of sequences that joined (one page copied each).
+    """
+    from delta_jax.sampling.engine import EngineSpec, pages_for, run_engine
+
+    longest = pages_for(max(map(len, prompts)) + max(budgets), page)
+    spec = EngineSpec(
+        slots=slots,
+        steps=chunk,
+        page_size=page,
+        num_pages=slots * longest + 1,
+        seq_pages=longest,
+        max_table=1 << (longest - 1).bit_length(),
+        prefill_len=2048,
+        min_len=16,
+        prefill_rows=8,
+        row_multiple=1,
+        attention="pallas",
+        return_hidden=False,
+        pad_id=0,
+    )
+    lengths: list[np.ndarray] = []
+
+    def call(kind, *arrays):
+        if kind == "prefill":
+            return None
+        st = arrays[0]
+        count, pos, active = st["count"].copy(), st["pos"].copy(), st["active"].copy()
+        steps = 0
+        while steps < chunk and active.any():
+            lengths.append(np.where(active, pos + 1, 0))
+            count, pos = count + active, pos + active
+            active &= count < st["max_new"]
+            steps += 1
+        out = SimpleNamespace(last=st["last"], pos=pos, count=count, active=active)
+        empty = np.zeros((slots, chunk))
+        return dict(slots=out, steps=steps, tokens=empty, logprobs=empty, untruncated=empty)
+
+    arrays = [np.asarray(p, np.int32) for p in prompts]
+    stops = np.full((len(budgets), 1), -1, np.int32)
+    _, stats = run_engine(spec, arrays, n, np.asarray(budgets), stops, call)
+    assert stats.useful_steps == sum(budgets)
+    return np.stack(lengths), len(budgets) + stats.preemptions, stats
+
+
+def _pool_slope(cfg, mesh, rules, slots: int, table: int, page: int, sizes) -> tuple[float, float]:
+    """The TPU compiler's bytes for one engine decode step (all chips) at two pool sizes.
+
+    Returns the intercept (bytes that do not grow with the pool: weights, activations, the
+    LM head, sampling) and the slope in whole pools (how many times the cost model charges the
+    whole pool per step, where the kernel and the K/V scatter touch only a few of its pages).
+    """
+    from delta_jax.sampling.engine import lower_decode
+
+    figures = []
+    for pages in sizes:
+        lowered = lower_decode(
+            cfg,
+            mesh,
+            rules,
+            slots=slots,
+            steps=1,
+            page_size=page,
+            num_pages=pages,
+            table_pages=table,
+            attention="pallas",
+        )
+        figures.append(float(lowered.compile().cost_analysis()["bytes accessed"]) * mesh.size)
+    pool_bytes = [p * page * _token_kv_bytes(cfg) for p in sizes]
+    slope = (figures[1] - figures[0]) / (pool_bytes[1] - pool_bytes[0])
+    return figures[0] - slope * pool_bytes[0], slope
+
+
+def _token_kv_bytes(cfg) -> int:
+    """K and V of one token, every layer, bfloat16."""
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+
+
+def tpu_bytes(args) -> None:
+    """HBM bytes per useful token from the TPU compiler, static vs engine, same workload.
+
+    One tensor-parallel replica (v5p 2x2x1, 4 chips; v5p-64 runs 8 of them side by side), the
+    paper's lengths: ``args.tpu_prompts`` prompts x ``args.n`` samples per replica, prompts of
+    256-2,048 tokens, responses log-normal (the CPU workload's shape scaled by 20) capped at
+    20,480. Both totals count decode only (each prompt is prefilled once by both) and divide by
+    the same useful tokens.
+    """
     from jax.experimental import topologies
     from jax.sharding import Mesh
 
     from delta_jax.plan import known_model_config
     from delta_jax.sampling import SAMPLING_RULES
-    from delta_jax.sampling.engine import lower_decode, pages_for
+    from delta_jax.sampling.engine import pages_for
+    from delta_jax.sampling.paged import PALLAS_KV_PAGES_PER_BLOCK
 
     cfg = known_model_config("Qwen3-8B")
     topo = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu")
     mesh = Mesh(np.array(topo.devices).reshape(1, 4), ("data", "tensor"))
-    rules = SAMPLING_RULES
-    P, cap, rows, page = 2048, 20480, args.tpu_rows, 16
-    _, budgets = workload(1, 4096, args.mean_new * cap / args.cap, cap, 2, seed=1)
-    budgets = np.asarray(budgets)
-    mean_len, longest = float(budgets.mean()), int(budgets.max())
-    # A slot-step of the engine holds a sequence at a uniformly drawn step of it, so long
-    # sequences are seen more often: the mean attended length is sum_t (P + t) / sum L.
-    live_len = P + float((budgets * (budgets - 1) / 2).sum() / budgets.sum())
-    list_pages = 1 << (rows * pages_for(int(live_len), page) - 1).bit_length()
-    static = _static_step_bytes(cfg, mesh, rules, rows, P + cap)
-    engine = lower_decode(
-        cfg,
-        mesh,
-        rules,
-        slots=rows,
-        steps=1,
-        page_size=page,
-        num_pages=list_pages + 1,  # a pool sized to the live pages, not to the capacity
-        table_pages=1,
-        list_pages=list_pages,
-        attention="xla",
-    )
-    engine = float(engine.compile().cost_analysis()["bytes accessed"]) * mesh.size
-    static_per_token = static * longest / (rows * mean_len)
-    engine_per_token = engine / (rows * occupancy)
+    rules, page, scale = SAMPLING_RULES, args.page_size, 20
+    prompt_bucket, cap = 2048, args.cap * scale
+    prompts, budgets = workload(args.tpu_prompts, args.n, args.mean_new * scale, cap, 2, seed=1)
+    rng = np.random.default_rng(1)
+    prompts = [[1] * int(rng.integers(256, prompt_bucket + 1)) for _ in prompts]
+    rows, useful, longest = len(budgets), sum(budgets), max(budgets)
+    token_kv = _token_kv_bytes(cfg)
+
+    # Static: one batch of every row over a prompt + generation cache (a generation bucket at
+    # the cap, the smallest one), for as many steps as the longest row.
+    static_step = _static_step_bytes(cfg, mesh, rules, rows, prompt_bucket + cap)
+    static_total = static_step * longest
+
+    # Engine: the steps its scheduler runs, each at the compiler's pool-independent bytes plus
+    # the pages the ragged paged attention kernel copies (every slot's pages up to its length,
+    # in blocks of PALLAS_KV_PAGES_PER_BLOCK pages, an idle slot one block of scratch pages),
+    # the K/V row each slot writes, and one page read and written per joining sequence.
+    lengths, joins, stats = _engine_schedule(prompts, budgets, args.n, args.tpu_slots, 16, page)
+    table = 1 << (pages_for(prompt_bucket + cap, page) - 1).bit_length()
+    fixed, slope = _pool_slope(cfg, mesh, rules, args.tpu_slots, table, page, (2049, 4097))
+    block = PALLAS_KV_PAGES_PER_BLOCK * page
+    copied = np.ceil(np.maximum(lengths, 1) / block).sum() * block * token_kv
+    written = lengths.size * token_kv + joins * 2 * page * token_kv
+    engine_total = fixed * len(lengths) + copied + written
+
     print(
-        f"Qwen3-8B bf16 on v5p 2x2x1 (tensor 4), {rows} rows/slots, prompt bucket {P}, "
-        f"responses mean {mean_len:.0f} max {longest} (cap {cap}); TPU cost analysis of one "
-        "decode step (bytes accessed, all chips):"
-    )
-    print(
-        f"  static: {static / 2**30:7.1f} GiB/step x {longest} steps / {rows} x {mean_len:.0f} "
-        f"useful = {static_per_token / 2**20:8.1f} MiB per useful token"
+        f"Qwen3-8B bf16, one v5p 2x2x1 replica (tensor 4; v5p-64 = 8 replicas), {rows} rows "
+        f"({args.tpu_prompts} prompts x {args.n}), prompts 256-{prompt_bucket}, responses mean "
+        f"{useful / rows:.0f} max {longest} (cap {cap}), {useful} useful tokens; TPU compiler "
+        "cost analysis, bytes accessed summed over the chips:"
     )
     print(
-        f"  engine: {engine / 2**30:7.1f} GiB/step (page list {list_pages} pages, mean live "
-        f"length {live_len:.0f}) / occupancy {occupancy:.3f} = "
-        f"{engine_per_token / 2**20:8.1f} MiB per useful token"
+        f"  static: {static_step / 2**30:8.1f} GiB/step x {longest} steps = "
+        f"{static_total / 2**40:8.1f} TiB -> {static_total / useful / 2**20:8.1f} MiB per "
+        "useful token"
     )
     print(
-        f"  static / engine HBM bytes per useful token: {static_per_token / engine_per_token:.2f}x"
+        f"  engine: {args.tpu_slots} slots, {len(lengths)} steps (occupancy "
+        f"{stats.occupancy:.3f}); compiler {fixed / 2**30:.1f} GiB/step without the pool (the "
+        f"pool adds {slope:.3f} pools to it), + "
+        f"{copied / 2**40:.1f} TiB of pages copied by the kernel + {written / 2**30:.1f} GiB "
+        f"written = {engine_total / 2**40:8.1f} TiB -> {engine_total / useful / 2**20:8.1f} MiB "
+        "per useful token"
     )
+    print(f"  static / engine HBM bytes per useful token: {static_total / engine_total:.2f}x")
 
 
 def main() -> None:
@@ -237,12 +334,14 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=16)
     ap.add_argument("--tpu", action="store_true", help="add the TPU compile-only figures")
-    ap.add_argument("--tpu-rows", type=int, default=64)
+    ap.add_argument("--tpu-prompts", type=int, default=8, help="per replica (x --n rows)")
+    ap.add_argument("--tpu-slots", type=int, default=32)
     ap.add_argument("--skip-cpu", action="store_true")
     args = ap.parse_args()
-    occupancy = 1.0 if args.skip_cpu else cpu_table(args)
+    if not args.skip_cpu:
+        cpu_table(args)
     if args.tpu:
-        tpu_bytes(args, occupancy)
+        tpu_bytes(args)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,11 @@ This engine keeps ``decode_slots`` sequences running instead:
 
 Every sequence draws token ``t`` with the key ``fold_in(fold_in(fold_in(key(seed), prompt),
 sample), t)``, so its tokens do not depend on the slot count, the slot order or preemptions.
-Programs have fixed shapes: slots, chunk ``k`` and the pool are fixed per sampler, the page-table
-width is a power of two of pages (the longest live sequence, so attention work follows the
-actual lengths) and prefill shapes are power-of-two buckets; each program compiles once.
+Programs have fixed shapes: slots, chunk ``k`` and the pool are fixed per sampler; the XLA
+path's flat page list has one length per request bucket (it stops reading at the last real
+entry, so attention work follows the actual lengths), the Pallas path's page-table width is a
+power of two of pages (the longest live sequence) and prefill shapes are power-of-two buckets;
+each program compiles once.
 """
 
 from __future__ import annotations
@@ -139,10 +141,16 @@ def decode_chunk(
     pad_id: int,
     attention: Attention,
     mesh: Mesh | None,
+    hoist_layers: bool,
 ) -> dict[str, Any]:
-    """Up to ``steps`` decode steps of every live slot (exits early when none is live)."""
+    """Up to ``steps`` decode steps of every live slot (exits early when none is live).
+
+    ``hoist_layers`` (the CPU path) slices the per-layer weights once before the loop, as the
+    static sampler does; on accelerators the slices fuse into the matmuls inside the loop, where
+    hoisting them would copy every weight once per chunk and hold that copy in memory.
+    """
     model: Transformer = nnx.merge(graphdef, params, rest)
-    layers = model.layer_params()
+    hoisted = model.layer_params() if hoist_layers else None
     pool = PagePool(kv=tuple(kv.at[slots.copy_dst].set(kv[slots.copy_src]) for kv in pool.kv))
     tied = model.config.tie_word_embeddings
     head = (model.embed[...] if tied else lm_head_weight(model)).astype(model.dtype)
@@ -157,7 +165,7 @@ def decode_chunk(
         i, pool, s, out = carry
         h, pool = paged_forward(
             model,
-            layers,
+            model.layer_params() if hoisted is None else hoisted,
             s.last[:, None],
             s.pos[:, None],
             s.active[:, None],
@@ -283,7 +291,8 @@ class EngineSpec:
     steps: int
     page_size: int
     num_pages: int
-    max_table: int  # page-table width cap (pages of the longest sequence, power of two)
+    seq_pages: int  # pages of the longest sequence (prompt bucket + generation bucket)
+    max_table: int  # page-table width cap (``seq_pages`` up to a power of two)
     prefill_len: int  # longest prefill chunk
     min_len: int  # floor of the prefill-chunk and page-table (in tokens) buckets
     prefill_rows: int  # prompts per prefill call (fixed: a new count would compile again)
@@ -425,7 +434,8 @@ class _Scheduler:
                     valid[r, : part.size] = True
                 # Pages up to this chunk's end (the earlier chunks' ones included).
                 tables = [self.prompts[i].pages[: pages_for(offset + T, ps)] for i in group]
-                pages = self._page_list(tables, rows, floor=rows * pages_for(T, ps))
+                size = _pow2(max(sum(map(len, tables)), rows * pages_for(T, ps)))
+                pages = self._page_list(tables, rows, size)
                 self.compile("prefill", ids, positions.copy(), valid, pages)
                 self.stats.prefill_calls += 1
 
@@ -469,10 +479,8 @@ class _Scheduler:
         return self.done
 
     @staticmethod
-    def _page_list(tables: list[list[int]], rows: int, floor: int) -> dict[str, np.ndarray]:
-        """Flat :class:`PageList` arrays of per-row page lists, padded to a power of two."""
-        total = sum(len(t) for t in tables)
-        size = _pow2(max(total, floor, 1))
+    def _page_list(tables: list[list[int]], rows: int, size: int) -> dict[str, np.ndarray]:
+        """Flat :class:`PageList` arrays of per-row page lists, padded to ``size`` entries."""
         page = np.full(size, SCRATCH_PAGE, np.int32)
         seq = np.full(size, rows, np.int32)  # out of range: padding
         index = np.zeros(size, np.int32)
@@ -490,17 +498,19 @@ class _Scheduler:
         tables = [
             self.slots[i].table if self.slots[i] is not None else [] for i in range(spec.slots)
         ]
-        floor = pages_for(spec.min_len, spec.page_size)
         if spec.attention == "pallas":
+            floor = pages_for(spec.min_len, spec.page_size)
             widest = max(len(t) for t in tables)
             nb = min(spec.max_table, _pow2(max(widest, floor)))
             table = np.zeros((spec.slots, nb), np.int32)
             for i in live:
                 table[i, : len(tables[i])] = tables[i]
-            pages = self._page_list([], spec.slots, floor=1)
+            pages = self._page_list([], spec.slots, size=1)
         else:
+            # One list length for every chunk (every slot at the longest sequence): the XLA
+            # path reads only the real entries, so a longer list costs nothing but its indices.
             table = np.zeros((spec.slots, 1), np.int32)
-            pages = self._page_list(tables, spec.slots, floor=spec.slots * floor)
+            pages = self._page_list(tables, spec.slots, size=spec.slots * spec.seq_pages)
         before = state["count"].copy()
         out = self.compile("decode", dict(state, page_table=table), pages)
         self.stats.chunks += 1
@@ -627,6 +637,7 @@ def engine_programs(sampler, spec: EngineSpec, graphdef, params, rest, strategy,
     model = nnx.merge(graphdef, params, rest)
     make_pool = functools.partial(init_pool, model, spec.num_pages, spec.page_size, cache_dtype)
     pool = [build(base + ("pool",), make_pool, ())()]
+    platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
     decode = functools.partial(
         decode_chunk,
         graphdef=graphdef,
@@ -635,6 +646,7 @@ def engine_programs(sampler, spec: EngineSpec, graphdef, params, rest, strategy,
         pad_id=spec.pad_id,
         attention=spec.attention,
         mesh=mesh,
+        hoist_layers=platform == "cpu",
     )
     decode_key = (width, strategy_signature(strategy), spec.return_hidden, spec.attention)
 
@@ -772,6 +784,7 @@ def lower_decode(
         pad_id=0,
         attention=attention,
         mesh=mesh,
+        hoist_layers=False,
     )
     seed = jax.ShapeDtypeStruct((), jnp.uint32, sharding=NamedSharding(mesh, P()))
     strategy = make_strategy(1.0)

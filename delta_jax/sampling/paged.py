@@ -49,6 +49,8 @@ SCRATCH_PAGE = 0
 # Ragged paged attention kernel blocks: KV pages and queries (sequences, at decode) per block.
 PALLAS_KV_PAGES_PER_BLOCK = 16
 PALLAS_QUERIES_PER_BLOCK = 32
+# XLA path: pages gathered and attended to at once (about 1 MiB of float32 K/V for small heads).
+XLA_PAGES_PER_BLOCK = 64
 
 Attention = Literal["xla", "pallas"]
 
@@ -110,6 +112,9 @@ class PageAllocator:
 class PageList:
     """Every page of a batch of sequences as one flat list (what the XLA path reads).
 
+    Entries are packed from the start in sequence order (a sequence's pages together, sequences
+    ascending), padding entries last: the XLA path stops reading at the last real entry.
+
     Attributes:
       page: pool page of each entry (scratch for padding entries).
       seq: the sequence (row) an entry belongs to; ``B`` (out of range) for padding.
@@ -154,47 +159,81 @@ def _write_pages(kv, new, page, offset):
 def _xla_attention(q, kv, positions, pages: PageList):
     """Attention of q [B,T,N,D] over the listed pages: work grows with the pages in use.
 
-    Each listed page is attended to by its sequence's queries on its own (scores, their max,
-    the exp-sum and the weighted values of that page), and the pages of a sequence are then
-    merged with the usual rescaling by the per-sequence max (the flash-attention identity),
-    with segment reductions over the list. Exact in float32.
+    The list is walked in blocks of ``XLA_PAGES_PER_BLOCK`` pages by a ``while_loop`` that
+    stops after the last real entry (the list is packed from its start), so padding entries
+    cost nothing and one list length serves every batch. Each block's pages are gathered (a
+    block stays in cache, where one gather of the whole list would not), attended to by their
+    sequence's queries, and merged into per-sequence running sums with the flash-attention
+    rescaling by the running max. Exact in float32.
     """
     B, T, N, D = q.shape
-    num_pages, page_size, C, _ = kv.shape
+    _, page_size, C, _ = kv.shape
     K = C // 2
-    U = pages.page.shape[0]
-    ctx = jnp.take(kv.reshape(num_pages, -1), pages.page, axis=0, mode="clip")
-    ctx = ctx.reshape(U, page_size, K, 2, D).astype(q.dtype)
-    k, v = ctx[..., 0, :], ctx[..., 1, :]  # [U, P, K, D]
-    seq = jnp.minimum(pages.seq, B - 1)
-    qu = jnp.take(q, seq, axis=0).reshape(U, T, K, N // K, D)
-    scores = jnp.einsum("UTKGD,UPKD->UKTGP", qu, k, preferred_element_type=jnp.float32)
-    scores = scores * (D**-0.5)
-    key_pos = pages.index[:, None] * page_size + jnp.arange(page_size)  # [U, P]
-    visible = key_pos[:, None, :] <= jnp.take(positions, seq, axis=0)[:, :, None]  # [U, T, P]
-    visible &= (pages.seq < B)[:, None, None]
-    scores = jnp.where(visible[:, None, :, None, :], scores, -jnp.inf)
-    page_max = jnp.max(scores, axis=-1)  # [U, K, T, G], -inf where nothing is visible
-    seq_max = jax.ops.segment_max(page_max, pages.seq, num_segments=B)
-    scale = jnp.exp(page_max - jnp.take(seq_max, seq, axis=0))  # 0 for empty pages
-    weights = jnp.exp(scores - jnp.where(jnp.isfinite(page_max), page_max, 0.0)[..., None])
-    page_sum = jnp.sum(weights, axis=-1) * scale
-    page_out = jnp.einsum("UKTGP,UPKD->UKTGD", weights.astype(v.dtype), v)
-    page_out = page_out * scale[..., None].astype(v.dtype)
-    total = jax.ops.segment_sum(page_sum, pages.seq, num_segments=B)  # [B, K, T, G]
-    out = jax.ops.segment_sum(page_out.astype(jnp.float32), pages.seq, num_segments=B)
+    block = min(XLA_PAGES_PER_BLOCK, pages.page.shape[0])
+    padded = -(-pages.page.shape[0] // block) * block
+    entries = [
+        jnp.pad(a, (0, padded - a.shape[0]), constant_values=fill)
+        for a, fill in ((pages.page, SCRATCH_PAGE), (pages.seq, B), (pages.index, 0))
+    ]
+    num_blocks = -(-jnp.sum(pages.seq < B) // block)
+    qg = q.reshape(B, T, K, N // K, D)
+
+    def body(carry):
+        i, run_max, run_sum, run_out = carry
+        page, seq, index = (jax.lax.dynamic_slice_in_dim(a, i * block, block) for a in entries)
+        row = jnp.minimum(seq, B - 1)
+        ctx = jnp.take(kv, page, axis=0, mode="clip").reshape(block, page_size, K, 2, D)
+        k, v = ctx[..., 0, :].astype(q.dtype), ctx[..., 1, :].astype(q.dtype)  # [U, P, K, D]
+        qu = jnp.take(qg, row, axis=0)
+        scores = jnp.einsum("UTKGD,UPKD->UKTGP", qu, k, preferred_element_type=jnp.float32)
+        scores = scores * (D**-0.5)
+        key_pos = index[:, None] * page_size + jnp.arange(page_size)  # [U, P]
+        visible = key_pos[:, None, :] <= jnp.take(positions, row, axis=0)[:, :, None]
+        visible = (visible & (seq < B)[:, None, None])[:, None, :, None, :]  # [U, 1, T, 1, P]
+        scores = jnp.where(visible, scores, -jnp.inf)
+        page_max = jnp.max(scores, axis=-1)  # [U, K, T, G]
+        new_max = jnp.maximum(run_max, _segment_max(page_max, seq, B))
+        ref = jnp.where(jnp.isfinite(new_max), new_max, 0.0)  # [B, K, T, G]
+        weights = jnp.exp(scores - jnp.take(ref, row, axis=0)[..., None])  # 0: not visible
+        page_out = jnp.einsum("UKTGP,UPKD->UKTGD", weights.astype(v.dtype), v)
+        scale = jnp.exp(run_max - ref)  # 0 while a sequence has seen no key
+        run_sum = run_sum * scale + _segment_sum(jnp.sum(weights, axis=-1), seq, B)
+        run_out = run_out * scale[..., None] + _segment_sum(page_out.astype(jnp.float32), seq, B)
+        return i + 1, new_max, run_sum, run_out
+
+    shape = (B, K, T, N // K)
+    _, _, total, out = jax.lax.while_loop(
+        lambda carry: carry[0] < num_blocks,
+        body,
+        (
+            jnp.zeros((), num_blocks.dtype),
+            jnp.full(shape, -jnp.inf, jnp.float32),
+            jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, D), jnp.float32),
+        ),
+    )
     out = out / jnp.where(total > 0, total, 1.0)[..., None]  # rows with no key: 0
     return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(B, T, N, D).astype(q.dtype)
 
 
-def _pallas_attention(q, kv, positions, page_table, mesh: Mesh | None):
+def _segment_max(x, segments, num):
+    return jax.ops.segment_max(x, segments, num_segments=num, indices_are_sorted=True)
+
+
+def _segment_sum(x, segments, num):
+    return jax.ops.segment_sum(x, segments, num_segments=num, indices_are_sorted=True)
+
+
+def _pallas_attention(q, kv, positions, valid, page_table, mesh: Mesh | None):
     """Decode attention (T = 1) with JAX's ragged paged attention TPU kernel."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
     B, T, N, D = q.shape
     if T != 1:
         raise ValueError(f"the pallas paged attention path is for decode (T = 1), got T = {T}")
-    kv_lens = (positions[:, 0] + 1).astype(jnp.int32)
+    # The kernel copies every sequence's pages up to its length: an idle slot gets length 1
+    # (its scratch page) instead of the stale position it stopped at.
+    kv_lens = jnp.where(valid[:, 0], positions[:, 0] + 1, 1).astype(jnp.int32)
     cu_q_lens = jnp.arange(B + 1, dtype=jnp.int32)
     num_seqs = jnp.array([B], jnp.int32)
 
@@ -282,7 +321,7 @@ def paged_forward(
     if attention == "pallas":
 
         def attend(q, kv, positions):
-            return _pallas_attention(q, kv, positions, page_table, mesh)
+            return _pallas_attention(q, kv, positions, valid, page_table, mesh)
 
         write_at = write_slots(positions, valid, pool.page_size, page_table=page_table)
     else:

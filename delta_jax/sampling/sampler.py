@@ -463,6 +463,7 @@ class Sampler:
             steps=self.decode_chunk,
             page_size=self.page_size,
             num_pages=self.num_pages or slots * longest + 1,
+            seq_pages=longest,
             max_table=1 << (longest - 1).bit_length(),
             prefill_len=self.prefill_chunk,
             min_len=self.buckets.min_length,
