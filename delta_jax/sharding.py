@@ -13,9 +13,9 @@ MLP columns and the vocabulary). Arrays are placed by the logical names their di
 
 :func:`reshard_for_sampling` moves only the parameters whose placement (or dtype) differs
 between the trainer's and the sampler's layout, on device; :func:`sampling_mesh` regroups the
-trainer's devices for tensor-parallel decoding. In a multi-process (multi-host) run every process calls the same functions with
-the same arguments; per-process batches become global arrays with
-:func:`host_local_batch_to_global`.
+trainer's devices for tensor-parallel decoding. In a multi-process (multi-host) run every
+process calls the same functions with the same arguments; per-process batches become global
+arrays with :func:`host_local_batch_to_global`.
 
 Example:
   >>> mesh = make_mesh(2, 2, 2)  # doctest: +SKIP
