@@ -193,6 +193,7 @@ class PlanReport:
     reshard_collective_bytes: int
     max_micro_batch_rows: int | None
     max_sampler_size: int | None  # static: prompts per call; engine: decode slots
+    train_compiled: bool = True  # False: --skip-train (train figures are zero)
 
     @property
     def budget(self) -> int:
@@ -231,6 +232,7 @@ class PlanReport:
         row = lambda label, b, src: f"{label:<40}{g(b)}  {src}"
         oom = " (TPU compiler: out of memory, a lower bound)"
         train_src = comp + (oom if self.train.out_of_memory else "")
+        train_src = train_src if self.train_compiled else "not compiled (--skip-train)"
         sampler_src = comp + (oom if self.sampler.out_of_memory else "")
         if self.engine == "continuous":
             tokens = (self.num_pages - 1) * self.page_size
@@ -766,6 +768,7 @@ def plan(
     headroom: float = 0.95,
     search: bool = True,
     compiler: str = "auto",
+    compile_train: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> PlanReport:
     """Compiles the run's train step and sampler for ``topology_name`` and reports memory.
@@ -780,6 +783,7 @@ def plan(
       search: also search the largest fitting micro-batch and sampler call (more compiles).
       compiler: "tpu" (compile-only for the slice, needs libtpu), "cpu" (XLA:CPU estimate on
         stand-in devices) or "auto" (tpu when libtpu is importable).
+      compile_train: False plans the sampler side only (train figures are then zero).
       log: progress messages (e.g. ``print``).
 
     Returns:
@@ -804,9 +808,11 @@ def plan(
             f"algo.micro_batches={c.algo.micro_batches}) does not split over the {divisor} batch "
             f"shards of mesh {dict(mesh.shape)}"
         )
-    log(f"compiling train step ({micro_rows} rows per micro-batch) on {len(devices)} devices")
-    train = planner.train(micro_rows)
-    log(f"  train temporaries {train.temporaries / _GiB:.2f} GiB ({train.compile_s:.0f}s)")
+    train = ProgramMemory(0, 0, 0, 0, 0.0)
+    if compile_train:
+        log(f"compiling train step ({micro_rows} rows per micro-batch) on {len(devices)} devices")
+        train = planner.train(micro_rows)
+        log(f"  train temporaries {train.temporaries / _GiB:.2f} GiB ({train.compile_s:.0f}s)")
     prompts = c.rollout.prompts_per_step
     measure_sampler = _engine_measure if c.rollout.engine == "continuous" else _static_measure
     size = c.rollout.decode_slots if c.rollout.engine == "continuous" else prompts
@@ -835,6 +841,7 @@ def plan(
         reshard_collective_bytes=moved,
         max_micro_batch_rows=None,
         max_sampler_size=None,
+        train_compiled=compile_train,
         **sampled,
     )
     if not search:
@@ -857,7 +864,11 @@ def plan(
             sizes[n] = max(got["sampler"].peak, got["prefill"].peak if got["prefill"] else 0)
         return resident + sizes[n]
 
-    max_rows = largest_fitting(train_peak, divisor, budget, start=micro_rows, limit=rows_per_update)
+    max_rows = None
+    if compile_train:
+        max_rows = largest_fitting(
+            train_peak, divisor, budget, start=micro_rows, limit=rows_per_update
+        )
     sample_rows = sh.batch_divisor(planner.sample_mesh, sh.SAMPLE_RULES)
     if c.rollout.engine == "continuous":
         # Slots split over the sampling mesh's rows; a call never holds more sequences.
@@ -940,7 +951,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--config", default=None, help="YAML run config")
     parser.add_argument("--topology", required=True, help="TPU slice, e.g. v5p-64, v4-32, v5e-8")
     parser.add_argument("--headroom", type=float, default=0.95, help="usable fraction of HBM")
-    parser.add_argument("--no-search", action="store_true", help="skip the micro-batch search")
+    parser.add_argument(
+        "--no-search", action="store_true", help="skip the micro-batch and decode-slot searches"
+    )
+    parser.add_argument(
+        "--skip-train", action="store_true", help="plan the sampler side only (no train step)"
+    )
     parser.add_argument(
         "--compiler",
         default="auto",
@@ -973,6 +989,7 @@ def run(args: argparse.Namespace) -> int:
         headroom=args.headroom,
         search=not args.no_search,
         compiler=kind,
+        compile_train=not args.skip_train,
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
     )
     print(report.table())

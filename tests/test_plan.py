@@ -111,7 +111,8 @@ def test_qwen3_06b_on_v5e_1(qwen06_report):
     assert r.sampler.aliased >= r.kv_cache_bytes and r.prefill.aliased >= r.kv_cache_bytes
     assert r.train.temporaries > 0 and r.sampler.temporaries > 0
     # One chip: the reshard is a local cast, nothing goes through collectives.
-    assert r.reshard_collective_bytes == 0 and r.reshard.outputs == r.sampler_params_bytes
+    assert r.reshard_collective_bytes == 0
+    assert 0 <= r.reshard.outputs - r.sampler_params_bytes <= 1024  # + the output tuple
     assert r.fits == (max(r.train_peak, r.sampling_peak) <= 0.95 * 16 * 2**30)
     table = r.table()
     assert "Qwen/Qwen3-0.6B (L=28 H=1024" in table and "fits:" in table
