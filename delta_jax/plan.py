@@ -450,6 +450,7 @@ class _Planner:
             engine="continuous",
             decode_slots=slots,
             page_size=c.rollout.page_size,
+            num_pages=c.rollout.num_pages or None,
         )
         request, *_ = self._request(c.rollout.prompts_per_step)
         return sampler.engine_spec(request, c.rollout.samples_per_prompt, False)

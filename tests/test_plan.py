@@ -207,3 +207,20 @@ def test_chip_grids_of_slices():
     assert plan_lib._chip_grid(1, 2) == (1, 1)
     with pytest.raises(ValueError, match="power-of-two"):
         plan_lib._chip_grid(6, 2)
+
+
+def test_engine_pool_follows_the_config():
+    """The planner sizes the engine's pool as the rollout does: by the engine's rule, or as
+    ``rollout.num_pages`` says (no compilation)."""
+    overrides = ["data.max_prompt_length=16", "rollout.max_new_tokens=40"]
+    mesh = sh.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    sized = {}
+    for pages in (0, 50):
+        config = load_config(DEMO, [*overrides, f"rollout.num_pages={pages}"])
+        planner = plan_lib._Planner(config, mesh, plan_lib.resolve_model_config(config))
+        spec = planner.engine_spec(8)
+        sized[pages] = (spec.num_pages, planner.pool_bytes(spec))
+    mc = plan_lib.resolve_model_config(load_config(DEMO))
+    page = mc.num_layers * 16 * 2 * mc.num_kv_heads * mc.head_dim * 2  # bfloat16 K and V
+    # 8 slots x (16 prompt + 40 new tokens = 4 pages of 16) + the scratch page.
+    assert sized == {0: (33, 33 * page), 50: (50, 50 * page)}

@@ -230,6 +230,7 @@ def build_run_parts(config: Config, mesh=None) -> RunParts:
         engine=config.rollout.engine,
         decode_slots=config.rollout.decode_slots,
         page_size=config.rollout.page_size,
+        num_pages=config.rollout.num_pages or None,
     )
     train_scorer, scorer = make_scorers(config)
     return RunParts(
