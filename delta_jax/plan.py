@@ -273,8 +273,9 @@ class PlanReport:
             *temps,
             row("  peak (+ resident train state)", self.sampling_peak, sampler_src),
             row("headroom (budget - larger peak)", self.headroom_bytes, comp),
-            f"fits: {'YES' if self.fits else 'NO'} (train {self.train_peak / self.budget:.0%}, "
-            f"sampling {self.sampling_peak / self.budget:.0%} of budget)",
+            f"fits: {'YES' if self.fits else 'NO'} (train "
+            f"{f'{self.train_peak / self.budget:.0%}' if self.train_compiled else 'not compiled'}"
+            f", sampling {self.sampling_peak / self.budget:.0%} of budget)",
             f"weights to the sampling layout, per update: {g(self.reshard_collective_bytes)} GiB "
             f"through collectives, {g(self.reshard.temporaries)} GiB temporaries ({comp})",
             f"largest micro-batch that fits: {_rows(self.max_micro_batch_rows, 'rows')}",
