@@ -110,6 +110,9 @@ class RolloutConfigSection:
     engine: Literal["continuous", "static"] = "continuous"
     decode_slots: int = 64  # sequences decoded at once (continuous engine)
     page_size: int = 16  # tokens per KV page (continuous engine)
+    # KV pages in the engine's pool (scratch page included); 0: decode_slots x the longest
+    # sequence's pages + 1, never short. A smaller pool preempts and requeues sequences instead.
+    num_pages: int = 0
     # Dynamic sampling (DAPO): resample until the batch holds `prompts_per_step` groups whose
     # rewards are not all equal, at most this many extra sampling rounds (0 disables).
     dynamic_sampling_rounds: int = 0
@@ -391,6 +394,8 @@ def validate(config: Config) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
+    if r.num_pages < 0:
+        raise ConfigError(f"rollout.num_pages={r.num_pages} must be >= 0 (0: sized by the engine)")
     if r.engine == "continuous" and r.samples_per_prompt > r.decode_slots:
         raise ConfigError(
             f"rollout.samples_per_prompt={r.samples_per_prompt} exceeds "

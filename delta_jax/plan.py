@@ -59,6 +59,8 @@ from delta_jax.rl.train_step import abstract_batch, make_train_step
 from delta_jax.rl.update_plan import UpdatePlan
 from delta_jax.sampling import sampler as sampler_lib
 from delta_jax.sampling.buckets import Buckets, prepare_request
+from delta_jax.sampling.engine import lower_decode, pages_for, prefill_chunk
+from delta_jax.sampling.paged import PAGE_AXES, PageList, PagePool
 from delta_jax.sampling.strategies import make_strategy
 
 _GiB = 1024**3
@@ -157,7 +159,13 @@ class ProgramMemory:
 
 @dataclasses.dataclass(frozen=True)
 class PlanReport:
-    """What :func:`plan` found; every byte figure is per device (chip)."""
+    """What :func:`plan` found; every byte figure is per device (chip).
+
+    The sampler is the rollout's: the continuous engine (``decode_slots`` sequences over a pool
+    of ``num_pages`` KV pages; ``sampler`` is its decode chunk, ``prefill`` its largest prefill
+    chunk) or the static sampler (``sampler`` is its one program, ``prefill`` None); both on the
+    sampling mesh with the weights in the sampling layout (``reshard``: the per-update move).
+    """
 
     topology: str
     chips: int
@@ -165,19 +173,27 @@ class PlanReport:
     headroom: float
     compiler: str
     mesh: dict[str, int]
+    sample_mesh: dict[str, int]
     model: str
     params_bytes: int
     opt_state_bytes: int
     micro_batch_rows: int
     train: ProgramMemory
+    engine: str
     sampler_prompts: int
     samples_per_prompt: int
-    cache_slots: int
-    kv_cache_bytes: int
+    cache_slots: int  # static: cache length; engine: decode slots
+    num_pages: int  # engine: pages in the pool (scratch included); static: 0
+    page_size: int
+    kv_cache_bytes: int  # static: the KV cache; engine: the page pool
     sampler_params_bytes: int
     sampler: ProgramMemory
+    prefill: ProgramMemory | None
+    reshard: ProgramMemory
+    reshard_collective_bytes: int
     max_micro_batch_rows: int | None
-    max_sampler_prompts: int | None
+    max_sampler_size: int | None  # static: prompts per call; engine: decode slots
+    train_compiled: bool = True  # False: --skip-train (train figures are zero)
 
     @property
     def budget(self) -> int:
@@ -188,12 +204,16 @@ class PlanReport:
         return self.train.peak
 
     @property
+    def sampler_peak(self) -> int:
+        return max(self.sampler.peak, self.prefill.peak if self.prefill else 0)
+
+    @property
     def sampling_peak(self) -> int:
         # The train state stays resident while sampling; the sampler's own argument bytes
         # already hold its parameters (a resharded copy, or the same buffers when no leaf moves).
         shared = self.params_bytes if self.sampler_params_bytes == 0 else 0
         shared = 0 if self.sampler.out_of_memory else shared  # no argument bytes counted
-        return self.params_bytes + self.opt_state_bytes + self.sampler.peak - shared
+        return self.params_bytes + self.opt_state_bytes + self.sampler_peak - shared
 
     @property
     def fits(self) -> bool:
@@ -207,16 +227,39 @@ class PlanReport:
     def table(self) -> str:
         """The report as an aligned text table (GiB per device, and where each figure is from)."""
         g = lambda b: f"{b / _GiB:8.2f}"
-        mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
+        mesh = lambda m: " x ".join(f"{k}={v}" for k, v in m.items())
         exact, comp = "exact (shapes x shardings)", self.compiler_name
         row = lambda label, b, src: f"{label:<40}{g(b)}  {src}"
         oom = " (TPU compiler: out of memory, a lower bound)"
         train_src = comp + (oom if self.train.out_of_memory else "")
+        train_src = train_src if self.train_compiled else "not compiled (--skip-train)"
         sampler_src = comp + (oom if self.sampler.out_of_memory else "")
+        if self.engine == "continuous":
+            tokens = (self.num_pages - 1) * self.page_size
+            head = (
+                f"sampler: continuous engine, {self.cache_slots} decode slots, page pool "
+                f"{self.num_pages} pages x {self.page_size} tokens ({tokens} tokens); "
+                f"{self.sampler_prompts} prompts x {self.samples_per_prompt} samples per step:"
+            )
+            cache = row("  KV page pool", self.kv_cache_bytes, exact)
+            temps = [
+                row("  sampler temporaries (decode chunk)", self.sampler.temporaries, sampler_src),
+                row("  sampler temporaries (prefill chunk)", self.prefill.temporaries, comp),
+            ]
+            largest = f"largest decode_slots that fits: {_rows(self.max_sampler_size, 'slots')}"
+        else:
+            head = (
+                f"sampler: static, {self.sampler_prompts} prompts x {self.samples_per_prompt} "
+                f"samples, {self.cache_slots} cache slots:"
+            )
+            cache = row("  KV cache", self.kv_cache_bytes, exact)
+            temps = [row("  sampler temporaries (incl. KV cache)", self.sampler.temporaries,
+                         sampler_src)]  # fmt: skip
+            largest = f"largest sampler call that fits: {_rows(self.max_sampler_size, 'prompts')}"
         lines = [
             f"{self.model} on {self.topology} ({self.chips} devices, {self.hbm_bytes / _GiB:.0f} "
-            f"GiB HBM each; budget {self.headroom:.0%} = {self.budget / _GiB:.1f} GiB); mesh "
-            f"{mesh}",
+            f"GiB HBM each; budget {self.headroom:.0%} = {self.budget / _GiB:.1f} GiB); train "
+            f"mesh {mesh(self.mesh)}, sampling mesh {mesh(self.sample_mesh)}",
             f"compiler: {self.compiler}",
             f"{'per device':<40}{'GiB':>8}  source",
             row("parameters (train placement)", self.params_bytes, exact),
@@ -224,19 +267,22 @@ class PlanReport:
             f"train step, micro-batch {self.micro_batch_rows} rows:",
             row("  train temporaries", self.train.temporaries, train_src),
             row("  peak (state + batch + temporaries)", self.train_peak, train_src),
-            f"sampler, {self.sampler_prompts} prompts x {self.samples_per_prompt} samples, "
-            f"{self.cache_slots} cache slots:",
-            row("  KV cache", self.kv_cache_bytes, exact),
-            row("  parameters (sampling copy)", self.sampler_params_bytes, exact),
-            row("  sampler temporaries (incl. KV cache)", self.sampler.temporaries, sampler_src),
+            head,
+            cache,
+            row("  parameters (sampling layout)", self.sampler_params_bytes, exact),
+            *temps,
             row("  peak (+ resident train state)", self.sampling_peak, sampler_src),
             row("headroom (budget - larger peak)", self.headroom_bytes, comp),
-            f"fits: {'YES' if self.fits else 'NO'} (train {self.train_peak / self.budget:.0%}, "
-            f"sampling {self.sampling_peak / self.budget:.0%} of budget)",
+            f"fits: {'YES' if self.fits else 'NO'} (train "
+            f"{f'{self.train_peak / self.budget:.0%}' if self.train_compiled else 'not compiled'}"
+            f", sampling {self.sampling_peak / self.budget:.0%} of budget)",
+            f"weights to the sampling layout, per update: {g(self.reshard_collective_bytes)} GiB "
+            f"through collectives, {g(self.reshard.temporaries)} GiB temporaries ({comp})",
             f"largest micro-batch that fits: {_rows(self.max_micro_batch_rows, 'rows')}",
-            f"largest sampler call that fits: {_rows(self.max_sampler_prompts, 'prompts')}",
+            largest,
             f"compile time: train {self.train.compile_s:.1f}s, sampler "
-            f"{self.sampler.compile_s:.1f}s ({comp})",
+            f"{self.sampler.compile_s + (self.prefill.compile_s if self.prefill else 0):.1f}s "
+            f"({comp})",
         ]
         return "\n".join(lines)
 
@@ -280,7 +326,12 @@ class _Planner:
         self.state = jax.eval_shape(lambda p: init_train_state(p, self.optimizer), self.params)
         self.state_shardings = sh.state_shardings(self.state, mesh)
         self.param_shardings = sh.param_shardings(self.params, mesh)
-        self.sample_shardings = sh.param_shardings(self.params, mesh, sh.SAMPLE_RULES)
+        # The rollout's layout (rl.loop): tensor-parallel regrouping, compute-dtype weights.
+        self.sample_mesh = sh.sampling_mesh(mesh, model_config.num_kv_heads)
+        self.sample_shardings = sh.param_shardings(self.params, self.sample_mesh, sh.SAMPLE_RULES)
+        self.sample_dtypes = [
+            sh._sampling_dtype(x.dtype, dtype) for x in jax.tree.leaves(self.params)
+        ]
         self.update_plan = UpdatePlan.from_config(config)
 
     def params_bytes(self) -> int:
@@ -291,21 +342,56 @@ class _Planner:
         shardings = self.state_shardings.opt_state
         return _sharded_bytes(opt, shardings) if jax.tree.leaves(opt) else 0
 
-    def sampler_params_bytes(self) -> int:
-        moved = [
-            (x, t)
-            for x, s, t in zip(
-                jax.tree.leaves(self.params),
-                jax.tree.leaves(self.param_shardings),
-                jax.tree.leaves(self.sample_shardings),
-                strict=True,
+    def _moved(self) -> list[int]:
+        """Leaves whose sampling layout (placement or dtype) differs from the trainer's."""
+        return [
+            i
+            for i, (x, s, t, d) in enumerate(
+                zip(
+                    jax.tree.leaves(self.params),
+                    jax.tree.leaves(self.param_shardings),
+                    jax.tree.leaves(self.sample_shardings),
+                    self.sample_dtypes,
+                    strict=True,
+                )
             )
-            if s != t
+            if s != t or d != x.dtype
         ]
+
+    def sampler_params_bytes(self) -> int:
+        """Per-device bytes of the sampling copy (0: the sampler reads the trainer's buffers)."""
+        leaves, targets = jax.tree.leaves(self.params), jax.tree.leaves(self.sample_shardings)
+        return sum(
+            math.prod(targets[i].shard_shape(leaves[i].shape)) * self.sample_dtypes[i].itemsize
+            for i in self._moved()
+        )
+
+    def reshard(self) -> tuple[ProgramMemory, int]:
+        """Compiles the per-update move of the trainer's weights into the sampling layout.
+
+        Returns its memory and the bytes its collectives produce per device (the traffic of one
+        weight update's reshard, from the compiled program's collectives).
+        """
+        moved = self._moved()
         if not moved:
-            return 0
-        xs, ts = zip(*moved, strict=True)
-        return _sharded_bytes(list(xs), list(ts))
+            return ProgramMemory(0, 0, 0, 0, 0.0), 0
+        leaves = jax.tree.leaves(self.params)
+        sources, targets = (
+            jax.tree.leaves(self.param_shardings),
+            jax.tree.leaves(self.sample_shardings),
+        )
+        args = [
+            jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype, sharding=sources[i])
+            for i in moved
+        ]
+        program = sh._resharder(
+            tuple(targets[i] for i in moved), tuple(self.sample_dtypes[i] for i in moved)
+        )
+        start = time.perf_counter()
+        compiled = program.lower(*args).compile()
+        return ProgramMemory.of(compiled, time.perf_counter() - start), _collective_bytes(
+            compiled.as_text()
+        )
 
     def train(self, rows: int) -> ProgramMemory:
         """Compiles the train step for micro-batches of ``rows`` rows (global).
@@ -334,7 +420,7 @@ class _Planner:
             pad_id=0,
             buckets=Buckets(),
             max_cache_length=mc.max_position_embeddings,
-            row_multiple=sh.batch_divisor(self.mesh, sh.SAMPLE_RULES),
+            row_multiple=sh.batch_divisor(self.sample_mesh, sh.SAMPLE_RULES),
         )
         rows = request.prompt_ids.shape[0] * c.rollout.samples_per_prompt
         return request, rows, request.prompt_ids.shape[1], request.gen_len
@@ -344,36 +430,125 @@ class _Planner:
         # On a TPU "auto" is bfloat16 (the sampler's default off CPU).
         return jnp.dtype(jnp.bfloat16 if kind == "auto" else kind)
 
-    def kv_cache_bytes(self, prompts: int) -> int:
-        """Per-device bytes of the sampler's cache, in the model's layout (one K and one V
-        buffer per layer, ``KEY_CACHE_AXES`` / ``VALUE_CACHE_AXES``)."""
+    def _sample_params(self):
+        return jax.tree.map(
+            lambda x, s, d: jax.ShapeDtypeStruct(x.shape, d, sharding=s),
+            self.params,
+            self.sample_shardings,
+            jax.tree.unflatten(jax.tree.structure(self.params), self.sample_dtypes),
+        )
+
+    # ---- the continuous engine (rollout.engine: continuous) -----------------------------------
+
+    def engine_spec(self, slots: int):
+        """The engine's static configuration for the run's request, as the rollout builds it."""
+        from delta_jax.sampling import Sampler
+
+        c = self.config
+        sampler = Sampler(
+            nnx.merge(self.graphdef, self.params, self.rest),
+            mesh=self.sample_mesh,
+            engine="continuous",
+            decode_slots=slots,
+            page_size=c.rollout.page_size,
+            num_pages=c.rollout.num_pages or None,
+        )
+        request, *_ = self._request(c.rollout.prompts_per_step)
+        return sampler.engine_spec(request, c.rollout.samples_per_prompt, False)
+
+    def pool_bytes(self, spec) -> int:
+        """Per-device bytes of the engine's page pool (``PAGE_AXES`` on the sampling mesh)."""
         mc = self.model_config
+        shape = (spec.num_pages, spec.page_size, 2 * mc.num_kv_heads, mc.head_dim)
+        pool = logical_to_mesh(PAGE_AXES, sh.SAMPLE_RULES, self.sample_mesh, shape)
+        per_layer = math.prod(NamedSharding(self.sample_mesh, pool).shard_shape(shape))
+        return mc.num_layers * per_layer * self.cache_dtype().itemsize
+
+    def engine(self, spec) -> tuple[ProgramMemory, ProgramMemory]:
+        """Compiles the engine's decode chunk and its largest prefill chunk for ``spec``."""
+        mc, compute = self.model_config, jnp.dtype(self.config.model.dtype)
+        list_pages = 1 if spec.attention == "pallas" else _pow2(spec.slots * spec.max_table)
+        decode = _compile(
+            lambda: lower_decode(
+                mc,
+                self.sample_mesh,
+                sh.SAMPLE_RULES,
+                slots=spec.slots,
+                steps=spec.steps,
+                page_size=spec.page_size,
+                num_pages=spec.num_pages,
+                table_pages=spec.max_table,
+                list_pages=list_pages,
+                dtype=compute,
+                cache_dtype=self.cache_dtype(),
+                attention=spec.attention,
+            ),
+            self.sample_mesh,
+            sh.SAMPLE_RULES,
+        )
+        return decode, _compile(
+            lambda: self._lower_prefill(spec), self.sample_mesh, sh.SAMPLE_RULES
+        )
+
+    def _lower_prefill(self, spec):
+        """The engine's prefill program at its largest: the last chunk of the longest prompts."""
+        mc, mesh = self.model_config, self.sample_mesh
+        _, _, prompt_len, _ = self._request(self.config.rollout.prompts_per_step)
+        rows = spec.prefill_rows
+        T = min(spec.prefill_len, max(spec.min_len, _pow2(prompt_len)))
+        listed = _pow2(rows * pages_for(-(-prompt_len // T) * T, spec.page_size))
+
+        def aval(shape, dtype, names):
+            names = names + (None,) * (len(shape) - len(names))
+            where = NamedSharding(mesh, logical_to_mesh(names, sh.SAMPLE_RULES, mesh, shape))
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
+
+        page = (spec.num_pages, spec.page_size, 2 * mc.num_kv_heads, mc.head_dim)
+        pool = PagePool(
+            kv=tuple(aval(page, self.cache_dtype(), PAGE_AXES) for _ in range(mc.num_layers))
+        )
+        pages = PageList(
+            **{k: aval((listed,), jnp.int32, (None,)) for k in ("page", "seq", "index")}
+        )
+        args = (
+            self._sample_params(),
+            self.rest,
+            pool,
+            aval((rows, T), jnp.int32, ("batch",)),
+            aval((rows, T), jnp.int32, ("batch",)),
+            aval((rows, T), jnp.bool_, ("batch",)),
+            pages,
+        )
+        fn = functools.partial(prefill_chunk, graphdef=self.graphdef)
+        return jax.jit(fn, donate_argnums=(2,)).lower(*args)
+
+    # ---- the static sampler (rollout.engine: static) ------------------------------------------
+
+    def kv_cache_bytes(self, prompts: int) -> int:
+        """Per-device bytes of the static sampler's cache, in the model's layout (one K and one
+        V buffer per layer, ``KEY_CACHE_AXES`` / ``VALUE_CACHE_AXES``)."""
+        mc, mesh = self.model_config, self.sample_mesh
         _, rows, P, G = self._request(prompts)
         B, K, D, S = rows, mc.num_kv_heads, mc.head_dim, P + G
         total = 0
         for names, shape in ((KEY_CACHE_AXES, (B, K, D, S)), (VALUE_CACHE_AXES, (B, K, S, D))):
-            spec = logical_to_mesh(names, sh.SAMPLE_RULES, self.mesh, shape)
-            total += math.prod(NamedSharding(self.mesh, spec).shard_shape(shape))
+            spec = logical_to_mesh(names, sh.SAMPLE_RULES, mesh, shape)
+            total += math.prod(NamedSharding(mesh, spec).shard_shape(shape))
         return mc.num_layers * total * self.cache_dtype().itemsize
 
     def sampler(self, prompts: int) -> ProgramMemory:
-        """Compiles the sampler's prefill + decode program for one call of ``prompts`` prompts."""
-        c = self.config
+        """Compiles the static sampler's prefill + decode program for ``prompts`` prompts."""
+        c, mesh = self.config, self.sample_mesh
         request, _, _, gen_len = self._request(prompts)
 
         def rows(x):
             names = ("batch",) + (None,) * (x.ndim - 1)
-            spec = logical_to_mesh(names, sh.SAMPLE_RULES, self.mesh, x.shape)
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self.mesh, spec))
+            spec = logical_to_mesh(names, sh.SAMPLE_RULES, mesh, x.shape)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
 
-        params = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            self.params,
-            self.sample_shardings,
-        )
         strategy = make_strategy(c.rollout.temperature, c.rollout.top_p, c.rollout.top_k)
         args = (
-            params,
+            self._sample_params(),
             self.rest,
             rows(request.prompt_ids),
             rows(request.prompt_mask),
@@ -395,7 +570,29 @@ class _Planner:
                 hoist_layers=False,
             )
         )
-        return _compile(lambda: fn.lower(*args), self.mesh, sh.SAMPLE_RULES)
+        return _compile(lambda: fn.lower(*args), mesh, sh.SAMPLE_RULES)
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+# Collective ops of an optimised HLO module and the result shape they produce per device.
+_COLLECTIVE = re.compile(
+    r"= (\(?[^=]*?\)?) (all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)"
+    r"(?:-start)?\("
+)
+_SHAPE = re.compile(r"(pred|[suf]\d+|bf16)\[([\d,]*)\]")
+
+
+def _collective_bytes(hlo: str) -> int:
+    """Bytes the collectives of a compiled (per-device) HLO module produce on one device."""
+    total = 0
+    for match in _COLLECTIVE.finditer(hlo):
+        for dtype, dims in _SHAPE.findall(match.group(1)):
+            bits = 8 if dtype == "pred" else int(re.sub(r"\D", "", dtype))
+            total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+    return total
 
 
 def tpu_compiler_available() -> bool:
@@ -573,6 +770,7 @@ def plan(
     headroom: float = 0.95,
     search: bool = True,
     compiler: str = "auto",
+    compile_train: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> PlanReport:
     """Compiles the run's train step and sampler for ``topology_name`` and reports memory.
@@ -587,6 +785,7 @@ def plan(
       search: also search the largest fitting micro-batch and sampler call (more compiles).
       compiler: "tpu" (compile-only for the slice, needs libtpu), "cpu" (XLA:CPU estimate on
         stand-in devices) or "auto" (tpu when libtpu is importable).
+      compile_train: False plans the sampler side only (train figures are then zero).
       log: progress messages (e.g. ``print``).
 
     Returns:
@@ -611,14 +810,17 @@ def plan(
             f"algo.micro_batches={c.algo.micro_batches}) does not split over the {divisor} batch "
             f"shards of mesh {dict(mesh.shape)}"
         )
-    log(f"compiling train step ({micro_rows} rows per micro-batch) on {len(devices)} devices")
-    train = planner.train(micro_rows)
-    log(f"  train temporaries {train.temporaries / _GiB:.2f} GiB ({train.compile_s:.0f}s)")
+    train = ProgramMemory(0, 0, 0, 0, 0.0)
+    if compile_train:
+        log(f"compiling train step ({micro_rows} rows per micro-batch) on {len(devices)} devices")
+        train = planner.train(micro_rows)
+        log(f"  train temporaries {train.temporaries / _GiB:.2f} GiB ({train.compile_s:.0f}s)")
     prompts = c.rollout.prompts_per_step
-    log(f"compiling sampler ({prompts} prompts x {c.rollout.samples_per_prompt})")
-    sampler = planner.sampler(prompts)
-    log(f"  sampler temporaries {sampler.temporaries / _GiB:.2f} GiB ({sampler.compile_s:.0f}s)")
-    _, _, P, G = planner._request(prompts)
+    measure_sampler = _engine_measure if c.rollout.engine == "continuous" else _static_measure
+    size = c.rollout.decode_slots if c.rollout.engine == "continuous" else prompts
+    sampled = measure_sampler(planner, size, log)
+    log("compiling the reshard of the weights into the sampling layout")
+    reshard, moved = planner.reshard()
     report = PlanReport(
         topology=topo.name,
         chips=len(devices),
@@ -627,19 +829,22 @@ def plan(
         headroom=headroom,
         compiler=described,
         mesh=dict(mesh.shape),
+        sample_mesh=dict(planner.sample_mesh.shape),
         model=_describe(c.model.path, model_config),
         params_bytes=planner.params_bytes(),
         opt_state_bytes=planner.opt_state_bytes(),
         micro_batch_rows=micro_rows,
         train=train,
+        engine=c.rollout.engine,
         sampler_prompts=prompts,
         samples_per_prompt=c.rollout.samples_per_prompt,
-        cache_slots=P + G,
-        kv_cache_bytes=planner.kv_cache_bytes(prompts),
         sampler_params_bytes=planner.sampler_params_bytes(),
-        sampler=sampler,
+        reshard=reshard,
+        reshard_collective_bytes=moved,
         max_micro_batch_rows=None,
-        max_sampler_prompts=None,
+        max_sampler_size=None,
+        train_compiled=compile_train,
+        **sampled,
     )
     if not search:
         return report
@@ -652,23 +857,72 @@ def plan(
             cache[rows] = planner.train(rows).peak
         return cache[rows]
 
-    resident = report.sampling_peak - sampler.peak
-    sampled = {prompts: sampler.peak}
+    resident = report.sampling_peak - report.sampler_peak
+    sizes = {size: report.sampler_peak}
 
     def sampling_peak(n: int) -> int:
-        if n not in sampled:
-            log(f"  sampler with {n} prompts per call")
-            sampled[n] = planner.sampler(n).peak
-        return resident + sampled[n]
+        if n not in sizes:
+            got = measure_sampler(planner, n, log)
+            sizes[n] = max(got["sampler"].peak, got["prefill"].peak if got["prefill"] else 0)
+        return resident + sizes[n]
 
-    max_rows = largest_fitting(train_peak, divisor, budget, start=micro_rows, limit=rows_per_update)
-    # The sampler's rows (prompts x n) must split over the batch shards too.
-    unit = divisor // math.gcd(divisor, c.rollout.samples_per_prompt)
-    max_prompts = largest_fitting(
-        sampling_peak, unit, budget, start=prompts, limit=max(prompts, unit)
+    max_rows = None
+    if compile_train:
+        max_rows = largest_fitting(
+            train_peak, divisor, budget, start=micro_rows, limit=rows_per_update
+        )
+    sample_rows = sh.batch_divisor(planner.sample_mesh, sh.SAMPLE_RULES)
+    if c.rollout.engine == "continuous":
+        # Slots split over the sampling mesh's rows; a call never holds more sequences.
+        limit = prompts * c.rollout.samples_per_prompt
+        max_size = largest_fitting(
+            sampling_peak, sample_rows, budget, start=size, limit=max(limit, sample_rows),
+            max_measures=4,
+        )  # fmt: skip
+    else:
+        # The sampler's rows (prompts x n) must split over the batch shards too.
+        unit = sample_rows // math.gcd(sample_rows, c.rollout.samples_per_prompt)
+        max_size = largest_fitting(
+            sampling_peak, unit, budget, start=prompts, limit=max(prompts, unit)
+        )
+    return dataclasses.replace(report, max_micro_batch_rows=max_rows, max_sampler_size=max_size)
+
+
+def _engine_measure(planner: _Planner, slots: int, log) -> dict[str, Any]:
+    """The engine with ``slots`` decode slots: its pool and its two programs compiled."""
+    spec = planner.engine_spec(slots)
+    log(
+        f"compiling the engine: {spec.slots} decode slots, {spec.num_pages} pages x "
+        f"{spec.page_size} tokens, {spec.attention} attention"
     )
-    return dataclasses.replace(
-        report, max_micro_batch_rows=max_rows, max_sampler_prompts=max_prompts
+    decode, prefill = planner.engine(spec)
+    log(
+        f"  decode temporaries {decode.temporaries / _GiB:.2f} GiB, prefill "
+        f"{prefill.temporaries / _GiB:.2f} GiB ({decode.compile_s + prefill.compile_s:.0f}s)"
+    )
+    return dict(
+        cache_slots=spec.slots,
+        num_pages=spec.num_pages,
+        page_size=spec.page_size,
+        kv_cache_bytes=planner.pool_bytes(spec),
+        sampler=decode,
+        prefill=prefill,
+    )
+
+
+def _static_measure(planner: _Planner, prompts: int, log) -> dict[str, Any]:
+    """The static sampler's program for ``prompts`` prompts per call."""
+    log(f"compiling the static sampler ({prompts} prompts)")
+    sampler = planner.sampler(prompts)
+    log(f"  sampler temporaries {sampler.temporaries / _GiB:.2f} GiB ({sampler.compile_s:.0f}s)")
+    _, _, P, G = planner._request(prompts)
+    return dict(
+        cache_slots=P + G,
+        num_pages=0,
+        page_size=0,
+        kv_cache_bytes=planner.kv_cache_bytes(prompts),
+        sampler=sampler,
+        prefill=None,
     )
 
 
@@ -699,7 +953,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--config", default=None, help="YAML run config")
     parser.add_argument("--topology", required=True, help="TPU slice, e.g. v5p-64, v4-32, v5e-8")
     parser.add_argument("--headroom", type=float, default=0.95, help="usable fraction of HBM")
-    parser.add_argument("--no-search", action="store_true", help="skip the micro-batch search")
+    parser.add_argument(
+        "--no-search", action="store_true", help="skip the micro-batch and decode-slot searches"
+    )
+    parser.add_argument(
+        "--skip-train", action="store_true", help="plan the sampler side only (no train step)"
+    )
     parser.add_argument(
         "--compiler",
         default="auto",
@@ -732,6 +991,7 @@ def run(args: argparse.Namespace) -> int:
         headroom=args.headroom,
         search=not args.no_search,
         compiler=kind,
+        compile_train=not args.skip_train,
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
     )
     print(report.table())

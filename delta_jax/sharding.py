@@ -11,10 +11,11 @@ MLP columns and the vocabulary). Arrays are placed by the logical names their di
 * :data:`SAMPLE_RULES` (used by the sampler): the same, except that nothing is split over the
   hidden dimension, so that a decode step pays no FSDP gather.
 
-:func:`reshard_for_sampling` moves only the parameters whose placement differs between the two
-tables, on device. In a multi-process (multi-host) run every process calls the same functions with
-the same arguments; per-process batches become global arrays with
-:func:`host_local_batch_to_global`.
+:func:`reshard_for_sampling` moves only the parameters whose placement (or dtype) differs
+between the trainer's and the sampler's layout, on device; :func:`sampling_mesh` regroups the
+trainer's devices for tensor-parallel decoding. In a multi-process (multi-host) run every
+process calls the same functions with the same arguments; per-process batches become global
+arrays with :func:`host_local_batch_to_global`.
 
 Example:
   >>> mesh = make_mesh(2, 2, 2)  # doctest: +SKIP
@@ -330,47 +331,81 @@ def train_jit_kwargs(abstract_state: Any, mesh: Mesh, rules: Rules = TRAIN_RULES
     )
 
 
+def sampling_mesh(mesh: Mesh, kv_heads: int) -> Mesh:
+    """The sampler's mesh: the trainer's devices regrouped for tensor-parallel decoding.
+
+    Decoding reads every weight once per step, so the sampler wants each weight split over
+    chips (never gathered per step, as an FSDP layout would) and each sequence's KV cache split
+    by its KV heads. The same devices, in the same order, are regrouped as ``(data, 1, tensor)``
+    with ``tensor = gcd(kv_heads, devices)``: heads, MLP columns, the vocabulary and the KV
+    heads split over ``tensor`` (:data:`SAMPLE_RULES`), decode slots over ``data``.
+
+    Example:
+      >>> sampling_mesh(make_mesh(1, 32, 1), kv_heads=8).shape  # doctest: +SKIP
+      {'data': 4, 'fsdp': 1, 'tensor': 8}
+    """
+    tensor = math.gcd(kv_heads, mesh.size)
+    grid = mesh.devices.reshape(mesh.size // tensor, 1, tensor)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
 def reshard_for_sampling(
     params: Any,
     mesh: Mesh,
     rules: Rules = SAMPLE_RULES,
     train_rules: Rules = TRAIN_RULES,
+    *,
+    sample_mesh: Mesh | None = None,
+    dtype: Any = None,
 ) -> Any:
-    """The trainer's parameters placed for the sampler, moved on device only where needed.
+    """The trainer's parameters in the sampler's layout, moved and cast on device where needed.
 
-    Leaves whose sampling placement equals their training placement are returned as they are
-    (no copy); the others are resharded in one jitted identity (an all-gather over ``fsdp``).
+    Leaves whose sampling placement and dtype equal their training ones are returned as they
+    are (no copy); the others are moved and cast in one jitted program (an all-gather over
+    ``fsdp``, or the regrouping onto :func:`sampling_mesh`, with the cast fused in).
 
     Args:
-      params: the trainer's parameter state (placed by ``train_rules``).
-      mesh: the mesh.
+      params: the trainer's parameter state (placed by ``train_rules`` on ``mesh``).
+      mesh: the trainer's mesh.
       rules: the sampler's rules.
       train_rules: the rules ``params`` was placed with.
+      sample_mesh: the sampler's mesh (same devices); default ``mesh``.
+      dtype: the sampler's weight dtype (the model's compute dtype), or None to keep each
+        leaf's own; only floating-point leaves are cast.
 
     Returns:
-      A parameter state with the sampler's placement.
+      A parameter state with the sampler's placement and dtype.
     """
-    target = param_shardings(params, mesh, rules)
+    target = param_shardings(params, sample_mesh or mesh, rules)
     source = param_shardings(params, mesh, train_rules)
     leaves, treedef = jax.tree.flatten(params)
     target_leaves = jax.tree.leaves(target)
+    dtypes = [_sampling_dtype(x.dtype, dtype) for x in leaves]
     moved = [
         i
         for i, (s, t) in enumerate(zip(jax.tree.leaves(source), target_leaves, strict=True))
-        if s != t
+        if s != t or dtypes[i] != leaves[i].dtype
     ]
     if not moved:
         return params
-    gathered = _resharder(tuple(target_leaves[i] for i in moved))(*(leaves[i] for i in moved))
-    for i, x in zip(moved, gathered, strict=True):
+    program = _resharder(tuple(target_leaves[i] for i in moved), tuple(dtypes[i] for i in moved))
+    for i, x in zip(moved, program(*(leaves[i] for i in moved)), strict=True):
         leaves[i] = x
     return jax.tree.unflatten(treedef, leaves)
 
 
+def _sampling_dtype(have: Any, want: Any) -> np.dtype:
+    floating = want is not None and np.issubdtype(have, np.floating)
+    return np.dtype(want if floating else have)
+
+
 @functools.lru_cache(maxsize=32)
-def _resharder(shardings: tuple[NamedSharding, ...]):
-    # One compiled identity per target placement, reused every RL step (no recompilation).
-    return jax.jit(lambda *xs: xs, out_shardings=shardings)
+def _resharder(shardings: tuple[NamedSharding, ...], dtypes: tuple[np.dtype, ...]):
+    # One compiled program per target layout, reused every RL step (no recompilation).
+    def move(*xs):
+        return tuple(x.astype(d) for x, d in zip(xs, dtypes, strict=True))
+
+    return jax.jit(move, out_shardings=shardings)
 
 
 def host_local_batch_to_global(

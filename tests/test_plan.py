@@ -97,15 +97,22 @@ def test_qwen3_06b_on_v5e_1(qwen06_report):
     assert r.params_bytes == 4 * total  # float32 master weights on one chip
     # AdamW: two float32 moments per parameter plus a few scalar counters.
     assert 0 <= r.opt_state_bytes - 2 * r.params_bytes <= 64
-    # 4 prompts -> bucket 4, x 4 samples = 16 rows; prompt 16 + generation 16 cache slots.
-    assert r.cache_slots == 32
+    # The continuous engine (rollout's default), 64 decode slots (config default): a sequence of
+    # prompt 16 + generation 16 tokens takes 2 pages of 16, so the pool holds 64 x 2 + scratch.
+    assert (r.engine, r.cache_slots, r.num_pages, r.page_size) == ("continuous", 64, 129, 16)
     L, K, D = mc.num_layers, mc.num_kv_heads, mc.head_dim
-    assert r.kv_cache_bytes == 2 * L * 16 * 32 * K * D * 2  # k and v, bfloat16
-    assert r.sampler_params_bytes == 0  # one chip: the sampler reads the trainer's buffers
+    assert r.kv_cache_bytes == L * 129 * 16 * 2 * K * D * 2  # k and v pages, bfloat16
+    assert r.sampler_params_bytes == 2 * total  # the sampling copy in the compute dtype
     # The donated train state is both an argument and (aliased) an output of the step.
     state = r.params_bytes + r.opt_state_bytes
     assert r.train.arguments >= state and r.train.aliased >= state
-    assert r.train.temporaries > 0 and r.sampler.temporaries >= r.kv_cache_bytes
+    # The engine's programs take the sampling copy and the (donated) pool as arguments.
+    assert r.sampler.arguments >= r.kv_cache_bytes + r.sampler_params_bytes
+    assert r.sampler.aliased >= r.kv_cache_bytes and r.prefill.aliased >= r.kv_cache_bytes
+    assert r.train.temporaries > 0 and r.sampler.temporaries > 0
+    # One chip: the reshard is a local cast, nothing goes through collectives.
+    assert r.reshard_collective_bytes == 0
+    assert 0 <= r.reshard.outputs - r.sampler_params_bytes <= 1024  # + the output tuple
     assert r.fits == (max(r.train_peak, r.sampling_peak) <= 0.95 * 16 * 2**30)
     table = r.table()
     assert "Qwen/Qwen3-0.6B (L=28 H=1024" in table and "fits:" in table
@@ -136,11 +143,16 @@ def test_tiny_plan_on_mesh_matches_real_placement():
     )
     assert report.params_bytes == on_device0
     mc = model.config
-    # 16 rows over data x fsdp = 4 shards, K = 2 kv heads over tensor = 2; the demo's cache
-    # dtype "auto" is planned as bfloat16, the sampler's default on TPU.
-    assert report.kv_cache_bytes == 2 * mc.num_layers * 4 * 32 * 1 * mc.head_dim * 2
-    # The tiny model fits easily: the searches reach their limits (the whole update, all prompts).
-    assert report.max_micro_batch_rows == 16 and report.max_sampler_prompts == 4
+    # Sampling: the same 8 devices as data=4 x tensor=2 (K = 2 kv heads); the pool of 64 slots x
+    # 2 pages + scratch holds one KV head per device; the demo's cache dtype "auto" is planned
+    # as bfloat16, the sampler's default on TPU.
+    assert report.sample_mesh == {"data": 4, "fsdp": 1, "tensor": 2}
+    assert report.kv_cache_bytes == mc.num_layers * 129 * 16 * 2 * 1 * mc.head_dim * 2
+    # FSDP-sharded training weights -> tensor-parallel sampling ones: collectives move them.
+    assert report.reshard_collective_bytes > 0
+    # The tiny model fits easily: the searches reach their limits (the whole update, and as
+    # many decode slots as the call has sequences).
+    assert report.max_micro_batch_rows == 16 and report.max_sampler_size == 16
     assert report.fits
 
 
@@ -195,3 +207,20 @@ def test_chip_grids_of_slices():
     assert plan_lib._chip_grid(1, 2) == (1, 1)
     with pytest.raises(ValueError, match="power-of-two"):
         plan_lib._chip_grid(6, 2)
+
+
+def test_engine_pool_follows_the_config():
+    """The planner sizes the engine's pool as the rollout does: by the engine's rule, or as
+    ``rollout.num_pages`` says (no compilation)."""
+    overrides = ["data.max_prompt_length=16", "rollout.max_new_tokens=40"]
+    mesh = sh.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    sized = {}
+    for pages in (0, 50):
+        config = load_config(DEMO, [*overrides, f"rollout.num_pages={pages}"])
+        planner = plan_lib._Planner(config, mesh, plan_lib.resolve_model_config(config))
+        spec = planner.engine_spec(8)
+        sized[pages] = (spec.num_pages, planner.pool_bytes(spec))
+    mc = plan_lib.resolve_model_config(load_config(DEMO))
+    page = mc.num_layers * 16 * 2 * mc.num_kv_heads * mc.head_dim * 2  # bfloat16 K and V
+    # 8 slots x (16 prompt + 40 new tokens = 4 pages of 16) + the scratch page.
+    assert sized == {0: (33, 33 * page), 50: (50, 50 * page)}

@@ -193,6 +193,37 @@ def test_reshard_for_sampling_moves_only_differing_leaves(model):
     np.testing.assert_array_equal(np.asarray(out["embed"].get_value()), params["embed"].get_value())
 
 
+def test_sampling_layout_is_tensor_parallel_in_compute_dtype(model):
+    """The rollout's layout: the trainer's FSDP devices regrouped into tensor-parallel groups
+    of the KV heads, weights cast to the compute dtype; the engine samples the same tokens."""
+    _, params = nnx.split(model, nnx.Param)
+    mesh = sh.make_mesh(1, 8, 1)
+    sample_mesh = sh.sampling_mesh(mesh, model.config.num_kv_heads)
+    assert dict(sample_mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+    assert list(sample_mesh.devices.flat) == list(mesh.devices.flat)
+    placed = sh.shard_params(params, mesh)
+    half = sh.reshard_for_sampling(placed, mesh, sample_mesh=sample_mesh, dtype=jnp.bfloat16)
+    wq = half["blocks"]["wq"].get_value()
+    assert wq.dtype == jnp.bfloat16 and wq.sharding.mesh is sample_mesh
+    assert wq.sharding.spec == P(None, None, "tensor", None)
+    np.testing.assert_array_equal(
+        np.asarray(wq, np.float32),
+        np.asarray(params["blocks"]["wq"].get_value().astype(jnp.bfloat16), np.float32),
+    )
+    # Per device: a 2-way split of the heads, half the bytes of float32.
+    assert wq.addressable_shards[0].data.nbytes * 4 == params["blocks"]["wq"].get_value().nbytes
+    prompts = [[5, 9, 2], [7], [1, 2, 3, 4, 5], [11, 3]]
+    ref = Sampler(model, engine="continuous").generate(prompts, max_new_tokens=6, temperature=0.0)
+    full = sh.reshard_for_sampling(placed, mesh, sample_mesh=sample_mesh, dtype=jnp.float32)
+    out = Sampler(model, mesh=sample_mesh, engine="continuous", decode_slots=4).generate(
+        prompts, max_new_tokens=6, temperature=0.0, params=full
+    )
+    assert out.tokens == ref.tokens
+    np.testing.assert_allclose(
+        np.asarray(out.logprob_array), np.asarray(ref.logprob_array), atol=TOL
+    )
+
+
 def test_sampler_greedy_identical_under_mesh(model):
     prompts = [[5, 9, 2], [7], [1, 2, 3, 4, 5], [11, 3], [8, 8, 8, 8], [6], [2, 4], [9, 1, 3]]
     ref = Sampler(model).generate(prompts, max_new_tokens=6, temperature=0.0)

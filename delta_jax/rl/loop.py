@@ -227,9 +227,9 @@ def _start(cfg: Config) -> _Run:
 def _rollout(run: _Run, step: int) -> Rollout:
     """Sample and score one rollout batch with the current parameters."""
     cfg, parts = run.config, run.parts
-    return collect_rollout(
+    rollout = collect_rollout(
         sampler=parts.sampler,
-        params=sh.reshard_for_sampling(run.state.params, run.mesh),
+        params=_sampling_params(run),
         scorer=parts.scorer,
         tokenizer=parts.tokenizer,
         prompt_batches=parts.prompt_batches(),
@@ -247,6 +247,21 @@ def _rollout(run: _Run, step: int) -> Rollout:
         overlong=(cfg.reward.overlong_buffer, cfg.reward.overlong_factor),
         dynamic_rounds=cfg.rollout.dynamic_sampling_rounds,
         return_hidden=run.plan.coefficients == "sampler",
+    )
+    # Back from the sampler's mesh to the trainer's rows (a no-op when the layouts agree).
+    moved = sh.replicated_to_global(
+        (rollout.sequences, rollout.rollout_logprobs, rollout.hidden), run.mesh, row_axis=0
+    )
+    return dataclasses.replace(
+        rollout, sequences=moved[0], rollout_logprobs=moved[1], hidden=moved[2]
+    )
+
+
+def _sampling_params(run: _Run):
+    """The trainer's parameters in the sampler's layout: its mesh, the compute dtype."""
+    sampler = run.parts.sampler
+    return sh.reshard_for_sampling(
+        run.state.params, run.mesh, sample_mesh=sampler.mesh, dtype=run.config.model.dtype
     )
 
 
@@ -297,7 +312,7 @@ def _update(run: _Run, batch: TrainBatch) -> dict[str, float]:
 
 
 def _evaluate(run: _Run, step: int) -> dict[str, float]:
-    return run.parts.evaluate(sh.reshard_for_sampling(run.state.params, run.mesh), step)
+    return run.parts.evaluate(_sampling_params(run), step)
 
 
 def _finish_step(run: _Run, step, metrics, t_step, compiles, stopping) -> dict[str, Any]:

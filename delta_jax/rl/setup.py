@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 import numpy as np
 
+from delta_jax import sharding as sh
 from delta_jax.config import Config, ConfigError
 from delta_jax.data import PromptPipeline, PromptRecord, encode_prompts, load_records
 
@@ -224,10 +225,12 @@ def build_run_parts(config: Config, mesh=None) -> RunParts:
         model,
         pad_token_id=pad_id,
         cache_dtype=None if cache_dtype == "auto" else jnp.dtype(cache_dtype),
-        mesh=mesh,
+        # Tensor-parallel over the same devices: weights and KV pages split by heads.
+        mesh=None if mesh is None else sh.sampling_mesh(mesh, model.config.num_kv_heads),
         engine=config.rollout.engine,
         decode_slots=config.rollout.decode_slots,
         page_size=config.rollout.page_size,
+        num_pages=config.rollout.num_pages or None,
     )
     train_scorer, scorer = make_scorers(config)
     return RunParts(

@@ -738,13 +738,14 @@ def lower_decode(
     dtype: Any = jnp.bfloat16,
     attention: Attention = "pallas",
     stop_width: int = 1,
+    cache_dtype: Any = None,
 ) -> jax.stages.Lowered:
     """The decode program lowered for abstract inputs on ``mesh`` (no parameters materialised).
 
     For compile-only checks and cost figures on a topology without its devices (the TPU compiler
     through ``jax.experimental.topologies``): parameters in ``dtype`` placed by ``rules``.
     ``table_pages`` is the page-table width (``pallas``), ``list_pages`` the flat page list's
-    length (``xla``).
+    length (``xla``); the pool is in ``cache_dtype`` (default ``dtype``).
     """
     from delta_jax.sampling.strategies import make_strategy
     from delta_jax.sharding import param_shardings
@@ -775,7 +776,8 @@ def lower_decode(
     )
     c = config
     page = (num_pages, page_size, 2 * c.num_kv_heads, c.head_dim)
-    pool = PagePool(kv=tuple(spec(page, dtype, PAGE_AXES) for _ in range(c.num_layers)))
+    pool_dtype = dtype if cache_dtype is None else cache_dtype
+    pool = PagePool(kv=tuple(spec(page, pool_dtype, PAGE_AXES) for _ in range(c.num_layers)))
     fn = functools.partial(
         decode_chunk,
         graphdef=graphdef,

@@ -300,7 +300,7 @@ class Sampler:
       decode_slots: sequences decoded at once by the continuous engine.
       page_size: tokens per KV page (continuous engine).
       num_pages: pages in the pool, scratch page included; None sizes it for ``decode_slots``
-        sequences of the request's prompt + generation buckets.
+        sequences of the request's prompt bucket + largest ``max_new_tokens``.
       decode_chunk: decode steps per device call between two host scheduling rounds.
       prefill_chunk: longest prompt chunk prefilled in one call.
       attention: paged attention: ``"auto"`` (the Pallas ragged paged attention kernel on TPU,
@@ -452,7 +452,10 @@ class Sampler:
 
         row_multiple = self._row_multiple()
         slots = -(-self.decode_slots // row_multiple) * row_multiple
-        longest = pages_for(request.prompt_ids.shape[1] + request.gen_len, self.page_size)
+        # The longest sequence: the prompt bucket plus the largest token budget (not the
+        # generation bucket, which rounds it up: the pool holds real positions only).
+        longest_tokens = request.prompt_ids.shape[1] + int(request.max_new.max())
+        longest = pages_for(longest_tokens, self.page_size)
         # A new prompt needs a free slot: about slots / n prompts join at a time (power of two).
         at_once = 1 << (-(-slots // n) - 1).bit_length()
         attention = self.attention

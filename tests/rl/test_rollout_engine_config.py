@@ -11,12 +11,18 @@ from tests.rl.test_loop import DEMO
 def test_engine_keys_are_wired(tmp_path, demo_model_dir):
     default = build_run_parts(load_config(DEMO, tiny_overrides(tmp_path / "a", demo_model_dir)))
     assert default.sampler.engine == "continuous"
-    extra = ("rollout.engine=static", "rollout.decode_slots=8", "rollout.page_size=32")
+    assert default.sampler.num_pages is None  # sized by the engine
+    extra = (
+        "rollout.engine=static",
+        "rollout.decode_slots=8",
+        "rollout.page_size=32",
+        "rollout.num_pages=40",
+    )
     parts = build_run_parts(
         load_config(DEMO, tiny_overrides(tmp_path / "b", demo_model_dir, *extra))
     )
     s = parts.sampler
-    assert (s.engine, s.decode_slots, s.page_size) == ("static", 8, 32)
+    assert (s.engine, s.decode_slots, s.page_size, s.num_pages) == ("static", 8, 32, 40)
 
 
 @pytest.mark.parametrize(
@@ -26,6 +32,7 @@ def test_engine_keys_are_wired(tmp_path, demo_model_dir):
         ("rollout.page_size=0", "rollout.page_size=0 must be >= 1"),
         ("rollout.decode_slots=4", "samples_per_prompt=8 exceeds rollout.decode_slots=4"),
         ("rollout.engine=paged", "rollout.engine"),
+        ("rollout.num_pages=-1", "rollout.num_pages=-1 must be >= 0"),
     ],
 )
 def test_engine_keys_are_validated(override, message):
