@@ -151,14 +151,24 @@ def answer_probability(graphdef, params, ids, loss_mask) -> jax.Array:
     return jnp.exp(answer_logprob(graphdef, params, ids, loss_mask)).mean()
 
 
-def _probe_set(tokenizer, *, seed: int, template: str, length: int):
-    """Held-out problems with their correct responses (independent of training and RL data)."""
-    records = arithmetic_records(_PROBE_PROMPTS, seed=seed + 2)
+def reference_batch(tokenizer, records, *, template: str):
+    """(ids, loss mask) of ``records`` (addition problems) with their correct responses.
+
+    The input of :func:`answer_probability`: the warm-up probes its own held-out problems with
+    it, and tests measure what RL did to the probability of the right answer on the run's
+    held-out problems (a paired, sampling-free view of the held-out accuracy).
+    """
     examples = []
     for r in records:
         a, b = (int(x) for x in r.prompt[3:].split("=")[0].split("+"))
         examples.append(_encode_example(tokenizer, a, b, a + b, template))
-    return _pack(examples, tokenizer.pad_token_id, length)
+    return _pack(examples, tokenizer.pad_token_id, _sequence_length(template))
+
+
+def _probe_set(tokenizer, *, seed: int, template: str):
+    """Held-out problems with their correct responses (independent of training and RL data)."""
+    records = arithmetic_records(_PROBE_PROMPTS, seed=seed + 2)
+    return reference_batch(tokenizer, records, template=template)
 
 
 def _tiny_config(tokenizer):
@@ -243,7 +253,7 @@ def warm_up_demo_model(
         tokenizer, batch=batch, seed=seed, length=length, noise=noise, template=template
     )
     probe = jax.jit(lambda p, i, m: answer_probability(graphdef, p, i, m))
-    probe_ids, probe_mask = _probe_set(tokenizer, seed=seed, template=template, length=length)
+    probe_ids, probe_mask = _probe_set(tokenizer, seed=seed, template=template)
     loss, acc, done = float("nan"), float("nan"), 0
     while done < steps:
         ids, mask = next(batches)

@@ -136,10 +136,10 @@ def _load_records(config: Config, source: str, split: str, *, eval_set: bool):
 
     d = config.data
     if source == DEMO_DATA:
-        # Disjoint seeds: the held-out problems are drawn independently of the training ones.
-        return arithmetic_records(
-            d.limit or (256 if eval_set else 4096), seed=config.run.seed + (1 if eval_set else 0)
-        )
+        # Disjoint seeds: the held-out problems are drawn independently of the training ones;
+        # as many as the evaluation uses (``run.eval_prompts``).
+        count = config.run.eval_prompts if eval_set else 4096
+        return arithmetic_records(d.limit or count, seed=config.run.seed + (1 if eval_set else 0))
     result = load_records(
         source,
         adapter=d.adapter,
