@@ -114,8 +114,9 @@ class RolloutConfigSection:
     # sequence's pages + 1, never short. A smaller pool preempts and requeues sequences instead.
     num_pages: int = 0
     # Dynamic sampling (DAPO): resample until the batch holds `prompts_per_step` groups whose
-    # rewards are not all equal, at most this many extra sampling rounds (0 disables).
-    dynamic_sampling_rounds: int = 0
+    # rewards are not all equal, at most this many extra sampling rounds (0 disables). The
+    # built-in defaults are the CPU demo's; paper_base.yaml sets 0.
+    dynamic_sampling_rounds: int = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +205,7 @@ class RunConfigSection:
     keep_last: int = 2
     best_metric: str = "reward_mean"
     eval_every: int = 20
-    eval_prompts: int = 256
+    eval_prompts: int = 512
     tensorboard: bool = True
     wandb: bool = False
     progress: bool = True
