@@ -18,6 +18,10 @@ from delta_jax.compare import RUN_COLUMNS, TABLE_COLUMNS, run_dir, t_interval
 from delta_jax.models import from_pretrained
 
 STEPS = 12  # the first 12 of the demo's 60 RL steps (constant schedule: the same 12 steps)
+# Two of the five seeds the README promises (docs/evidence.md has all five at full length). The
+# warm-up runs until the held-out probe reaches its target, 210-440 steps depending on the seed;
+# 0 and 2 are the two shortest (210 and 260 steps), which keeps this sweep affordable in CI.
+SEEDS = (0, 2)
 
 
 def test_t_interval_matches_the_textbook_formula():
@@ -30,7 +34,7 @@ def test_t_interval_matches_the_textbook_formula():
 
 @pytest.fixture(scope="module")
 def demo_sweep(tmp_path_factory):
-    """``delta-jax compare`` of the README demo, seeds 0 and 1 x delta and dapo, 12 RL steps.
+    """``delta-jax compare`` of the README demo, two seeds x delta and dapo, 12 RL steps.
 
     The demo's own settings (warm-up to the target band, 32 prompts x 8 samples, math
     verifier) with fewer steps, held-out accuracy measured at steps 0 and 12 on 128 problems.
@@ -38,7 +42,7 @@ def demo_sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep")
     argv = [
         "compare", "--config", "configs/demo.yaml", "--losses", "delta", "dapo",
-        "--seeds", "0", "1", "--out", str(out), "--workers", "2", f"run.steps={STEPS}",
+        "--seeds", *map(str, SEEDS), "--out", str(out), "--workers", "2", f"run.steps={STEPS}",
         f"run.eval_every={STEPS}", f"run.save_every={STEPS}", "run.eval_prompts=128",
     ]  # fmt: skip
     assert main(argv) == 0
@@ -46,7 +50,7 @@ def demo_sweep(tmp_path_factory):
 
 
 @pytest.mark.slow  # the sweep: two warm-ups and four 12-step runs, two processes at a time
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", SEEDS)
 def test_demo_starts_in_the_band_and_rl_raises_the_right_answer(demo_sweep, seed):
     """The README's demo (the DelTA runs of the sweep), shortened to 12 RL steps.
 
@@ -97,22 +101,24 @@ def test_compare_runs_resumes_and_writes_its_table(demo_sweep):
         )
     # The dapo runs load their seed's delta warm-up instead of repeating it: same start.
     start = {(r["loss"], r["seed"]): float(r["eval_start"]) for r in runs}
-    assert start["delta", "0"] == start["dapo", "0"] and start["delta", "1"] == start["dapo", "1"]
+    for seed in map(str, SEEDS):
+        assert start["delta", seed] == start["dapo", seed]
     assert float(table[0]["diff_eval_final_mean"]) == 0.0  # delta minus itself
     coefs = json.loads((out / "coefficients.json").read_text())
-    assert set(coefs) == {"0", "1"} and "mean_answer" in coefs["0"]["final"]
+    assert set(coefs) == set(map(str, SEEDS)) and "mean_answer" in coefs["0"]["final"]
     assert (out / "curves.png").stat().st_size > 0
     summary = (out / "summary.md").read_text()
     assert "| delta | 2 |" in summary and "| dapo | 2 |" in summary
     # Resume: a finished sweep trains nothing again; an unfinished run resumes from its last
     # checkpoint (here: the final one, so it adds no step) through the trainer.
-    metrics = out / "dapo" / "seed1" / "metrics.jsonl"
+    last = out / "dapo" / f"seed{SEEDS[-1]}"
+    metrics = last / "metrics.jsonl"
     before = {p: p.stat().st_mtime_ns for p in out.glob("*/seed*/metrics.jsonl")}
-    (out / "dapo" / "seed1" / "DONE").unlink()
+    (last / "DONE").unlink()
     assert main(argv) == 0
     after = {p: p.stat().st_mtime_ns for p in out.glob("*/seed*/metrics.jsonl")}
     assert {p for p in before if before[p] != after[p]} <= {metrics}
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == list(
         range(STEPS + 1)
     )
-    assert (out / "dapo" / "seed1" / "DONE").exists()
+    assert (last / "DONE").exists()

@@ -248,6 +248,9 @@ def test_reward_function_that_raises_or_hangs_does_not_stop_the_run(tmp_path, de
             run,
             demo_model_dir,
             "run.steps=2",
+            # 8 items a step (the 8 batch shards' minimum): each hanging one costs the 1 s
+            # deadline and a new worker process.
+            "rollout.prompts_per_step=2",
             "reward.kind=tests.rl.reward_fns:raises_or_hangs",
             "reward.timeout_s=1.0",
             "reward.num_workers=2",
