@@ -18,6 +18,14 @@ This engine keeps ``decode_slots`` sequences running instead:
 4. when the pool runs out, the youngest running sequence is preempted (pages freed, put back at
    the front of the queue, recomputed later) instead of failing.
 
+On a mesh the engine is data parallel: the ``decode_slots`` slots and the pool's pages split
+evenly over the *data groups* (the row shards of the sampling mesh, e.g. 4 groups of 8 chips for
+Qwen3-8B on v5p-64), and every group is an engine of its own: its slot set, its page allocator
+(group-local page indices) and its queue. Each prompt goes to one group, with all its ``n``
+samples (they share its pages), prompts spread by work (:func:`assign_groups`); a group's
+programs read and write only its own pages and attend for its own slots (``shard_map``). One
+device call still serves every group at once, so the host rounds stay in step.
+
 Every sequence draws token ``t`` with the key ``fold_in(fold_in(fold_in(key(seed), prompt),
 sample), t)``, so its tokens do not depend on the slot count, the slot order or preemptions.
 Programs have fixed shapes: slots, chunk ``k`` and the pool are fixed per sampler; the XLA
