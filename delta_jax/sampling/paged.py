@@ -271,9 +271,9 @@ def per_group(fn, mesh: Mesh | None, kv_heads: int, in_specs, out_specs):
     of the active rules, i.e. over the data groups), ``H`` heads (split over the KV-head axis
     when it divides ``kv_heads``; query heads follow their KV heads), ``-`` whole. Inside,
     ``fn`` sees one group: its slots and its share of the pool, indexed group-locally. Mosaic
-    kernels are not partitioned by XLA, and a gather or scatter at data-dependent pages of a
-    pool split over groups would be partitioned by moving the pool; under ``shard_map`` neither
-    happens. Without a mesh ``fn`` runs as it is (one group).
+    kernels are not partitioned by XLA, and XLA may partition a gather or scatter at
+    data-dependent pages of a pool split over groups by gathering the pool; under
+    ``shard_map`` each group touches its own share only. Without a mesh ``fn`` runs as it is (one group).
     """
     if mesh is None:
         return fn
