@@ -273,7 +273,8 @@ def per_group(fn, mesh: Mesh | None, kv_heads: int, in_specs, out_specs):
     ``fn`` sees one group: its slots and its share of the pool, indexed group-locally. Mosaic
     kernels are not partitioned by XLA, and XLA may partition a gather or scatter at
     data-dependent pages of a pool split over groups by gathering the pool; under
-    ``shard_map`` each group touches its own share only. Without a mesh ``fn`` runs as it is (one group).
+    ``shard_map`` each group touches its own share only. Without a mesh ``fn`` runs as it is
+    (one group).
     """
     if mesh is None:
         return fn
