@@ -7,20 +7,24 @@ Workload (fixed seed): ``--prompts`` prompts x ``--n`` samples, prompt lengths u
 compilation time taken out (XLA's backend-compile events, summed, are subtracted from the call's
 wall time and reported apart), and the slot occupancy (useful tokens / slot-steps run).
 
-``--tpu`` adds the TPU compiler's view (compile-only, libtpu) for Qwen3-8B in bfloat16 on one
-tensor-parallel replica of v5p-64 (a v5p 2x2x1 slice, 4 chips) at the paper's lengths: HBM bytes
-accessed per useful token over the whole decode of one workload (``--tpu-prompts`` x ``--n``
-rows, prompts 256-2,048 tokens, responses the same log-normal scaled by 20, capped at 20,480):
+``--tpu`` adds the TPU compiler's view (compile-only, libtpu) for Qwen3-8B in bfloat16 on the
+whole of v5p-64 (``--tpu-topology`` v5p:4x4x2, 32 chips) regrouped as the sampler runs it,
+``sharding.sampling_mesh``: data 4 x tensor 8 (tensor = gcd(KV heads, chips)), at the paper's
+lengths: HBM bytes accessed per useful token over the whole decode of one workload
+(``--tpu-prompts`` x ``--n`` rows per data group, prompts 256-2,048 tokens, responses the same
+log-normal scaled by 20, capped at 20,480):
 
-* static: the compiler's bytes for one decode step of every row over a 2,048 + 20,480 cache,
-  times the steps it runs (the longest row);
-* engine: the steps its own scheduler runs on this workload (run on the host with a stand-in for
-  the device), each charged the compiler's bytes for one decode program of one step (its
-  once-per-chunk work included, so an upper bound) with the part that grows with the pool taken
-  out (from two pool sizes), plus what the cost model does not see: the pages the ragged paged
-  attention kernel copies (each slot's pages up to its length, in whole kernel blocks; the
-  custom call is charged nothing for them), the K/V rows written and the page each joining
-  sequence copies.
+* static: the compiler's bytes for one decode step of every row (rows split over the data
+  groups) over a 2,048 + 20,480 cache, times the steps it runs (the longest row);
+* engine: ``--tpu-slots`` slots per data group, each group over its own share of the pool; the
+  steps its own scheduler runs on this workload (run on the host with a stand-in for the
+  device; prompts spread over the groups as the engine does), each charged the compiler's
+  bytes for one decode program of one step (its once-per-chunk work included, so an upper
+  bound) with the part that grows with the pool taken out (from two pool sizes), plus what the
+  cost model does not see: the pages the ragged paged attention kernel copies (each slot's
+  pages up to its length, in whole kernel blocks, by its own group's chips only; the custom
+  call is charged nothing for them), the K/V rows written and the page each joining sequence
+  copies.
 
 Usage::
 
@@ -176,11 +180,12 @@ def _static_step_bytes(cfg, mesh, rules, rows: int, slots: int) -> float:
     return float(lowered.compile().cost_analysis()["bytes accessed"]) * mesh.size
 
 
-def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int):
+def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int, groups: int):
     """Runs the engine's host scheduler on the workload with a stand-in for the device programs.
 
     Returns one entry per decode step the engine would run, ``[slots]`` K/V lengths (0 for an
-    idle slot), and the number of sequences that joined (one page copied each).
+    idle slot), and the number of sequences that joined (one page copied each). ``slots``
+    counts every data group's.
     """
     from delta_jax.sampling.engine import EngineSpec, pages_for, run_engine
 
@@ -189,13 +194,13 @@ def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int
         slots=slots,
         steps=chunk,
         page_size=page,
-        num_pages=slots * longest + 1,
+        num_pages=slots * longest + groups,
         seq_pages=longest,
         max_table=1 << (longest - 1).bit_length(),
         prefill_len=2048,
         min_len=16,
-        prefill_rows=8,
-        row_multiple=1,
+        prefill_rows=8 * groups,
+        groups=groups,
         attention="pallas",
         return_hidden=False,
         pad_id=0,
@@ -225,7 +230,8 @@ def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int
 
 
 def _pool_slope(cfg, mesh, rules, slots: int, table: int, page: int, sizes) -> tuple[float, float]:
-    """The TPU compiler's bytes for one engine decode step (all chips) at two pool sizes.
+    """The TPU compiler's bytes for one engine decode step (all chips) at two pool sizes
+    (pages in total, every data group's share).
 
     Returns the intercept (bytes that do not grow with the pool: weights, activations, the
     LM head, sampling) and the slope in whole pools (how many times the cost model charges the
@@ -260,26 +266,30 @@ def _token_kv_bytes(cfg) -> int:
 def tpu_bytes(args) -> None:
     """HBM bytes per useful token from the TPU compiler, static vs engine, same workload.
 
-    One tensor-parallel replica (v5p 2x2x1, 4 chips; v5p-64 runs 8 of them side by side), the
-    paper's lengths: ``args.tpu_prompts`` prompts x ``args.n`` samples per replica, prompts of
-    256-2,048 tokens, responses log-normal (the CPU workload's shape scaled by 20) capped at
-    20,480. Both totals count decode only (each prompt is prefilled once by both) and divide by
-    the same useful tokens.
+    The whole slice on the sampling mesh (data groups x tensor), the paper's lengths:
+    ``args.tpu_prompts`` prompts x ``args.n`` samples per data group, prompts of 256-2,048
+    tokens, responses log-normal (the CPU workload's shape scaled by 20) capped at 20,480. Both
+    totals count decode only (each prompt is prefilled once by both) and divide by the same
+    useful tokens.
     """
     from jax.experimental import topologies
     from jax.sharding import Mesh
 
+    from delta_jax import sharding as sh
     from delta_jax.plan import known_model_config
     from delta_jax.sampling import SAMPLING_RULES
     from delta_jax.sampling.engine import pages_for
     from delta_jax.sampling.paged import PALLAS_KV_PAGES_PER_BLOCK
 
     cfg = known_model_config("Qwen3-8B")
-    topo = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu")
-    mesh = Mesh(np.array(topo.devices).reshape(1, 4), ("data", "tensor"))
+    topo = topologies.get_topology_desc(topology_name=args.tpu_topology, platform="tpu")
+    devices = np.array(topo.devices)
+    mesh = sh.sampling_mesh(Mesh(devices.reshape(1, devices.size, 1), sh.AXES), cfg.num_kv_heads)
+    groups = sh.batch_divisor(mesh, SAMPLING_RULES)
     rules, page, scale = SAMPLING_RULES, args.page_size, 20
     prompt_bucket, cap = 2048, args.cap * scale
-    prompts, budgets = workload(args.tpu_prompts, args.n, args.mean_new * scale, cap, 2, seed=1)
+    num_prompts, slots = args.tpu_prompts * groups, args.tpu_slots * groups
+    prompts, budgets = workload(num_prompts, args.n, args.mean_new * scale, cap, 2, seed=1)
     rng = np.random.default_rng(1)
     prompts = [[1] * int(rng.integers(256, prompt_bucket + 1)) for _ in prompts]
     rows, useful, longest = len(budgets), sum(budgets), max(budgets)
@@ -294,17 +304,19 @@ def tpu_bytes(args) -> None:
     # the pages the ragged paged attention kernel copies (every slot's pages up to its length,
     # in blocks of PALLAS_KV_PAGES_PER_BLOCK pages, an idle slot one block of scratch pages),
     # the K/V row each slot writes, and one page read and written per joining sequence.
-    lengths, joins, stats = _engine_schedule(prompts, budgets, args.n, args.tpu_slots, 16, page)
+    lengths, joins, stats = _engine_schedule(prompts, budgets, args.n, slots, 16, page, groups)
     table = 1 << (pages_for(prompt_bucket + cap, page) - 1).bit_length()
-    fixed, slope = _pool_slope(cfg, mesh, rules, args.tpu_slots, table, page, (2049, 4097))
+    sizes = (2049 * groups, 4097 * groups)
+    fixed, slope = _pool_slope(cfg, mesh, rules, slots, table, page, sizes)
     block = PALLAS_KV_PAGES_PER_BLOCK * page
     copied = np.ceil(np.maximum(lengths, 1) / block).sum() * block * token_kv
     written = lengths.size * token_kv + joins * 2 * page * token_kv
     engine_total = fixed * len(lengths) + copied + written
 
     print(
-        f"Qwen3-8B bf16, one v5p 2x2x1 replica (tensor 4; v5p-64 = 8 replicas), {rows} rows "
-        f"({args.tpu_prompts} prompts x {args.n}), prompts 256-{prompt_bucket}, responses mean "
+        f"Qwen3-8B bf16, {args.tpu_topology} ({devices.size} chips) as the sampling mesh "
+        f"{dict(mesh.shape)}, {rows} rows ({num_prompts} prompts x {args.n}; {groups} data "
+        f"groups), prompts 256-{prompt_bucket}, responses mean "
         f"{useful / rows:.0f} max {longest} (cap {cap}), {useful} useful tokens; TPU compiler "
         "cost analysis, bytes accessed summed over the chips:"
     )
@@ -314,7 +326,8 @@ def tpu_bytes(args) -> None:
         "useful token"
     )
     print(
-        f"  engine: {args.tpu_slots} slots, {len(lengths)} steps (occupancy "
+        f"  engine: {groups} groups x {args.tpu_slots} slots, each over its own pages, "
+        f"{len(lengths)} steps (occupancy "
         f"{stats.occupancy:.3f}); compiler {fixed / 2**30:.1f} GiB/step without the pool (the "
         f"pool adds {slope:.3f} pools to it), + "
         f"{copied / 2**40:.1f} TiB of pages copied by the kernel + {written / 2**30:.1f} GiB "
@@ -334,8 +347,9 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=16)
     ap.add_argument("--tpu", action="store_true", help="add the TPU compile-only figures")
-    ap.add_argument("--tpu-prompts", type=int, default=8, help="per replica (x --n rows)")
-    ap.add_argument("--tpu-slots", type=int, default=32)
+    ap.add_argument("--tpu-topology", default="v5p:4x4x2", help="v5p:4x4x2 is v5p-64")
+    ap.add_argument("--tpu-prompts", type=int, default=8, help="per data group (x --n rows)")
+    ap.add_argument("--tpu-slots", type=int, default=32, help="per data group")
     ap.add_argument("--skip-cpu", action="store_true")
     args = ap.parse_args()
     if not args.skip_cpu:

@@ -108,10 +108,14 @@ class RolloutConfigSection:
     # "continuous": slots refilled as rows end, over a paged KV cache (delta_jax.sampling.engine);
     # "static": one batch decoded until its longest row ends.
     engine: Literal["continuous", "static"] = "continuous"
-    decode_slots: int = 64  # sequences decoded at once (continuous engine)
+    # Sequences decoded at once by the continuous engine, in total: split evenly over the
+    # sampling mesh's data groups (each runs its own slots and pool share; a prompt's samples
+    # stay in one group, so samples_per_prompt must fit one group's slots).
+    decode_slots: int = 64
     page_size: int = 16  # tokens per KV page (continuous engine)
-    # KV pages in the engine's pool (scratch page included); 0: decode_slots x the longest
-    # sequence's pages + 1, never short. A smaller pool preempts and requeues sequences instead.
+    # KV pages in the engine's pool in total (one scratch page per data group included), split
+    # evenly over the groups; 0: per group, its slots x the longest sequence's pages + 1, never
+    # short. A smaller pool preempts and requeues sequences instead.
     num_pages: int = 0
     # Dynamic sampling (DAPO): resample until the batch holds `prompts_per_step` groups whose
     # rewards are not all equal, at most this many extra sampling rounds (0 disables). The

@@ -182,8 +182,8 @@ class PlanReport:
     engine: str
     sampler_prompts: int
     samples_per_prompt: int
-    cache_slots: int  # static: cache length; engine: decode slots
-    num_pages: int  # engine: pages in the pool (scratch included); static: 0
+    cache_slots: int  # static: cache length; engine: decode slots (every data group's)
+    num_pages: int  # engine: pages in the pool (every group's, scratch pages included); static: 0
     page_size: int
     kv_cache_bytes: int  # static: the KV cache; engine: the page pool
     sampler_params_bytes: int
@@ -194,6 +194,7 @@ class PlanReport:
     max_micro_batch_rows: int | None
     max_sampler_size: int | None  # static: prompts per call; engine: decode slots
     train_compiled: bool = True  # False: --skip-train (train figures are zero)
+    data_groups: int = 1  # engine: sampling-mesh row shards, each with its slots and pages
 
     @property
     def budget(self) -> int:
@@ -235,13 +236,15 @@ class PlanReport:
         train_src = train_src if self.train_compiled else "not compiled (--skip-train)"
         sampler_src = comp + (oom if self.sampler.out_of_memory else "")
         if self.engine == "continuous":
-            tokens = (self.num_pages - 1) * self.page_size
+            G = self.data_groups
+            slots, pages = self.cache_slots // G, self.num_pages // G
             head = (
-                f"sampler: continuous engine, {self.cache_slots} decode slots, page pool "
-                f"{self.num_pages} pages x {self.page_size} tokens ({tokens} tokens); "
-                f"{self.sampler_prompts} prompts x {self.samples_per_prompt} samples per step:"
+                f"sampler: continuous engine, {G} data groups x ({slots} decode slots, "
+                f"{pages} pages of {self.page_size} tokens = {(pages - 1) * self.page_size} "
+                f"tokens); {self.sampler_prompts} prompts x {self.samples_per_prompt} samples "
+                "per step:"
             )
-            cache = row("  KV page pool", self.kv_cache_bytes, exact)
+            cache = row("  KV page pool (group's share / chip)", self.kv_cache_bytes, exact)
             temps = [
                 row("  sampler temporaries (decode chunk)", self.sampler.temporaries, sampler_src),
                 row("  sampler temporaries (prefill chunk)", self.prefill.temporaries, comp),
@@ -457,7 +460,8 @@ class _Planner:
         return sampler.engine_spec(request, c.rollout.samples_per_prompt, False)
 
     def pool_bytes(self, spec) -> int:
-        """Per-device bytes of the engine's page pool (``PAGE_AXES`` on the sampling mesh)."""
+        """Per-device bytes of the engine's page pool (``PAGE_AXES`` on the sampling mesh: a data
+        group's share of the pages, split by KV heads over its chips)."""
         mc = self.model_config
         shape = (spec.num_pages, spec.page_size, 2 * mc.num_kv_heads, mc.head_dim)
         pool = logical_to_mesh(PAGE_AXES, sh.SAMPLE_RULES, self.sample_mesh, shape)
@@ -467,7 +471,7 @@ class _Planner:
     def engine(self, spec) -> tuple[ProgramMemory, ProgramMemory]:
         """Compiles the engine's decode chunk and its largest prefill chunk for ``spec``."""
         mc, compute = self.model_config, jnp.dtype(self.config.model.dtype)
-        list_pages = 1 if spec.attention == "pallas" else _pow2(spec.slots * spec.max_table)
+        list_pages = 1 if spec.attention == "pallas" else _pow2(spec.group_slots * spec.max_table)
         decode = _compile(
             lambda: lower_decode(
                 mc,
@@ -496,7 +500,8 @@ class _Planner:
         _, _, prompt_len, _ = self._request(self.config.rollout.prompts_per_step)
         rows = spec.prefill_rows
         T = min(spec.prefill_len, max(spec.min_len, _pow2(prompt_len)))
-        listed = _pow2(rows * pages_for(-(-prompt_len // T) * T, spec.page_size))
+        per_group = rows // spec.groups
+        listed = spec.groups * _pow2(per_group * pages_for(-(-prompt_len // T) * T, spec.page_size))
 
         def aval(shape, dtype, names):
             names = names + (None,) * (len(shape) - len(names))
@@ -508,7 +513,7 @@ class _Planner:
             kv=tuple(aval(page, self.cache_dtype(), PAGE_AXES) for _ in range(mc.num_layers))
         )
         pages = PageList(
-            **{k: aval((listed,), jnp.int32, (None,)) for k in ("page", "seq", "index")}
+            **{k: aval((listed,), jnp.int32, ("batch",)) for k in ("page", "seq", "index")}
         )
         args = (
             self._sample_params(),
@@ -519,7 +524,7 @@ class _Planner:
             aval((rows, T), jnp.bool_, ("batch",)),
             pages,
         )
-        fn = functools.partial(prefill_chunk, graphdef=self.graphdef)
+        fn = functools.partial(prefill_chunk, graphdef=self.graphdef, mesh=mesh)
         return jax.jit(fn, donate_argnums=(2,)).lower(*args)
 
     # ---- the static sampler (rollout.engine: static) ------------------------------------------
@@ -892,8 +897,8 @@ def _engine_measure(planner: _Planner, slots: int, log) -> dict[str, Any]:
     """The engine with ``slots`` decode slots: its pool and its two programs compiled."""
     spec = planner.engine_spec(slots)
     log(
-        f"compiling the engine: {spec.slots} decode slots, {spec.num_pages} pages x "
-        f"{spec.page_size} tokens, {spec.attention} attention"
+        f"compiling the engine: {spec.groups} data groups x ({spec.group_slots} decode slots, "
+        f"{spec.group_pages} pages of {spec.page_size} tokens), {spec.attention} attention"
     )
     decode, prefill = planner.engine(spec)
     log(
@@ -907,6 +912,7 @@ def _engine_measure(planner: _Planner, slots: int, log) -> dict[str, Any]:
         kv_cache_bytes=planner.pool_bytes(spec),
         sampler=decode,
         prefill=prefill,
+        data_groups=spec.groups,
     )
 
 

@@ -99,8 +99,9 @@ def run_steps(first: int, last: int, ckpt_dir: str | None, restore: bool, device
 PROMPTS = [[5, 9, 2], [7], [1, 2, 3, 4, 5], [11, 3], [8, 8, 8], [6, 1]]
 
 
-def sample_greedy(devices=None, **sampler_kw) -> list[list[int]]:
-    """Greedy tokens of the tiny model under the ``MESH`` mesh (sampling placement)."""
+def sample_greedy(devices=None, **sampler_kw):
+    """Greedy tokens of the tiny model under the ``MESH`` mesh (sampling placement), and the
+    continuous engine's stats (None for the static sampler)."""
     from flax import nnx
 
     from delta_jax import distributed
@@ -117,7 +118,7 @@ def sample_greedy(devices=None, **sampler_kw) -> list[list[int]]:
     # Global (cross-process) outputs are assembled on every host before reading them.
     tokens = distributed.process_allgather(out.token_array, tiled=True)
     lengths = distributed.process_allgather(out.length_array, tiled=True)
-    return [tokens[i, : lengths[i]].tolist() for i in range(len(PROMPTS))]
+    return [tokens[i, : lengths[i]].tolist() for i in range(len(PROMPTS))], out.engine_stats
 
 
 def _host_params(distributed, state) -> dict[str, np.ndarray]:
@@ -138,9 +139,12 @@ def _worker(phase: str, out_dir: str) -> None:
     ckpt_dir = os.path.join(out_dir, "checkpoints")
     if phase == "train":
         result = run_steps(1, STEPS, ckpt_dir, restore=False)
-        result["greedy"] = sample_greedy()
-        # The continuous engine: 4 slots for 6 sequences (refilled), rows over both processes.
-        result["greedy_engine"] = sample_greedy(engine="continuous", decode_slots=4, page_size=4)
+        result["greedy"], _ = sample_greedy()
+        # The continuous engine: 4 slots for 6 sequences (refilled), rows over both processes;
+        # the batch rows split over fsdp = 2, so 2 data groups of 2 slots, each with its pages.
+        tokens, stats = sample_greedy(engine="continuous", decode_slots=4, page_size=4)
+        result["greedy_engine"] = tokens
+        result["engine_pages"] = [stats.high_water_pages, stats.free_pages_after, stats.group_pages]
     else:
         result = run_steps(STEPS + 1, STEPS + 1, ckpt_dir, restore=True)
     if distributed.is_main_process():
@@ -201,6 +205,9 @@ def test_two_processes_match_one_process_and_resume(tmp_path, reference):
     one_device = Sampler(model).generate(PROMPTS, max_new_tokens=6, temperature=0.0).tokens
     assert train["greedy"] == one_device
     assert train["greedy_engine"] == one_device
+    high_water, free_after, group_pages = train["engine_pages"]
+    assert len(high_water) == 2 and all(0 < h < group_pages for h in high_water)
+    assert free_after == [group_pages - 1] * 2  # every page of both groups' pools free again
     saved = np.load(tmp_path / "train.npz")
 
     _launch("resume", tmp_path)

@@ -143,11 +143,14 @@ def test_tiny_plan_on_mesh_matches_real_placement():
     )
     assert report.params_bytes == on_device0
     mc = model.config
-    # Sampling: the same 8 devices as data=4 x tensor=2 (K = 2 kv heads); the pool of 64 slots x
-    # 2 pages + scratch holds one KV head per device; the demo's cache dtype "auto" is planned
-    # as bfloat16, the sampler's default on TPU.
+    # Sampling: the same 8 devices as data=4 x tensor=2 (K = 2 kv heads). The 64 decode slots
+    # split into 4 data groups of 16, each with its own pool share of 16 x 2 pages + its scratch
+    # page; a device holds its group's share, one KV head of it. The demo's cache dtype "auto"
+    # is planned as bfloat16, the sampler's default on TPU.
     assert report.sample_mesh == {"data": 4, "fsdp": 1, "tensor": 2}
-    assert report.kv_cache_bytes == mc.num_layers * 129 * 16 * 2 * 1 * mc.head_dim * 2
+    assert (report.data_groups, report.cache_slots, report.num_pages) == (4, 64, 4 * 33)
+    assert report.kv_cache_bytes == mc.num_layers * 33 * 16 * 2 * 1 * mc.head_dim * 2
+    assert "4 data groups x (16 decode slots, 33 pages of 16 tokens" in report.table()
     # FSDP-sharded training weights -> tensor-parallel sampling ones: collectives move them.
     assert report.reshard_collective_bytes > 0
     # The tiny model fits easily: the searches reach their limits (the whole update, and as

@@ -222,6 +222,10 @@ def test_sampling_layout_is_tensor_parallel_in_compute_dtype(model):
     np.testing.assert_allclose(
         np.asarray(out.logprob_array), np.asarray(ref.logprob_array), atol=TOL
     )
+    # One slot in each of the 4 data groups, each group with its own pool share: all used.
+    stats = out.engine_stats
+    assert len(stats.high_water_pages) == 4 and min(stats.high_water_pages) > 0
+    assert stats.free_pages_after == (stats.group_pages - 1,) * 4
 
 
 def test_sampler_greedy_identical_under_mesh(model):

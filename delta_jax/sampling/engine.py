@@ -18,6 +18,14 @@ This engine keeps ``decode_slots`` sequences running instead:
 4. when the pool runs out, the youngest running sequence is preempted (pages freed, put back at
    the front of the queue, recomputed later) instead of failing.
 
+On a mesh the engine is data parallel: the ``decode_slots`` slots and the pool's pages split
+evenly over the *data groups* (the row shards of the sampling mesh, e.g. 4 groups of 8 chips for
+Qwen3-8B on v5p-64), and every group is an engine of its own: its slot set, its page allocator
+(group-local page indices) and its queue. Each prompt goes to one group, with all its ``n``
+samples (they share its pages), prompts spread by work (:func:`assign_groups`); a group's
+programs read and write only its own pages and attend for its own slots (``shard_map``). One
+device call still serves every group at once, so the host rounds stay in step.
+
 Every sequence draws token ``t`` with the key ``fold_in(fold_in(fold_in(key(seed), prompt),
 sample), t)``, so its tokens do not depend on the slot count, the slot order or preemptions.
 Programs have fixed shapes: slots, chunk ``k`` and the pool are fixed per sampler; the XLA
@@ -55,6 +63,7 @@ from delta_jax.sampling.paged import (
     PageAllocator,
     PageList,
     PagePool,
+    copy_pages,
     init_pool,
     paged_forward,
 )
@@ -151,7 +160,7 @@ def decode_chunk(
     """
     model: Transformer = nnx.merge(graphdef, params, rest)
     hoisted = model.layer_params() if hoist_layers else None
-    pool = PagePool(kv=tuple(kv.at[slots.copy_dst].set(kv[slots.copy_src]) for kv in pool.kv))
+    pool = copy_pages(pool, slots.copy_src, slots.copy_dst, mesh, model.config.num_kv_heads)
     tied = model.config.tie_word_embeddings
     head = (model.embed[...] if tied else lm_head_weight(model)).astype(model.dtype)
     head_spec = "SH,VH->SV" if tied else "SH,HV->SV"
@@ -229,11 +238,12 @@ def prefill_chunk(
     pages: PageList,
     *,
     graphdef: nnx.GraphDef,
+    mesh: Mesh | None,
 ) -> PagePool:
     """Writes the K/V of a chunk of prompt tokens into the prompts' pages (no LM head)."""
     model: Transformer = nnx.merge(graphdef, params, rest)
     layers = model.layer_params()
-    _, pool = paged_forward(model, layers, ids, positions, valid, pool, pages=pages)
+    _, pool = paged_forward(model, layers, ids, positions, valid, pool, pages=pages, mesh=mesh)
     return pool
 
 
@@ -255,6 +265,7 @@ class _Seq:
 @dataclasses.dataclass
 class _Prompt:
     ids: np.ndarray
+    group: int = 0  # the data group whose pool holds the prompt's pages and runs its samples
     pages: list[int] | None = None  # resident pages of the prefix (all but the last token)
     running: int = 0
     left: int = 0  # samples not finished yet
@@ -266,16 +277,16 @@ class _Prompt:
 
 @dataclasses.dataclass
 class EngineStats:
-    """What one engine call did (for tests and benchmarks)."""
+    """What one engine call did (for tests and benchmarks); page figures are per data group."""
 
-    decode_steps: int = 0  # slot-steps run: chunks x steps x slots
+    decode_steps: int = 0  # slot-steps run: chunks x steps x slots (every group's)
     useful_steps: int = 0  # generated tokens
     chunks: int = 0
     prefill_calls: int = 0
     preemptions: int = 0
-    high_water_pages: int = 0
-    free_pages_after: int = 0
-    num_pages: int = 0
+    high_water_pages: tuple[int, ...] = ()  # per group: the most pages in use at once
+    free_pages_after: tuple[int, ...] = ()  # per group: free pages after the call
+    group_pages: int = 0  # pages in one group's share of the pool (its scratch page included)
 
     @property
     def occupancy(self) -> float:
@@ -285,7 +296,12 @@ class EngineStats:
 
 @dataclasses.dataclass
 class EngineSpec:
-    """Static configuration of one engine call (what the compiled programs depend on)."""
+    """Static configuration of one engine call (what the compiled programs depend on).
+
+    ``slots`` and ``num_pages`` count the whole mesh; both split evenly over the ``groups`` data
+    groups (the sampling mesh's row shards), each group owning a contiguous block of slots and
+    of pool pages (its own scratch page first).
+    """
 
     slots: int
     steps: int
@@ -295,22 +311,47 @@ class EngineSpec:
     max_table: int  # page-table width cap (``seq_pages`` up to a power of two)
     prefill_len: int  # longest prefill chunk
     min_len: int  # floor of the prefill-chunk and page-table (in tokens) buckets
-    prefill_rows: int  # prompts per prefill call (fixed: a new count would compile again)
-    row_multiple: int
+    prefill_rows: int  # prompts per prefill call, every group's (fixed: no recompilation)
+    groups: int  # data groups: independent slot sets and page pools
     attention: Attention
     return_hidden: bool
     pad_id: int
 
+    @property
+    def group_slots(self) -> int:
+        return self.slots // self.groups
+
+    @property
+    def group_pages(self) -> int:
+        return self.num_pages // self.groups
+
+
+class _Group:
+    """One data group's host state: its slots (global slots ``base + i``), its page allocator
+    (group-local page indices) and its queue of sequences."""
+
+    def __init__(self, base: int, slots: int, num_pages: int, seqs: list[_Seq]):
+        self.base = base
+        self.slots: list[_Seq | None] = [None] * slots
+        self.alloc = PageAllocator(num_pages)
+        self.queue = collections.deque(seqs)
+
+    @property
+    def running(self) -> list[tuple[int, _Seq]]:
+        """``(global slot, sequence)`` of the occupied slots, oldest admission first."""
+        pairs = [(self.base + i, s) for i, s in enumerate(self.slots) if s is not None]
+        return sorted(pairs, key=lambda p: p[1].order)
+
 
 class _Scheduler:
-    """Host side of one engine call: queue, slots, pages; the device programs are callbacks."""
+    """Host side of one engine call: a queue, slots and pages per data group; one device call
+    (prefill or decode) serves every group at once. The device programs are callbacks."""
 
-    def __init__(self, spec: EngineSpec, prompts, seqs, compile_fn, stats: EngineStats):
+    def __init__(self, spec: EngineSpec, prompts, groups: list[list[_Seq]], compile_fn, stats):
         self.spec = spec
         self.prompts = prompts
-        self.queue = collections.deque(seqs)
-        self.slots: list[_Seq | None] = [None] * spec.slots
-        self.alloc = PageAllocator(spec.num_pages)
+        Sg, Pg = spec.group_slots, spec.group_pages
+        self.groups = [_Group(g * Sg, Sg, Pg, seqs) for g, seqs in enumerate(groups)]
         self.compile = compile_fn
         self.stats = stats
         self.admitted = 0
@@ -325,117 +366,125 @@ class _Scheduler:
     def _chunk_pages(self, seq: _Seq, pos: int) -> int:
         return min(pos + self.spec.steps - 1, self._end_pos(seq)) // self.spec.page_size + 1
 
-    def _release(self, seq: _Seq) -> None:
-        self.alloc.free(seq.pages)
+    def _release(self, group: _Group, seq: _Seq) -> None:
+        group.alloc.free(seq.pages)
         seq.pages, seq.table = [], []
-        prompt = self.prompts[seq.prompt]
-        prompt.running -= 1
+        self.prompts[seq.prompt].running -= 1
 
-    def _preempt_youngest(self, keep: _Seq | None) -> bool:
-        """Frees the youngest running sequence (back to the queue front) or idle prompt pages."""
-        running = [
-            (s.order, i) for i, s in enumerate(self.slots) if s is not None and s is not keep
-        ]
+    def _preempt_youngest(self, group: _Group, keep: _Seq | None) -> bool:
+        """Frees the group's youngest running sequence (back to its queue front) or idle
+        prompt pages."""
+        running = [(s.order, i) for i, s in enumerate(group.slots) if s not in (None, keep)]
         if running:
             _, i = max(running)
-            seq = self.slots[i]
-            self._release(seq)
+            seq = group.slots[i]
+            self._release(group, seq)
             seq.out, seq.length = {}, 0
-            self.slots[i] = None
-            self.queue.appendleft(seq)
+            group.slots[i] = None
+            group.queue.appendleft(seq)
             self.stats.preemptions += 1
             return True
-        idle = [p for p in self.prompts if p.pages and p.running == 0]
+        g = self.groups.index(group)
+        idle = [p for p in self.prompts if p.group == g and p.pages and p.running == 0]
         for p in idle:
-            self.alloc.free(p.pages)
+            group.alloc.free(p.pages)
             p.pages = None
         return bool(idle)
 
-    def _grow(self, seq: _Seq, pos: int) -> bool:
+    def _grow(self, group: _Group, seq: _Seq, pos: int) -> bool:
         """Pages for the next chunk of ``seq``, preempting younger sequences if needed."""
         need = self._chunk_pages(seq, pos) - len(seq.table)
         while need > 0:
-            got = self.alloc.alloc(need)
+            got = group.alloc.alloc(need)
             if got is not None:
                 seq.pages += got
                 seq.table += got
                 return True
-            if not self._preempt_youngest(keep=seq):
+            if not self._preempt_youngest(group, keep=seq):
                 return False
         return True
 
     # ---- admission and prefill ---------------------------------------------------------------
 
-    def _admit(self, state: dict[str, np.ndarray]) -> None:
-        """Fills free slots from the queue while pages allow; prefills the new prompts."""
+    def _admit(self, group: _Group, state: dict[str, np.ndarray]) -> list[int]:
+        """Fills the group's free slots from its queue while its pages allow; returns the
+        prompts to prefill."""
         ps = self.spec.page_size
-        joined: list[tuple[int, _Seq]] = []
         new_prompts: list[int] = []
-        free_slots = [i for i, s in enumerate(self.slots) if s is None]
-        while free_slots and self.queue:
-            seq = self.queue[0]
+        free_slots = [i for i, s in enumerate(group.slots) if s is None]
+        joined = False
+        while free_slots and group.queue:
+            seq = group.queue[0]
             prompt = self.prompts[seq.prompt]
             fresh = prompt.pages is None and seq.prompt not in new_prompts
             need = pages_for(prompt.prefix, ps) if fresh else 0
             need += self._chunk_pages(seq, prompt.prefix) - prompt.prefix // ps
-            if need > self.alloc.num_free:
-                if any(s is not None for s in self.slots) or joined:
+            if need > group.alloc.num_free:
+                if any(s is not None for s in group.slots) or joined:
                     break  # wait for running sequences to end
-                if not self._preempt_youngest(keep=None):
+                if not self._preempt_youngest(group, keep=None):
                     break
                 continue
-            self.queue.popleft()
+            group.queue.popleft()
             if fresh:
-                prompt.pages = self.alloc.alloc(pages_for(prompt.prefix, ps))
+                prompt.pages = group.alloc.alloc(pages_for(prompt.prefix, ps))
                 new_prompts.append(seq.prompt)
-            own = self.alloc.alloc(self._chunk_pages(seq, prompt.prefix) - prompt.prefix // ps)
+            own = group.alloc.alloc(self._chunk_pages(seq, prompt.prefix) - prompt.prefix // ps)
             seq.pages = own
             seq.table = prompt.pages[: prompt.prefix // ps] + own
             seq.order = self.admitted
             self.admitted += 1
             prompt.running += 1
             slot = free_slots.pop(0)
-            self.slots[slot] = seq
-            joined.append((slot, seq))
-        if new_prompts:
-            self._prefill(new_prompts)
-        for slot, seq in joined:
-            prompt = self.prompts[seq.prompt]
-            full = prompt.prefix // ps
-            state["last"][slot] = prompt.ids[-1]
-            state["pos"][slot] = prompt.prefix
-            state["count"][slot] = 0
-            state["active"][slot] = True
-            state["max_new"][slot] = seq.max_new
-            state["prompt"][slot] = seq.prompt
-            state["sample"][slot] = seq.sample
-            state["stops"][slot] = seq.stops
-            if prompt.prefix % ps:  # the partial last prompt page becomes the sample's own copy
-                state["copy_src"][slot] = prompt.pages[full]
-                state["copy_dst"][slot] = seq.table[full]
+            group.slots[slot] = seq
+            joined = True
+            self._join(group.base + slot, seq, state)
+        return new_prompts
 
-    def _prefill(self, indices: list[int]) -> None:
+    def _join(self, slot: int, seq: _Seq, state: dict[str, np.ndarray]) -> None:
+        prompt, ps = self.prompts[seq.prompt], self.spec.page_size
+        full = prompt.prefix // ps
+        state["last"][slot] = prompt.ids[-1]
+        state["pos"][slot] = prompt.prefix
+        state["count"][slot] = 0
+        state["active"][slot] = True
+        state["max_new"][slot] = seq.max_new
+        state["prompt"][slot] = seq.prompt
+        state["sample"][slot] = seq.sample
+        state["stops"][slot] = seq.stops
+        if prompt.prefix % ps:  # the partial last prompt page becomes the sample's own copy
+            state["copy_src"][slot] = prompt.pages[full]
+            state["copy_dst"][slot] = seq.table[full]
+
+    def _prefill(self, per_group: list[list[int]]) -> None:
+        """Prefills every group's new prompts, ``prefill_rows / groups`` rows per group per call
+        (group ``g``'s prompts in its block of rows, with its own page list)."""
         spec, ps = self.spec, self.spec.page_size
-        indices = [i for i in indices if self.prompts[i].prefix > 0]
-        for start in range(0, len(indices), spec.prefill_rows):
-            group = indices[start : start + spec.prefill_rows]
-            rows = spec.prefill_rows
-            longest = max(self.prompts[i].prefix for i in group)
+        rows = spec.prefill_rows // spec.groups
+        per_group = [[i for i in new if self.prompts[i].prefix > 0] for new in per_group]
+        rounds = max(-(-len(new) // rows) for new in per_group)
+        for start in range(0, rounds * rows, rows):
+            batch = [new[start : start + rows] for new in per_group]
+            longest = max(self.prompts[i].prefix for new in batch for i in new)
             T = min(spec.prefill_len, max(spec.min_len, _pow2(longest)))
             for offset in range(0, longest, T):
-                ids = np.zeros((rows, T), np.int32)
-                valid = np.zeros((rows, T), bool)
+                ids = np.zeros((spec.prefill_rows, T), np.int32)
+                valid = np.zeros((spec.prefill_rows, T), bool)
                 positions = np.broadcast_to(
-                    np.arange(offset, offset + T, dtype=np.int32), (rows, T)
+                    np.arange(offset, offset + T, dtype=np.int32), (spec.prefill_rows, T)
                 )
-                for r, i in enumerate(group):
-                    part = self.prompts[i].ids[offset : min(offset + T, self.prompts[i].prefix)]
-                    ids[r, : part.size] = part
-                    valid[r, : part.size] = True
+                for g, new in enumerate(batch):
+                    for r, i in enumerate(new):
+                        part = self.prompts[i].ids[offset : min(offset + T, self.prompts[i].prefix)]
+                        ids[g * rows + r, : part.size] = part
+                        valid[g * rows + r, : part.size] = True
                 # Pages up to this chunk's end (the earlier chunks' ones included).
-                tables = [self.prompts[i].pages[: pages_for(offset + T, ps)] for i in group]
-                size = _pow2(max(sum(map(len, tables)), rows * pages_for(T, ps)))
-                pages = self._page_list(tables, rows, size)
+                tables = [
+                    [self.prompts[i].pages[: pages_for(offset + T, ps)] for i in new]
+                    for new in batch
+                ]
+                used = max(sum(map(len, t)) for t in tables)
+                pages = _page_lists(tables, rows, _pow2(max(used, rows * pages_for(T, ps))))
                 self.compile("prefill", ids, positions.copy(), valid, pages)
                 self.stats.prefill_calls += 1
 
@@ -444,7 +493,7 @@ class _Scheduler:
     def run(self) -> list[_Seq]:
         spec = self.spec
         S = spec.slots
-        width = self.queue[0].stops.size
+        width = next(g.queue[0] for g in self.groups if g.queue).stops.size
         state = dict(
             last=np.zeros(S, np.int32),
             pos=np.zeros(S, np.int32),
@@ -455,85 +504,109 @@ class _Scheduler:
             sample=np.zeros(S, np.int32),
             stops=np.full((S, width), -1, np.int32),
         )
-        while self.queue or any(s is not None for s in self.slots):
+        while any(g.queue or g.running for g in self.groups):
             state["copy_src"] = np.full(S, SCRATCH_PAGE, np.int32)
             state["copy_dst"] = np.full(S, SCRATCH_PAGE, np.int32)
-            self._admit(state)
-            for i in sorted(
-                (i for i, s in enumerate(self.slots) if s is not None),
-                key=lambda i: self.slots[i].order,
-            ):
-                seq = self.slots[i]
-                if seq is not None and not self._grow(seq, int(state["pos"][i])):
-                    raise RuntimeError("page pool exhausted by a single sequence")
-            for i, s in enumerate(self.slots):
-                if s is None:
-                    state["active"][i] = False
-                    if state["copy_dst"][i] != SCRATCH_PAGE:  # joined, then preempted
-                        state["copy_src"][i] = state["copy_dst"][i] = SCRATCH_PAGE
-            if all(s is None for s in self.slots):
+            new = [self._admit(g, state) for g in self.groups]
+            if any(new):
+                self._prefill(new)
+            for group in self.groups:
+                for slot, seq in group.running:
+                    if group.slots[slot - group.base] is not seq:
+                        continue  # preempted while an older sequence grew
+                    if not self._grow(group, seq, int(state["pos"][slot])):
+                        raise RuntimeError("page pool exhausted by a single sequence")
+                for i, s in enumerate(group.slots):
+                    if s is None:  # idle, or joined then preempted: no copy, no step
+                        state["active"][group.base + i] = False
+                        state["copy_src"][group.base + i] = SCRATCH_PAGE
+                        state["copy_dst"][group.base + i] = SCRATCH_PAGE
+            if not any(g.running for g in self.groups):
                 raise RuntimeError("no sequence fits the page pool")  # validated up front
             self._decode(state)
-        self.stats.high_water_pages = self.alloc.high_water
-        self.stats.free_pages_after = self.alloc.num_free
+        self.stats.high_water_pages = tuple(g.alloc.high_water for g in self.groups)
+        self.stats.free_pages_after = tuple(g.alloc.num_free for g in self.groups)
         return self.done
-
-    @staticmethod
-    def _page_list(tables: list[list[int]], rows: int, size: int) -> dict[str, np.ndarray]:
-        """Flat :class:`PageList` arrays of per-row page lists, padded to ``size`` entries."""
-        page = np.full(size, SCRATCH_PAGE, np.int32)
-        seq = np.full(size, rows, np.int32)  # out of range: padding
-        index = np.zeros(size, np.int32)
-        at = 0
-        for row, table in enumerate(tables):
-            page[at : at + len(table)] = table
-            seq[at : at + len(table)] = row
-            index[at : at + len(table)] = np.arange(len(table))
-            at += len(table)
-        return dict(page=page, seq=seq, index=index)
 
     def _decode(self, state: dict[str, np.ndarray]) -> None:
         spec = self.spec
-        live = [i for i, s in enumerate(self.slots) if s is not None]
-        tables = [
-            self.slots[i].table if self.slots[i] is not None else [] for i in range(spec.slots)
-        ]
+        tables = [[[] if s is None else s.table for s in g.slots] for g in self.groups]
         if spec.attention == "pallas":
             floor = pages_for(spec.min_len, spec.page_size)
-            widest = max(len(t) for t in tables)
+            widest = max(len(t) for group in tables for t in group)
             nb = min(spec.max_table, _pow2(max(widest, floor)))
             table = np.zeros((spec.slots, nb), np.int32)
-            for i in live:
-                table[i, : len(tables[i])] = tables[i]
-            pages = self._page_list([], spec.slots, size=1)
+            for row, t in enumerate(t for group in tables for t in group):
+                table[row, : len(t)] = t
+            pages = _page_lists([[] for _ in self.groups], spec.group_slots, size=1)
         else:
             # One list length for every chunk (every slot at the longest sequence): the XLA
             # path reads only the real entries, so a longer list costs nothing but its indices.
             table = np.zeros((spec.slots, 1), np.int32)
-            pages = self._page_list(tables, spec.slots, size=spec.slots * spec.seq_pages)
+            size = spec.group_slots * spec.seq_pages
+            pages = _page_lists(tables, spec.group_slots, size)
         before = state["count"].copy()
         out = self.compile("decode", dict(state, page_table=table), pages)
         self.stats.chunks += 1
         self.stats.decode_steps += int(out["steps"]) * spec.slots
         for name in ("last", "pos", "count", "active"):
             state[name] = np.array(getattr(out["slots"], name))
-        for i in live:
-            seq = self.slots[i]
-            new = int(state["count"][i] - before[i])
-            for name in ("tokens", "logprobs", "untruncated", "hidden"):
-                if name in out:
-                    seq.out.setdefault(name, []).append(out[name][i, :new])
-            seq.length += new
-            self.stats.useful_steps += new
-            if not state["active"][i]:
-                self._release(seq)
-                prompt = self.prompts[seq.prompt]
-                prompt.left -= 1
-                if prompt.left == 0:
-                    self.alloc.free(prompt.pages or [])
-                    prompt.pages = None
-                self.slots[i] = None
-                self.done.append(seq)
+        for group in self.groups:
+            for slot, seq in group.running:
+                self._collect(group, slot, seq, out, int(state["count"][slot] - before[slot]))
+                if not state["active"][slot]:
+                    self._finish(group, slot, seq)
+
+    def _collect(self, group, slot, seq, out, new: int) -> None:
+        for name in ("tokens", "logprobs", "untruncated", "hidden"):
+            if name in out:
+                seq.out.setdefault(name, []).append(out[name][slot, :new])
+        seq.length += new
+        self.stats.useful_steps += new
+
+    def _finish(self, group: _Group, slot: int, seq: _Seq) -> None:
+        self._release(group, seq)
+        prompt = self.prompts[seq.prompt]
+        prompt.left -= 1
+        if prompt.left == 0:
+            group.alloc.free(prompt.pages or [])
+            prompt.pages = None
+        group.slots[slot - group.base] = None
+        self.done.append(seq)
+
+
+def _page_lists(tables: list[list[list[int]]], rows: int, size: int) -> dict[str, np.ndarray]:
+    """Flat :class:`PageList` arrays, one list of ``size`` entries per data group, concatenated
+    (the list is split over the groups like the rows): group ``g``'s per-row page lists in
+    group-local rows and pages, padded (row ``rows``: out of range) up to ``size``."""
+    page = np.full((len(tables), size), SCRATCH_PAGE, np.int32)
+    seq = np.full((len(tables), size), rows, np.int32)
+    index = np.zeros((len(tables), size), np.int32)
+    for g, group in enumerate(tables):
+        at = 0
+        for row, table in enumerate(group):
+            page[g, at : at + len(table)] = table
+            seq[g, at : at + len(table)] = row
+            index[g, at : at + len(table)] = np.arange(len(table))
+            at += len(table)
+    return dict(page=page.reshape(-1), seq=seq.reshape(-1), index=index.reshape(-1))
+
+
+def assign_groups(prompts: list[np.ndarray], n: int, max_new: np.ndarray, groups: int):
+    """The data group of each prompt (all its ``n`` samples run there, sharing its pages).
+
+    Longest-processing-time first: prompts by decreasing work (their samples' token budgets
+    plus the prompt's own tokens), each to the group with the least work so far. A function of
+    the request only, so every process of a multi-host run assigns the same.
+    """
+    work = [len(p) + int(max_new[i * n : (i + 1) * n].sum()) for i, p in enumerate(prompts)]
+    load = [0] * groups
+    owner = [0] * len(prompts)
+    for i in sorted(range(len(prompts)), key=lambda i: (-work[i], i)):
+        g = min(range(groups), key=lambda g: (load[g], g))
+        owner[i] = g
+        load[g] += work[i]
+    return owner
 
 
 def run_engine(
@@ -549,8 +622,9 @@ def run_engine(
     ``call(kind, *arrays)`` runs the compiled ``"prefill"`` or ``"decode"`` program on the pool
     (which it owns) and returns the decode outputs as NumPy.
     """
-    stats = EngineStats(num_pages=spec.num_pages)
-    records = [_Prompt(ids=p, left=n) for p in prompts]
+    stats = EngineStats(group_pages=spec.group_pages)
+    owner = assign_groups(prompts, n, max_new, spec.groups)
+    records = [_Prompt(ids=p, group=owner[i], left=n) for i, p in enumerate(prompts)]
     seqs = [
         _Seq(prompt=r // n, sample=r % n, max_new=int(max_new[r]), stops=stop_ids[r])
         for r in range(len(prompts) * n)
@@ -558,7 +632,8 @@ def run_engine(
     # Longest budget first: a long sequence admitted last would run on alone while the other
     # slots idle. The order changes no token (each sequence has its own RNG stream).
     seqs.sort(key=lambda s: -s.max_new)
-    done = _Scheduler(spec, records, seqs, call, stats).run()
+    groups = [[s for s in seqs if owner[s.prompt] == g] for g in range(spec.groups)]
+    done = _Scheduler(spec, records, groups, call, stats).run()
     done.sort(key=lambda s: (s.prompt, s.sample))
     return done, stats
 
@@ -567,19 +642,24 @@ def validate_engine_request(
     spec: EngineSpec, prompts: list[np.ndarray], n: int, max_new: np.ndarray
 ) -> None:
     """Raises ``ValueError`` for requests the engine cannot run, before any compilation."""
-    if n > spec.slots:
-        raise ValueError(
-            f"n={n} samples per prompt exceeds decode_slots={spec.slots}; "
-            "raise decode_slots or lower n"
+    G, Sg = spec.groups, spec.group_slots
+    if n > Sg:
+        where = (
+            f"decode_slots={spec.slots}"
+            if G == 1
+            else f"the {Sg} decode slots of one data group (decode_slots={spec.slots} is the "
+            f"total over {G} data groups; a prompt's samples run in one group, sharing its pages)"
         )
-    ps = spec.page_size
+        raise ValueError(f"n={n} samples per prompt exceeds {where}; raise decode_slots or lower n")
+    ps, usable = spec.page_size, spec.group_pages - 1
+    share = "" if G == 1 else f" (one data group's share of {spec.num_pages} pages over {G})"
     for r, budget in enumerate(max_new[: len(prompts) * n]):
         prefix = prompts[r // n].size - 1
         need = pages_for(prefix, ps) + pages_for(prefix + int(budget), ps)
-        if need > spec.num_pages - 1:
+        if need > usable:
             raise ValueError(
-                f"the page pool ({spec.num_pages - 1} usable pages of {ps} tokens) is too small "
-                f"for one sequence: prompt {r // n} with max_new_tokens {budget} needs {need} pages"
+                f"the page pool{share} ({usable} usable pages of {ps} tokens) is too small for "
+                f"one sequence: prompt {r // n} with max_new_tokens {budget} needs {need} pages"
             )
     longest = max(p.size for p in prompts) + int(max_new.max())
     if pages_for(longest, ps) > spec.max_table:
@@ -608,11 +688,11 @@ def engine_programs(sampler, spec: EngineSpec, graphdef, params, rest, strategy,
         param_avals,
     )
 
-    def place(x: np.ndarray, rows: bool = True) -> jax.Array:
-        """Per-row arrays sharded like the rows, others (page lists) replicated."""
+    def place(x: np.ndarray) -> jax.Array:
+        """Per-row arrays and per-group page lists, split over the data groups."""
         if mesh is None:
             return jnp.asarray(x)
-        names = ("batch" if rows else None,) + (None,) * (x.ndim - 1)
+        names = ("batch",) + (None,) * (x.ndim - 1)
         return jax.device_put(x, NamedSharding(mesh, logical_to_mesh(names, rules, mesh, x.shape)))
 
     def build(key, fn, args, donate=()):
@@ -651,11 +731,11 @@ def engine_programs(sampler, spec: EngineSpec, graphdef, params, rest, strategy,
     decode_key = (width, strategy_signature(strategy), spec.return_hidden, spec.attention)
 
     def call(kind: str, *arrays: np.ndarray):
-        pages = PageList(**{k: place(v, rows=False) for k, v in arrays[-1].items()})
+        pages = PageList(**{k: place(v) for k, v in arrays[-1].items()})
         if kind == "prefill":
             ids, positions, valid = (place(a) for a in arrays[:3])
             key = base + ("prefill", ids.shape, pages.page.shape)
-            fn = functools.partial(prefill_chunk, graphdef=graphdef)
+            fn = functools.partial(prefill_chunk, graphdef=graphdef, mesh=mesh)
             args = (params, rest, pool[0], ids, positions, valid, pages)
             pool[0] = build(key, fn, args, (2,))(*args)
             return None
@@ -744,11 +824,12 @@ def lower_decode(
 
     For compile-only checks and cost figures on a topology without its devices (the TPU compiler
     through ``jax.experimental.topologies``): parameters in ``dtype`` placed by ``rules``.
-    ``table_pages`` is the page-table width (``pallas``), ``list_pages`` the flat page list's
-    length (``xla``); the pool is in ``cache_dtype`` (default ``dtype``).
+    ``slots`` and ``num_pages`` count every data group's (the mesh's row shards); ``table_pages``
+    is the page-table width (``pallas``), ``list_pages`` one group's flat page list length
+    (``xla``); the pool is in ``cache_dtype`` (default ``dtype``).
     """
     from delta_jax.sampling.strategies import make_strategy
-    from delta_jax.sharding import param_shardings
+    from delta_jax.sharding import batch_divisor, param_shardings
 
     abstract = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, param_dtype=dtype))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
@@ -764,13 +845,16 @@ def lower_decode(
 
     row = ("batch",)
     i32 = jnp.int32
+    groups = batch_divisor(mesh, rules)
     slot_state = SlotState(
         **{k: spec((slots,), i32, row) for k in ("last", "pos", "count", "max_new", "prompt")},
         sample=spec((slots,), i32, row),
         active=spec((slots,), jnp.bool_, row),
         stops=spec((slots, stop_width), i32, row + (None,)),
         page_table=spec((slots, table_pages), i32, row + (None,)),
-        pages=PageList(**{k: spec((list_pages,), i32, (None,)) for k in ("page", "seq", "index")}),
+        pages=PageList(
+            **{k: spec((groups * list_pages,), i32, row) for k in ("page", "seq", "index")}
+        ),
         copy_src=spec((slots,), i32, row),
         copy_dst=spec((slots,), i32, row),
     )

@@ -13,8 +13,14 @@ writes their K/V into the pages those positions fall in, and attends over the se
   attended to on its own and merged per sequence with the flash-attention rescaling, so the
   work grows with the sum of the actual lengths, not with the longest one or the pool; used on
   CPU and GPU, and for prefill everywhere;
-* ``pallas``: JAX's ``ragged_paged_attention`` TPU kernel (one query per sequence, decode), under
-  ``shard_map`` over the KV-head axis.
+* ``pallas``: JAX's ``ragged_paged_attention`` TPU kernel (one query per sequence, decode).
+
+On a mesh the pool is split like the sequences: the page axis over the row (data) axes, so each
+data group of the sampling mesh holds its own share of the pages next to its own slots, and the
+KV heads over ``tensor``. Page tables and page lists hold *group-local* page indices (every
+group's share starts with its own scratch page 0); the K/V writes and the attention run under
+``shard_map`` (:func:`per_group`), so a group reads and writes only its own pages and attends for
+its own sequences only.
 """
 
 from __future__ import annotations
@@ -38,13 +44,17 @@ __all__ = [
     "PageAllocator",
     "PageList",
     "PagePool",
+    "copy_pages",
     "init_pool",
     "paged_forward",
+    "per_group",
     "write_slots",
 ]
 
-# Logical axes of a layer's pages: only the KV heads are sharded (tensor parallel).
-PAGE_AXES = (None, None, ax.KV_HEADS, ax.HEAD_DIM)
+# Logical axes of a layer's pages: the pages follow the rows (each data group owns a contiguous
+# share of the page axis, as it owns a contiguous block of the slots), the KV heads are split
+# over ``tensor``.
+PAGE_AXES = (ax.BATCH, None, ax.KV_HEADS, ax.HEAD_DIM)
 SCRATCH_PAGE = 0
 # Ragged paged attention kernel blocks: KV pages and queries (sequences, at decode) per block.
 PALLAS_KV_PAGES_PER_BLOCK = 16
@@ -67,7 +77,10 @@ class PagePool:
 
 
 def init_pool(model: Transformer, num_pages: int, page_size: int, dtype: Any) -> PagePool:
-    """An all-zero pool (call inside ``jit`` so that it is created sharded, never on one host)."""
+    """An all-zero pool (call inside ``jit`` so that it is created sharded, never on one host).
+
+    ``num_pages`` counts every data group's share (a multiple of the number of groups).
+    """
     c = model.config
     shape = (num_pages, page_size, 2 * c.num_kv_heads, c.head_dim)
     return PagePool(
@@ -76,10 +89,11 @@ def init_pool(model: Transformer, num_pages: int, page_size: int, dtype: Any) ->
 
 
 class PageAllocator:
-    """Free list of the pool's pages (host side); page 0 is the scratch page, never handed out.
+    """Free list of one data group's pages (host side, group-local indices); page 0 is the
+    group's scratch page, never handed out.
 
     Attributes:
-      num_pages: pages in the pool, scratch included.
+      num_pages: pages in the group's share of the pool, scratch included.
       high_water: the most pages ever in use at once since construction.
     """
 
@@ -224,8 +238,8 @@ def _segment_sum(x, segments, num):
     return jax.ops.segment_sum(x, segments, num_segments=num, indices_are_sorted=True)
 
 
-def _pallas_attention(q, kv, positions, valid, page_table, mesh: Mesh | None):
-    """Decode attention (T = 1) with JAX's ragged paged attention TPU kernel."""
+def _pallas_attention(q, kv, positions, valid, page_table):
+    """Decode attention (T = 1) with JAX's ragged paged attention TPU kernel (one group)."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
     B, T, N, D = q.shape
@@ -234,40 +248,66 @@ def _pallas_attention(q, kv, positions, valid, page_table, mesh: Mesh | None):
     # The kernel copies every sequence's pages up to its length: an idle slot gets length 1
     # (its scratch page) instead of the stale position it stopped at.
     kv_lens = jnp.where(valid[:, 0], positions[:, 0] + 1, 1).astype(jnp.int32)
-    cu_q_lens = jnp.arange(B + 1, dtype=jnp.int32)
-    num_seqs = jnp.array([B], jnp.int32)
-
-    def kernel(q, kv, kv_lens, page_table, cu_q_lens, num_seqs):
-        # Block sizes given explicitly: the kernel's tuned table looks up jax.devices(), which
-        # is not the target TPU when compiling ahead of time for a topology.
-        return ragged_paged_attention(
-            q,
-            kv,
-            kv_lens,
-            page_table,
-            cu_q_lens,
-            num_seqs,
-            sm_scale=D**-0.5,
-            num_kv_pages_per_block=min(page_table.shape[1], PALLAS_KV_PAGES_PER_BLOCK),
-            num_queries_per_block=PALLAS_QUERIES_PER_BLOCK,
-        )
-
-    if mesh is not None:
-        # Mosaic kernels are not partitioned by XLA: one kernel per KV-head shard, every
-        # sequence on every shard (heads are what tensor parallelism splits).
-        heads = ax.logical_to_mesh((ax.KV_HEADS,), spmd.get_logical_axis_rules(), mesh)[0]
-        kernel = jax.shard_map(
-            kernel,
-            mesh=mesh,
-            in_specs=(P(None, heads, None), P(None, None, heads, None), P(), P(), P(), P()),
-            out_specs=P(None, heads, None),
-            check_vma=False,
-        )
-    out = kernel(q.reshape(B, N, D), kv, kv_lens, page_table, cu_q_lens, num_seqs)
+    # Block sizes given explicitly: the kernel's tuned table looks up jax.devices(), which is
+    # not the target TPU when compiling ahead of time for a topology.
+    out = ragged_paged_attention(
+        q.reshape(B, N, D),
+        kv,
+        kv_lens,
+        page_table,
+        jnp.arange(B + 1, dtype=jnp.int32),
+        jnp.array([B], jnp.int32),
+        sm_scale=D**-0.5,
+        num_kv_pages_per_block=min(page_table.shape[1], PALLAS_KV_PAGES_PER_BLOCK),
+        num_queries_per_block=PALLAS_QUERIES_PER_BLOCK,
+    )
     return out.reshape(B, T, N, D)
 
 
-def _paged_block(cfg, dtype, p, x, cos, sin, kv, positions, write_at, attend):
+def per_group(fn, mesh: Mesh | None, kv_heads: int, in_specs, out_specs):
+    """``fn`` run by every data group on its own rows, pages and KV heads (``shard_map``).
+
+    Specs are strings, one letter per dimension: ``R`` rows or pages (split over the row axes
+    of the active rules, i.e. over the data groups), ``H`` heads (split over the KV-head axis
+    when it divides ``kv_heads``; query heads follow their KV heads), ``-`` whole. Inside,
+    ``fn`` sees one group: its slots and its share of the pool, indexed group-locally. Mosaic
+    kernels are not partitioned by XLA, and XLA may partition a gather or scatter at
+    data-dependent pages of a pool split over groups by gathering the pool; under
+    ``shard_map`` each group touches its own share only. Without a mesh ``fn`` runs as it is
+    (one group).
+    """
+    if mesh is None:
+        return fn
+    rules = spmd.get_logical_axis_rules()
+    axes = {
+        "R": ax.logical_to_mesh((ax.BATCH,), rules, mesh)[0],
+        "H": ax.logical_to_mesh((ax.KV_HEADS,), rules, mesh, (kv_heads,))[0],
+        "-": None,
+    }
+
+    def spec(letters: str) -> P:
+        return P(*(axes[c] for c in letters))
+
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=tuple(spec(x) for x in in_specs),
+        out_specs=jax.tree.map(spec, out_specs),
+        check_vma=False,
+    )
+
+
+def copy_pages(pool: PagePool, src, dst, mesh: Mesh | None, kv_heads: int) -> PagePool:
+    """Copies page ``src[s]`` onto page ``dst[s]`` of slot ``s``'s group, in every layer."""
+
+    def copy(kv, src, dst):
+        return kv.at[dst].set(kv[src])
+
+    copy = per_group(copy, mesh, kv_heads, ("R-H-", "R", "R"), "R-H-")
+    return PagePool(kv=tuple(copy(kv, src, dst) for kv in pool.kv))
+
+
+def _paged_block(cfg, dtype, p, x, cos, sin, kv, write_and_attend):
     """One decoder block (the maths of ``transformer._block``) with paged K/V."""
     eps = cfg.rms_norm_eps
     w = {k: v.astype(dtype) for k, v in p.items()}
@@ -283,8 +323,7 @@ def _paged_block(cfg, dtype, p, x, cos, sin, kv, positions, write_at, attend):
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     B, T, K, D = k.shape
     combined = jnp.stack([k, v], axis=3).reshape(B, T, 2 * K, D)  # keys even, values odd
-    kv = _write_pages(kv, combined, *write_at)
-    attn = attend(q, kv, positions)
+    attn, kv = write_and_attend(kv, combined, q)
     N = attn.shape[2]
     x = x + jnp.einsum("BTE,EH->BTH", attn.reshape(B, T, N * D), w["wo"].reshape(N * D, -1))
     h = _rms_norm(x, w["mlp_norm"], eps, dtype)
@@ -312,32 +351,44 @@ def paged_forward(
     Token ``(b, t)`` is written at ``positions[b, t]`` (when ``valid``) and attends to positions
     ``<= positions[b, t]`` of its sequence, which must all have been written before or in this
     call. The sequences' pages come as a flat :class:`PageList` (``xla``) or as a page table
-    ``[B, NB]`` listing each sequence's pages from position 0 on (``pallas``).
+    ``[B, NB]`` listing each sequence's pages from position 0 on (``pallas``), in group-local
+    page indices: with a ``mesh``, rows, page lists and pool pages are split over the data
+    groups (the ``batch`` rule) and each group's writes and attention run on its own share.
 
     Returns:
       The final RMS-normed hidden states [B, T, H] and the updated pool.
     """
     cfg, dtype = model.config, model.dtype
-    if attention == "pallas":
+    pallas = attention == "pallas"
+    table, table_spec = (page_table, "R-") if pallas else (pages, "R")
+    K, page_size = cfg.num_kv_heads, pool.page_size
 
-        def attend(q, kv, positions):
-            return _pallas_attention(q, kv, positions, valid, page_table, mesh)
+    def where(positions, valid, table):
+        kw = dict(page_table=table) if pallas else dict(pages=table)
+        return write_slots(positions, valid, page_size, **kw)
 
-        write_at = write_slots(positions, valid, pool.page_size, page_table=page_table)
-    else:
+    write_at = per_group(where, mesh, K, ("R-", "R-", table_spec), ("R-", "R-"))(
+        positions, valid, table
+    )
 
-        def attend(q, kv, positions):
-            return _xla_attention(q, kv, positions, pages)
+    def write_and_attend(kv, new, q, positions, valid, page, offset, table):
+        kv = _write_pages(kv, new, page, offset)
+        if pallas:
+            return _pallas_attention(q, kv, positions, valid, table), kv
+        return _xla_attention(q, kv, positions, table), kv
 
-        write_at = write_slots(positions, valid, pool.page_size, pages=pages)
+    specs = ("R-H-", "R-H-", "R-H-", "R-", "R-", "R-", "R-", table_spec)
+    group_layer = per_group(write_and_attend, mesh, K, specs, ("R-H-", "R-H-"))
+
+    def layer_kv(kv, new, q):
+        return group_layer(kv, new, q, positions, valid, *write_at, table)
+
     x = jnp.take(model.embed[...], ids, axis=0).astype(dtype)
     x = ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
     cos, sin = _rope_tables(cfg, positions, dtype)
     new = []
     for layer, kv in enumerate(pool.kv):
-        x, kv = _paged_block(
-            cfg, dtype, layers[layer], x, cos, sin, kv, positions, write_at, attend
-        )
+        x, kv = _paged_block(cfg, dtype, layers[layer], x, cos, sin, kv, layer_kv)
         new.append(ax.constrain(kv, PAGE_AXES))
     hidden = _rms_norm(x, model.final_norm[...], cfg.rms_norm_eps, dtype)
     return hidden, PagePool(kv=tuple(new))

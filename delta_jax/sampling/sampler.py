@@ -297,10 +297,16 @@ class Sampler:
       engine: ``"static"`` (one batch, prefill plus a decode loop until the longest row ends) or
         ``"continuous"`` (:mod:`delta_jax.sampling.engine`: ``decode_slots`` slots refilled as
         rows end, over a paged KV cache). Rows then have exactly ``len(prompts) * n`` entries.
-      decode_slots: sequences decoded at once by the continuous engine.
+      decode_slots: sequences decoded at once by the continuous engine, in total over the mesh.
+        On a mesh they split evenly over its data groups (the row shards of the ``batch`` rule,
+        rounded up to a multiple of them); each group runs its own slots over its own share of
+        the pool, and a prompt's ``n`` samples run in one group, so ``n`` must not exceed one
+        group's slots.
       page_size: tokens per KV page (continuous engine).
-      num_pages: pages in the pool, scratch page included; None sizes it for ``decode_slots``
-        sequences of the request's prompt bucket + largest ``max_new_tokens``.
+      num_pages: pages in the pool in total over the mesh, one scratch page per data group
+        included (rounded up to a multiple of the groups, split evenly); None sizes each
+        group's share for its slots' sequences of the request's prompt bucket + largest
+        ``max_new_tokens``.
       decode_chunk: decode steps per device call between two host scheduling rounds.
       prefill_chunk: longest prompt chunk prefilled in one call.
       attention: paged attention: ``"auto"`` (the Pallas ragged paged attention kernel on TPU,
@@ -450,28 +456,30 @@ class Sampler:
         """The continuous engine's static configuration for a request's buckets."""
         from delta_jax.sampling.engine import EngineSpec, pages_for
 
-        row_multiple = self._row_multiple()
-        slots = -(-self.decode_slots // row_multiple) * row_multiple
+        # Data groups: the mesh's row shards, each with its own slots and share of the pool.
+        groups = self._row_multiple()
+        group_slots = -(-self.decode_slots // groups)
         # The longest sequence: the prompt bucket plus the largest token budget (not the
         # generation bucket, which rounds it up: the pool holds real positions only).
         longest_tokens = request.prompt_ids.shape[1] + int(request.max_new.max())
         longest = pages_for(longest_tokens, self.page_size)
-        # A new prompt needs a free slot: about slots / n prompts join at a time (power of two).
-        at_once = 1 << (-(-slots // n) - 1).bit_length()
+        group_pages = -(-self.num_pages // groups) if self.num_pages else group_slots * longest + 1
+        # A new prompt needs a free slot: about slots / n prompts join a group at a time.
+        at_once = 1 << (-(-group_slots // n) - 1).bit_length()
         attention = self.attention
         if attention == "auto":
             attention = "pallas" if _platform(self.mesh) == "tpu" else "xla"
         return EngineSpec(
-            slots=slots,
+            slots=groups * group_slots,
             steps=self.decode_chunk,
             page_size=self.page_size,
-            num_pages=self.num_pages or slots * longest + 1,
+            num_pages=groups * group_pages,
             seq_pages=longest,
             max_table=1 << (longest - 1).bit_length(),
             prefill_len=self.prefill_chunk,
             min_len=self.buckets.min_length,
-            prefill_rows=-(-at_once // row_multiple) * row_multiple,
-            row_multiple=row_multiple,
+            prefill_rows=groups * at_once,
+            groups=groups,
             attention=attention,
             return_hidden=return_hidden,
             pad_id=self.pad_token_id,

@@ -11,6 +11,7 @@ from flax import nnx
 
 from delta_jax.models import ModelConfig, Transformer, from_pretrained, token_logprobs
 from delta_jax.sampling import Buckets, Sampler
+from delta_jax.sampling.engine import assign_groups
 from tests.sampling.helpers import (
     chisquare_pvalue,
     peaked_model,
@@ -115,7 +116,7 @@ def test_same_tokens_for_any_slot_count_and_tight_pool(model, small):
         np.asarray(many.untruncated_logprob_array),
         atol=1e-5,
     )
-    assert few.engine_stats.free_pages_after == 9
+    assert few.engine_stats.free_pages_after == (9,)
     assert few.engine_stats.chunks > many.engine_stats.chunks
     assert small.generate(PROMPTS, **kw).tokens == few.tokens
     assert small.generate(PROMPTS, **dict(kw, seed=12)).tokens != few.tokens
@@ -128,8 +129,8 @@ def test_prompt_pages_are_shared_and_all_freed(model, small):
     stats = out.engine_stats
     # Prefix positions 0..99 fill 25 shared pages; each sample writes positions 100..101 into
     # one own page. Without sharing the 8 samples would hold 8 x 26 = 208 pages.
-    assert stats.high_water_pages == 25 + 8
-    assert stats.free_pages_after == stats.num_pages - 1
+    assert stats.high_water_pages == (25 + 8,)
+    assert stats.free_pages_after == (stats.group_pages - 1,)
     assert len(set(map(tuple, out.tokens))) == 1  # greedy: every sample the same
 
     # A partially filled last prompt page is copied per sample, never written in place: the
@@ -139,7 +140,7 @@ def test_prompt_pages_are_shared_and_all_freed(model, small):
     got = small.generate(prompts, max_new_tokens=9, n=4, temperature=0.0)
     want = static.generate(prompts, max_new_tokens=9, n=4, temperature=0.0)
     assert got.tokens == want.tokens
-    assert got.engine_stats.free_pages_after == got.engine_stats.num_pages - 1
+    assert got.engine_stats.free_pages_after == (got.engine_stats.group_pages - 1,)
 
 
 def test_stops_and_limits_match_static(model, small):
@@ -189,16 +190,40 @@ def test_first_token_frequencies():
     assert chisquare_pvalue(first, untruncated) < 1e-6
 
 
-def test_mesh_same_tokens_as_one_device(model, small):
-    devices = np.array(jax.devices()[:8]).reshape(4, 2)
-    mesh = jax.sharding.Mesh(devices, ("data", "tensor"))
+def _data_tensor_mesh():
+    return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "tensor"))
+
+
+def test_mesh_data_groups_same_tokens_as_one_device(model, small):
+    """4 data groups x 2 KV-head shards: each group runs its own 2 slots over its own share of
+    the pool (group-local pages); the tokens are those of one device."""
     kw = dict(max_new_tokens=BUDGETS, n=2, temperature=1.0, seed=2)
     want = small.generate(PROMPTS, **kw)
-    got = engine(model, mesh=mesh).generate(PROMPTS, **kw)
+    got = engine(model, mesh=_data_tensor_mesh(), decode_slots=8).generate(PROMPTS, **kw)
     assert got.tokens == want.tokens
     np.testing.assert_allclose(
         np.asarray(got.logprob_array), np.asarray(want.logprob_array), atol=1e-5
     )
+    # Prompts by decreasing work (length + budgets) to the least-loaded group: prompt 4 alone
+    # in group 0, 2 in group 1, 0 in group 2, prompts 3 then 1 in group 3.
+    owner = assign_groups([np.asarray(p) for p in PROMPTS], 2, np.repeat(BUDGETS, 2), 4)
+    assert owner == [2, 3, 1, 3, 0]
+    # Each group's high-water mark, its prompt pages stored once for both samples (page 4):
+    # g0: prompt 4 (prefix 12: 3 shared pages) + 2 x positions 12..22 (3 pages) = 9;
+    # g1: prompt 2 (no prefix) 2 x positions 0..13 (4 pages) = 8; g2: prompt 0 (prefix 3: one
+    # shared partial page) + 2 x positions 0..11 (3 pages) = 7; g3: prompt 3 (1 shared page +
+    # 2 x 2) = 5, then prompt 1 (2 shared + 2 x 1) = 4.
+    stats = got.engine_stats
+    assert stats.high_water_pages == (9, 8, 7, 5)
+    assert stats.free_pages_after == (stats.group_pages - 1,) * 4
+
+
+def test_samples_of_a_prompt_must_fit_one_data_group(model):
+    sampler = engine(model, mesh=_data_tensor_mesh(), decode_slots=8)
+    match = "n=3 samples per prompt exceeds the 2 decode slots of one data group"
+    with CompileCounter() as counter, pytest.raises(ValueError, match=match):
+        sampler.generate(PROMPTS, max_new_tokens=4, n=3)
+    assert counter.count == 0
 
 
 @pytest.mark.parametrize(
@@ -234,4 +259,7 @@ def test_decode_compiles_for_tpu_with_ragged_paged_attention():
     )
     assert "tpu_custom_call" in lowered.as_text()  # the Mosaic kernel, not an XLA fallback
     compiled = lowered.compile()
+    # Each chip holds its data group's half of the pages and its half of the K/V heads.
+    pool = compiled.input_shardings[0][2].kv[0]
+    assert pool.shard_shape((64, 16, 8, 128)) == (32, 16, 4, 128)
     assert compiled.memory_analysis().temp_size_in_bytes > 0
