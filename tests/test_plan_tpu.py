@@ -37,6 +37,7 @@ MODEL = ModelConfig.tiny(
 )
 
 
+@pytest.mark.slow  # two TPU compiles
 def test_tiny_splash_train_step_and_sampler_compile_for_v5p():
     config = load_config("configs/demo.yaml", OVERRIDES)
     splash = plan_lib.plan(config, "v5p-8", model_config=MODEL, search=False, compiler="tpu")

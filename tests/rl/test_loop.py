@@ -128,6 +128,7 @@ def test_mini_batches_use_coefficients_computed_once_per_rollout(
     assert all(r["delta/computed_per_rollout"] == 1.0 for r in rows)
 
 
+@pytest.mark.slow  # two CLI runs
 def test_packed_and_padded_runs_log_the_same_losses(tmp_path, demo_model_dir):
     """`delta-jax train` with algo.packing=true and =false, same seed: same loss and reward."""
     runs = {}
@@ -148,6 +149,7 @@ def test_packed_and_padded_runs_log_the_same_losses(tmp_path, demo_model_dir):
             assert abs(p[key] - q[key]) <= 1e-4, (p["step"], key, p[key], q[key])
 
 
+@pytest.mark.slow  # three CLI runs
 def test_exact_resume_after_kill(tmp_path, demo_model_dir):
     """8 steps straight == 4 steps, kill -9, resume to 8: same metrics, bitwise-equal params."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
@@ -182,6 +184,7 @@ def test_exact_resume_after_kill(tmp_path, demo_model_dir):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow  # a CLI run
 def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path, demo_model_dir):
     run = tmp_path / "run"
     proc = subprocess.Popen(
@@ -240,6 +243,7 @@ def test_bad_inputs_give_clear_errors_and_lose_nothing(tmp_path, demo_model_dir)
         load_config(DEMO, ["rollout.prompts_per_step=0"])
 
 
+@pytest.mark.slow  # reward deadlines and worker restarts
 def test_reward_function_that_raises_or_hangs_does_not_stop_the_run(tmp_path, demo_model_dir):
     run = tmp_path / "run"
     config = load_config(
