@@ -201,7 +201,8 @@ def test_packed_update_equals_padded(setup, results, loss, mini, micro):
 def test_packed_chained_updates_equal_padded_in_float64(setup64, loss):
     """The full RL update of 4 mini-batches (4 chained SGD steps of lr 1), model, DelTA and loss
     in float64: packed and padded rows end at the same parameters within 1e-5 (measured: DelTA
-    2.7e-15, DAPO 8.8e-15), so the float32 gap of the chain is rounding amplified by the steps, not layout."""
+    2.7e-15, DAPO 8.8e-15), so the float32 gap of the chain is rounding amplified by the steps,
+    not layout."""
     with jax.enable_x64(True):  # this test only: every array and program below is float64
         packed, padded = (_rl_update(setup64, *_plan(loss, p, 4, 1)) for p in (True, False))
         assert jax.tree.leaves(packed[0].params)[0].dtype == jnp.float64
