@@ -105,6 +105,11 @@ def _plan(loss="delta", packing=True, mini=1, micro=1, **algo):
     return load_config(None, overrides), UpdatePlan.from_config(load_config(None, overrides))
 
 
+def _mesh():
+    """The one-device mesh of these tests; updates run under it, as the loop runs them."""
+    return sh.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+
+
 def _initial_state(params, optimizer):
     """A fresh train state on device 0, placed as the update's outputs are (committed), so the
     update compiles once for the first and the later calls."""
@@ -115,7 +120,7 @@ def _initial_state(params, optimizer):
 def _rl_update(setup, config, plan, optimizer=SGD):
     """One full RL update (prepare + every mini-batch update) through the loop's stages."""
     graphdef, params, rollout = setup
-    mesh = sh.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    mesh = _mesh()
     run = loop_mod._Run(
         config=config,
         mesh=mesh,
@@ -190,10 +195,13 @@ def test_packed_update_equals_padded(setup, results, loss, mini, micro):
         state = _initial_state(params, SGD)
         for m in range(mini):
             take = lambda batch, m=m: jax.tree.map(lambda x: x[m], batch)
-            after_padded, _ = step_padded(state, take(padded[2]))
-            state, _ = step_packed(state, take(packed[2]))
+            with sh.use_mesh(_mesh()):
+                after_padded, _ = step_padded(state, take(padded[2]))
+                state, _ = step_packed(state, take(packed[2]))
             assert _max_diff(state.params, after_padded.params) <= 1e-5, f"update {m}"
         assert _max_diff(state.params, packed[0].params) == 0.0
+        # The replay ran the full update's own compiled programs (no recompilation).
+        assert step_packed._cache_size() == 1 and step_padded._cache_size() == 1
     _assert_same_update(params, packed, padded)
 
 
@@ -271,18 +279,19 @@ def test_non_finite_gradient_skips_the_update_and_the_step_compiles_once(setup):
     bad = dataclasses.replace(rollout, advantages=rollout.advantages.copy())
     bad.advantages[0] = np.nan
     optimizer = make_optimizer(cfg.optim, 10)
-    state, metrics, _, _ = _rl_update((graphdef, params, bad), cfg, plan, optimizer)
+    state, metrics, _, step = _rl_update((graphdef, params, bad), cfg, plan, optimizer)
     assert metrics["update_skipped"] == 1.0
     assert int(state.skipped) == 1 and int(state.step) == 0
     assert _max_diff(state.params, params) == 0.0
-    step = make_train_step(graphdef, optimizer, plan, donate=False)
+    # The skipped update and the next three run one compiled program.
     batch, _ = loop_mod._prepare(
-        loop_mod._Run(cfg, sh.make_mesh(1, 1, 1, devices=jax.devices()[:1]), None, plan, state,
-                      None, step, None, make_assemble(plan), None, None, None, 0),
+        loop_mod._Run(cfg, _mesh(), None, plan, state, None, step, None, make_assemble(plan),
+                      None, None, None, 0),
         rollout, step=1,
     )  # fmt: skip
     for _ in range(3):
-        state, metrics = step(state, jax.tree.map(lambda x: x[0], batch))
+        with sh.use_mesh(_mesh()):
+            state, metrics = step(state, jax.tree.map(lambda x: x[0], batch))
     assert float(metrics["update_skipped"]) == 0.0 and int(state.step) == 3
     assert step._cache_size() == 1
 
