@@ -10,8 +10,8 @@
    token budget, the same in both layouts: by default one row (``P + G - 1`` tokens) per
    micro-batch (``--micro`` = ``--sequences``), each block recomputed in the backward pass,
    which bounds the small model's update to about 5.5 GB on CPU (XLA's memory analysis: 2.4 GB
-   temporaries, 1.5 GB state in and out) where the padded 8-row micro-batch of ``--micro 1``
-   needs more than 14 GB of host memory.
+   temporaries, 1.5 GB state in and out; the whole run peaked at 7.7 GB resident) where the
+   padded 8-row micro-batch of ``--micro 1`` needs more than 14 GB of host memory.
 2. *TPU FLOPs* (``--tpu``, compile-only, no TPU needed): the train step of Qwen3-8B at the
    paper's lengths (prompt 2,048, response 20,480; 512 sequences per update, 16 micro-batches)
    lowered for a ``v5p:2x2x1`` topology; ``cost_analysis()`` of one micro-batch program, times
