@@ -6,9 +6,12 @@
    (one sequence per row of ``P + G - 1`` positions) and packed (first-fit-decreasing into rows
    of the same length, bucketed row count). Both programs are compiled first (compile time
    printed apart), then timed calls alternate; the median of ``--repeats`` each. Rows cost the
-   same FLOPs whatever they hold, so the ratio follows the row counts. ``--micro 8`` holds one
-   row per micro-batch: the small model's padded 8-row micro-batch needs more than 14 GB of
-   host memory; ``--model tiny`` is the affordable run on a small shared machine.
+   same FLOPs whatever they hold, so the ratio follows the row counts. Micro-batches are a
+   token budget, the same in both layouts: by default one row (``P + G - 1`` tokens) per
+   micro-batch (``--micro`` = ``--sequences``), each block recomputed in the backward pass,
+   which bounds the small model's update to about 5.5 GB on CPU (XLA's memory analysis: 2.4 GB
+   temporaries, 1.5 GB state in and out; the whole run peaked at 7.7 GB resident) where the
+   padded 8-row micro-batch of ``--micro 1`` needs more than 14 GB of host memory.
 2. *TPU FLOPs* (``--tpu``, compile-only, no TPU needed): the train step of Qwen3-8B at the
    paper's lengths (prompt 2,048, response 20,480; 512 sequences per update, 16 micro-batches)
    lowered for a ``v5p:2x2x1`` topology; ``cost_analysis()`` of one micro-batch program, times
@@ -18,7 +21,7 @@
    micro-batch do: ``--tpu-micro 128 --tpu-remat full`` (one row per chip, blocks recomputed)
    fits.
 
-    python benchmarks/packing.py [--sequences 8] [--max-len 2048] [--repeats 2] [--micro 8]
+    python benchmarks/packing.py [--model small] [--sequences 8] [--max-len 2048] [--repeats 2]
     python benchmarks/packing.py --tpu --no-timing [--tpu-micro 128 --tpu-remat full]
 """
 
@@ -68,6 +71,7 @@ def _config(prompt, gen, rows, packing, *extra):
 def update_time(args) -> None:
     rng = np.random.default_rng(0)
     P, G, B = 64, args.max_len, args.sequences
+    micro = args.micro or B  # one padded row per micro-batch
     # Each block recomputed in the backward pass, so that a padded micro-batch's activations
     # fit a small machine's memory. Same in both layouts.
     config = dataclasses.replace(bench_config(args.model), remat="full")
@@ -84,13 +88,13 @@ def update_time(args) -> None:
     # With micro-batches DelTA's coefficients are an input (from the sampler's hidden states).
     coefficients = jnp.asarray(rng.uniform(0.5, 1.5, (B, G)).astype(np.float32))
     print(
-        f"model {args.model}, {B} sequences, {args.micro} micro-batches; response lengths: "
+        f"model {args.model}, {B} sequences, {micro} micro-batches; response lengths: "
         f"mean {glens.mean():.0f}, max {glens.max()}, cap {G}",
         flush=True,
     )
     programs = {}
     for packing in (False, True):
-        cfg = _config(P, G, B, packing, f"algo.micro_batches={args.micro}")
+        cfg = _config(P, G, B, packing, f"algo.micro_batches={micro}")
         plan = UpdatePlan.from_config(cfg)
         optimizer = make_optimizer(cfg.optim, 10)
         index, stats = plan_rows(plan, np.arange(B), plens, glens, shards=1)
@@ -117,6 +121,7 @@ def update_time(args) -> None:
             t0 = time.perf_counter()
             jax.block_until_ready(step(state, batch))
             times[packing].append(time.perf_counter() - t0)
+            print(f"{'packed' if packing else 'padded'}: {times[packing][-1]:.2f} s", flush=True)
     padded, packed = (statistics.median(times[k]) for k in (False, True))
     print(f"update: padded {padded:.2f} s, packed {packed:.2f} s (median of {args.repeats})")
     print(f"packed / padded update time: {packed / padded:.3f}")
@@ -177,7 +182,9 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--model", choices=("tiny", "small"), default="small")
-    parser.add_argument("--micro", type=int, default=1, help="algo.micro_batches (timing)")
+    parser.add_argument(
+        "--micro", type=int, default=0, help="algo.micro_batches (timing; 0: --sequences)"
+    )
     parser.add_argument("--tpu", action="store_true", help="also the TPU FLOP count (slow)")
     parser.add_argument("--tpu-max-len", type=int, default=20480, help="response cap (TPU)")
     parser.add_argument("--tpu-micro", type=int, default=16, help="algo.micro_batches (TPU)")

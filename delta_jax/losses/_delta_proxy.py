@@ -72,7 +72,7 @@ class LmHeadRow:
             parts = _split(d, h.dtype)  # [2|1, H]
             hd = jnp.einsum("bth,kh->bt", h, parts, preferred_element_type=_accumulator(h.dtype),
                             out_sharding=_out_sharding(h, 0, 1))  # fmt: skip
-            out.append(s * hd.astype(_F32))
+            out.append(s * hd.astype(s.dtype))
         return out
 
     def weighted_sums(self, weights: list[Float[Array, "m b T"]]) -> Float[Array, "m H"]:
@@ -82,7 +82,7 @@ class LmHeadRow:
             acc = _accumulator(h.dtype)
             chunk = jnp.einsum("kmbt,bth->mh", parts, h, preferred_element_type=acc,
                                out_sharding=_out_sharding(h, None, 2))  # fmt: skip
-            chunk = chunk.astype(_F32)
+            chunk = chunk.astype(w.dtype)
             total = chunk if total is None else total + chunk
         return total
 
@@ -122,7 +122,7 @@ class HiddenTopk:
         parts = _split(d, w.dtype)
         u = jnp.einsum("hv,kh->v", w, parts, preferred_element_type=_accumulator(w.dtype),
                        out_sharding=_out_sharding(w, 1))  # fmt: skip
-        u = u.astype(_F32)
+        u = u.astype(self.probs[0].dtype)
         out = []
         for y, ids, p, m in zip(self.token_ids, self.topk_ids, self.probs, self.masks, strict=True):
             # Padding may hold any id; clipped gathers keep them in range and the mask zeroes them.
@@ -134,7 +134,7 @@ class HiddenTopk:
     def weighted_sums(self, weights: list[Float[Array, "m b T"]]) -> Float[Array, "m H"]:
         w = self.lm_head
         m_dim, vocab = weights[0].shape[0], w.shape[1]
-        c = jnp.zeros((m_dim, vocab), _F32)
+        c = jnp.zeros((m_dim, vocab), weights[0].dtype)
         for y, ids, p, wt in zip(self.token_ids, self.topk_ids, self.probs, weights, strict=True):
             c = c.at[:, y.reshape(-1)].add(wt.reshape(m_dim, -1), mode="drop")
             spread = -(wt[..., None] * p[None]).reshape(m_dim, -1)  # [m, b*T*k]
@@ -142,4 +142,4 @@ class HiddenTopk:
         parts = _split(c, w.dtype)  # [2|1, m, V]
         out = jnp.einsum("hv,kmv->mh", w, parts, preferred_element_type=_accumulator(w.dtype),
                          out_sharding=_out_sharding(w, None, 0))  # fmt: skip
-        return out.astype(_F32)
+        return out.astype(c.dtype)

@@ -32,8 +32,6 @@ from jaxtyping import Array, ArrayLike, Float
 from delta_jax.losses._delta_proxy import HiddenTopk, LmHeadRow
 from delta_jax.losses._delta_validate import Chunk, check_chunks, check_options
 
-_F32 = jnp.float32
-
 
 @dataclasses.dataclass(frozen=True)
 class _Options:
@@ -50,10 +48,17 @@ class _Options:
     eps: float
 
 
+def _compute_dtype(chunks: list[Chunk], lm_head: Array | None) -> jnp.dtype:
+    """float32 for any low-precision input; float64 when an input is (x64 numerics checks)."""
+    arrays = [lm_head, *(x for c in chunks for x in (c.hidden, c.logprobs, c.topk_logits))]
+    return jnp.result_type(jnp.float32, *(x.dtype for x in arrays if x is not None))
+
+
 def _solve(chunks: list[Chunk], lm_head: Array | None, opts: _Options):
     """Coefficients (per chunk) and diagnostics from the chunks' sufficient statistics."""
     chunks, lm_head = jax.lax.stop_gradient((chunks, lm_head))
     eps = opts.eps
+    ft = _compute_dtype(chunks, lm_head)
     if opts.scope == "global" and opts.axis_name is not None:
         reduce = lambda x: jax.lax.psum(x, opts.axis_name)
     else:
@@ -61,11 +66,11 @@ def _solve(chunks: list[Chunk], lm_head: Array | None, opts: _Options):
 
     masks = [c.mask != 0 for c in chunks]
     # Per-token advantages [b, T]: a per-response [b] one is broadcast along its tokens.
-    advs = [jnp.broadcast_to(c.advantages.astype(_F32).reshape(c.mask.shape[0], -1), c.mask.shape)
+    advs = [jnp.broadcast_to(c.advantages.astype(ft).reshape(c.mask.shape[0], -1), c.mask.shape)
             for c in chunks]  # fmt: skip
     if opts.proxy == "lm_head_row":
         scales = [
-            jnp.where(m, -jnp.expm1(c.logprobs.astype(_F32)), 0.0)
+            jnp.where(m, -jnp.expm1(c.logprobs.astype(ft)), 0.0)
             for c, m in zip(chunks, masks, strict=True)
         ]
         proxy = LmHeadRow([c.hidden for c in chunks], scales)
@@ -73,7 +78,7 @@ def _solve(chunks: list[Chunk], lm_head: Array | None, opts: _Options):
         probs = []
         for c, m in zip(chunks, masks, strict=True):
             valid = m[..., None]
-            logits = jnp.where(valid, c.topk_logits.astype(_F32), 0.0)
+            logits = jnp.where(valid, c.topk_logits.astype(ft), 0.0)
             probs.append(jnp.where(valid, jax.nn.softmax(logits, axis=-1), 0.0))
         proxy = HiddenTopk(lm_head, [c.token_ids for c in chunks], [c.topk_ids for c in chunks],
                            probs, masks)  # fmt: skip
@@ -92,8 +97,8 @@ def _solve(chunks: list[Chunk], lm_head: Array | None, opts: _Options):
         return [jnp.where(s, x, 0.0) for s, x in zip(sides, chunked, strict=True)]
 
     # Integer counts stay exact beyond 2**24 tokens.
-    n_side = total(sides).astype(_F32)  # [2]
-    n_valid = total(masks).astype(_F32)
+    n_side = total(sides).astype(ft)  # [2]
+    n_valid = total(masks).astype(ft)
     per_side = jnp.maximum(n_side, 1.0)
 
     def centroids(weights):  # [2, H]
@@ -111,7 +116,7 @@ def _solve(chunks: list[Chunk], lm_head: Array | None, opts: _Options):
 
     def assign(deltas, gamma):
         if opts.assignment == "hard":
-            return [(d > 0).astype(_F32) for d in deltas]
+            return [(d > 0).astype(ft) for d in deltas]
         return [jax.nn.sigmoid(d / gamma[:, None, None]) for d in deltas]
 
     mu = centroids(masses)
@@ -308,7 +313,7 @@ def delta_coefficients(
 
     Everything is under ``stop_gradient``; the result is float32 for any input dtype (a bf16
     ``hidden`` is multiplied with float32 accumulation, so the result is the float32 computation
-    on its stored values).
+    on its stored values), or float64 when an input is float64 (x64 mode, numerics checks).
 
     Degenerate inputs never give NaN/inf: an empty side (e.g. only positive advantages) has
     centroid 0 and ``γ = sqrt(ε)``, so the other side is scored against the origin; all

@@ -12,7 +12,8 @@ outputs at padded positions are finite and meaningless; losses mask them).
 
 Implementations (``model.attention``):
 
-* ``dense``: the full ``[B, K, G, T, T]`` float32 score matrix. Short sequences.
+* ``dense``: the full ``[B, K, G, T, T]`` float32 score matrix (see
+  :func:`accumulation_dtype`). Short sequences.
 * ``chunked``: pure XLA, blocks of ``block`` queries against blocks of ``block`` keys with an
   online softmax; each query block is rematerialised in the backward pass, so forward and
   backward memory are ``O(T x block)`` per head. Any backend; the CPU path for long sequences.
@@ -48,6 +49,15 @@ SPLASH_BLOCK_MULTIPLE = 128
 
 _log = logging.getLogger(__name__)
 _NEG = float(jnp.finfo(jnp.float32).min)
+
+
+def accumulation_dtype(dtype) -> jnp.dtype:
+    """float32, or ``dtype`` if wider: softmax, RMSNorm statistics and logits are computed in it.
+
+    bf16 / f32 models compute in float32 exactly as ``transformers`` does; a float64 model (x64
+    mode, used by numerics tests) stays float64 end to end.
+    """
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 def attention(
@@ -133,7 +143,8 @@ def dense(q, k, v, segment_ids):
     B, T, N, D = q.shape
     K = k.shape[2]
     q = q.reshape(B, T, K, N // K, D)
-    scores = jnp.einsum("BTKGD,BSKD->BKGTS", q, k, preferred_element_type=jnp.float32)
+    acc_dtype = accumulation_dtype(q.dtype)
+    scores = jnp.einsum("BTKGD,BSKD->BKGTS", q, k, preferred_element_type=acc_dtype)
     scores = jnp.where(visible(segment_ids)[:, None, None], scores * D**-0.5, _NEG)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("BKGTS,BSKD->BTKGD", probs, v).reshape(B, T, N, D)
@@ -167,6 +178,7 @@ def chunked(q, k, v, segment_ids, *, block: int = 512):
     vb = v.reshape(B, n, block, K, D).swapaxes(0, 1)
     sb = seg.reshape(B, n, block).swapaxes(0, 1)  # [n, B, block]
     scale = D**-0.5
+    acc_dtype = accumulation_dtype(q.dtype)
 
     @jax.checkpoint
     def query_block(args):
@@ -179,7 +191,7 @@ def chunked(q, k, v, segment_ids, *, block: int = 512):
 
             def update(carry):
                 m, norm, acc = carry
-                s = jnp.einsum("BTKGD,BSKD->BKGTS", q_i, k_j, preferred_element_type=jnp.float32)
+                s = jnp.einsum("BTKGD,BSKD->BKGTS", q_i, k_j, preferred_element_type=acc_dtype)
                 see = (pos_q[:, None] >= pos_k[None, :]) & (seg_q[:, :, None] == seg_k[:, None, :])
                 see = see[:, None, None]  # [B, 1, 1, bq, bk]
                 s = jnp.where(see, s * scale, _NEG)
@@ -189,7 +201,7 @@ def chunked(q, k, v, segment_ids, *, block: int = 512):
                 corr = jnp.exp(m - m_new)
                 pv = jnp.einsum(
                     "BKGTS,BSKD->BKGTD", p.astype(v_j.dtype), v_j,
-                    preferred_element_type=jnp.float32,
+                    preferred_element_type=acc_dtype,
                 )  # fmt: skip
                 return m_new, norm * corr + p.sum(-1), acc * corr[..., None] + pv
 
@@ -197,9 +209,9 @@ def chunked(q, k, v, segment_ids, *, block: int = 512):
             return jax.lax.cond(j <= i, update, lambda c: c, carry), None
 
         init = (
-            jnp.full((B, K, G, block), _NEG, jnp.float32),
-            jnp.zeros((B, K, G, block), jnp.float32),
-            jnp.zeros((B, K, G, block, D), jnp.float32),
+            jnp.full((B, K, G, block), _NEG, acc_dtype),
+            jnp.zeros((B, K, G, block), acc_dtype),
+            jnp.zeros((B, K, G, block, D), acc_dtype),
         )
         (_, norm, acc), _ = jax.lax.scan(key_block, init, (jnp.arange(n), kb, vb, sb))
         out = acc / norm[..., None]  # every query sees itself: norm > 0

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from delta_jax.models.attention import accumulation_dtype
 from delta_jax.models.transformer import Transformer, lm_head_weight
 
 # Default chunk: this many logits elements (512 MiB in float32) per chunk.
@@ -52,7 +53,8 @@ def token_logprobs(
 
     With ``z = h W / temperature`` (``h`` the final hidden state, ``W`` the [H, V] LM head),
     ``logprob[b, t] = z[targets[b, t]] - logsumexp(z)`` and
-    ``entropy[b, t] = logsumexp(z) - sum_v softmax(z)_v z_v``, all in float32.
+    ``entropy[b, t] = logsumexp(z) - sum_v softmax(z)_v z_v``, all in float32 (float64 for a
+    float64 model, see :func:`~delta_jax.models.attention.accumulation_dtype`).
 
     Args:
       model: the :class:`Transformer`.
@@ -121,7 +123,7 @@ def chunked_logprobs(
     """``log_softmax(hidden @ weight / temperature)[targets]`` over M rows, chunk by chunk.
 
     Args:
-      hidden: [M, H] rows (any float dtype; the matmul accumulates in float32).
+      hidden: [M, H] rows (any float dtype; the matmul accumulates in float32, or float64).
       weight: [H, V] LM head.
       targets: int[M] ids in [0, V).
       temperature: positive scalar.
@@ -139,6 +141,7 @@ def chunked_logprobs(
     if chunk <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     chunk = min(chunk, M)
+    acc_dtype = accumulation_dtype(hidden.dtype)
     pad = (-M) % chunk
     h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, chunk, H)
     t = jnp.pad(targets, (0, pad)).reshape(-1, chunk)
@@ -146,7 +149,7 @@ def chunked_logprobs(
     @jax.checkpoint
     def one(args):
         hc, tc = args
-        z = jnp.einsum("CH,HV->CV", hc, weight, preferred_element_type=jnp.float32)
+        z = jnp.einsum("CH,HV->CV", hc, weight, preferred_element_type=acc_dtype)
         z = z / temperature
         lse = jax.nn.logsumexp(z, axis=-1)
         lp = jnp.take_along_axis(z, tc[:, None], axis=-1)[:, 0] - lse

@@ -34,7 +34,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from delta_jax.models import axes as ax
 from delta_jax.models import lora
-from delta_jax.models.attention import attention
+from delta_jax.models.attention import accumulation_dtype, attention
 from delta_jax.models.config import ModelConfig
 
 # Logical axes of each layer's cached keys and values (the layout :class:`KVCache` describes).
@@ -135,7 +135,8 @@ class Transformer(nnx.Module):
 
     Args:
       config: the :class:`ModelConfig`.
-      dtype: compute dtype (activations, matmul inputs); softmax and RMSNorm statistics are f32.
+      dtype: compute dtype (activations, matmul inputs); softmax and RMSNorm statistics are
+        float32, or the compute dtype if it is wider (float64 under x64, for numerics checks).
       param_dtype: storage dtype of the parameters.
       rngs: RNG streams for the random initialisation.
 
@@ -345,7 +346,7 @@ def lm_head_weight(model: Transformer) -> Float[Array, "H V"]:
 
 def _rms_norm(x, weight, eps, dtype):
     # Statistics in float32, then cast back before the scale, as transformers does.
-    xf = x.astype(jnp.float32)
+    xf = x.astype(accumulation_dtype(x.dtype))
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight.astype(dtype) * xf.astype(dtype)
 
@@ -376,8 +377,9 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 
 def _rope_tables(cfg, positions, dtype):
-    inv = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
-    angles = positions.astype(jnp.float32)[..., None] * inv  # [B, T, D/2]
+    acc_dtype = accumulation_dtype(dtype)
+    inv = jnp.asarray(rope_inv_freq(cfg), acc_dtype)
+    angles = positions.astype(acc_dtype)[..., None] * inv  # [B, T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
 
@@ -494,13 +496,14 @@ def _attend_cache(q, k, v, mask):
     K, S = k.shape[1], v.shape[2]
     G = N // K
     batch = ((0, 1), (0, 1))
+    acc_dtype = accumulation_dtype(q.dtype)
     q = jnp.swapaxes(q.reshape(B, T, K, G, D), 1, 2).reshape(B, K, T * G, D)
     scores = jax.lax.dot_general(
-        q, k, (((3,), (2,)), batch), preferred_element_type=jnp.float32
+        q, k, (((3,), (2,)), batch), preferred_element_type=acc_dtype
     ).reshape(B, K, T, G, S)
     scores = scores * (D**-0.5)
     # A finite fill keeps rows with no visible key (padded queries) finite: uniform weights.
-    scores = jnp.where(mask[:, None, :, None, :], scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(mask[:, None, :, None, :], scores, jnp.finfo(acc_dtype).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(B, K, T * G, S)
     out = jax.lax.dot_general(probs, v, (((3,), (2,)), batch))  # [B, K, T*G, D]
     return jnp.swapaxes(out.reshape(B, K, T, G, D), 1, 2).reshape(B, T, N, D)

@@ -142,6 +142,24 @@ def test_bf16_forward_bound():
     assert err > 0  # really computed in bf16
 
 
+@pytest.mark.parametrize("attention", ["dense", "chunked"])
+def test_float64_model_computes_in_float64(attention):
+    """Under x64 a float64 model keeps float64 everywhere (RMSNorm, RoPE, softmax, log-softmax;
+    forward and gradient): numerics checks rely on it (the packed vs padded update test).
+    Traced only, nothing compiles."""
+    cfg = ModelConfig.tiny("qwen3", vocab_size=64, attention=attention, attention_block=4)
+    with jax.enable_x64(True):
+        model = nnx.eval_shape(lambda: Transformer(cfg, dtype=jnp.float64, param_dtype=jnp.float64))
+        graphdef, params = nnx.split(model, nnx.Param)
+        ids = jnp.ones((2, 9), jnp.int32)
+        logprobs = lambda p: token_logprobs(
+            nnx.merge(graphdef, p), ids[:, :-1], ids[:, 1:], return_entropy=True
+        )
+        for fn in (logprobs, jax.grad(lambda p: logprobs(p).logprobs.sum())):
+            jaxpr = str(jax.make_jaxpr(fn)(params))
+            assert "f64" in jaxpr and "f32" not in jaxpr
+
+
 def test_padded_query_rows_are_finite():
     model = random_model(ModelConfig.tiny("qwen3", vocab_size=64))
     mask = jnp.asarray([[0, 0, 1, 1], [1, 1, 0, 0]])

@@ -32,10 +32,15 @@ B = PROMPTS * N
 SGD = optax.sgd(1.0)
 
 
-@pytest.fixture(scope="module")
-def setup():
-    model = Transformer(ModelConfig.tiny("qwen3"), rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model, nnx.Param)
+def _build_setup(dtype=jnp.float32):
+    """The tiny policy in ``dtype`` and one synthetic rollout sampled from it (its log-probs and
+    hidden states, as the sampler hands them over)."""
+    make = lambda: Transformer(
+        ModelConfig.tiny("qwen3"), dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)
+    )
+    # Initialisation and forward jitted: one compile each instead of one per eager op.
+    graphdef = nnx.split(nnx.eval_shape(make), nnx.Param)[0]
+    params = jax.jit(lambda: nnx.split(make(), nnx.Param)[1])()
     rng = np.random.default_rng(0)
     plens = rng.integers(2, P + 1, B).astype(np.int32)
     glens = rng.integers(1, G + 1, B).astype(np.int32)
@@ -43,18 +48,20 @@ def setup():
     for i in range(B):
         seqs[i, P - plens[i] : P + glens[i]] = rng.integers(3, 256, plens[i] + glens[i])
     # The sampler's view: log-probs and hidden states of the response tokens, padded layout.
-    out = token_logprobs(
-        model,
-        jnp.asarray(seqs[:, :-1]),
-        jnp.asarray(seqs[:, 1:]),
-        attention_mask=jnp.asarray(seqs[:, :-1] != 0),
-        return_hidden=True,
-        score_from=P - 1,
-    )
+    out = jax.jit(
+        lambda params, seqs: token_logprobs(
+            nnx.merge(graphdef, params),
+            seqs[:, :-1],
+            seqs[:, 1:],
+            attention_mask=seqs[:, :-1] != 0,
+            return_hidden=True,
+            score_from=P - 1,
+        )
+    )(params, jnp.asarray(seqs))
     resp = np.arange(G)[None] < glens[:, None]
-    rewards = rng.normal(size=B).astype(np.float32)
+    rewards = rng.normal(size=B).astype(dtype)
     rewards[4:8] = 1.0  # one group without signal: zero advantages, as GRPO gives
-    advantages = (rewards - rewards.reshape(-1, N).mean(1).repeat(N)).astype(np.float32)
+    advantages = (rewards - rewards.reshape(-1, N).mean(1).repeat(N)).astype(dtype)
     rollout = Rollout(
         sequences=jnp.asarray(seqs),
         rollout_logprobs=jnp.where(resp, out.logprobs, 0.0),
@@ -68,6 +75,18 @@ def setup():
         stats={},
     )
     return graphdef, params, rollout
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return _build_setup()
+
+
+@pytest.fixture(scope="module")
+def setup64():
+    """The same in float64 (x64 on while it is built and used only)."""
+    with jax.enable_x64(True):
+        return _build_setup(jnp.float64)
 
 
 def _plan(loss="delta", packing=True, mini=1, micro=1, **algo):
@@ -86,16 +105,28 @@ def _plan(loss="delta", packing=True, mini=1, micro=1, **algo):
     return load_config(None, overrides), UpdatePlan.from_config(load_config(None, overrides))
 
 
+def _mesh():
+    """The one-device mesh of these tests; updates run under it, as the loop runs them."""
+    return sh.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+
+
+def _initial_state(params, optimizer):
+    """A fresh train state on device 0, placed as the update's outputs are (committed), so the
+    update compiles once for the first and the later calls."""
+    return jax.device_put(init_train_state(jax.tree.map(jnp.copy, params), optimizer),
+                          jax.devices()[0])  # fmt: skip
+
+
 def _rl_update(setup, config, plan, optimizer=SGD):
     """One full RL update (prepare + every mini-batch update) through the loop's stages."""
     graphdef, params, rollout = setup
-    mesh = sh.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    mesh = _mesh()
     run = loop_mod._Run(
         config=config,
         mesh=mesh,
         parts=None,
         plan=plan,
-        state=init_train_state(jax.tree.map(jnp.copy, params), optimizer),
+        state=_initial_state(params, optimizer),
         ref_params=jax.tree.map(jnp.copy, params) if plan.reference else None,
         train_step=make_train_step(graphdef, optimizer, plan, donate=False),
         prepare=make_prepare(graphdef, plan),
@@ -147,33 +178,56 @@ def test_packed_update_equals_padded(setup, results, loss, mini, micro):
 
     With 4 mini-batches the full RL update is four SGD steps of lr 1, each taken where the
     previous one left the parameters, and the fourth is badly conditioned (gradient norm ~7, 30%
-    of the tokens at the PPO clip): in the padded layout alone, the same batch applied to two
-    starting points 9.5e-7 apart (the packed and padded DelTA runs' parameters after three
-    updates, ~1 float32 ulp) gives parameters 2.7e-5 apart. So the two chains' end points differ
-    by float32 rounding amplified by the steps (DelTA 2.7e-5, DAPO 4.9e-6; padded rows merely
-    in another order: DelTA 9.5e-6), not by layout. What the layout must not change is each
-    update: the packed run's updates are replayed one at a time, the padded update applied to
-    the very parameters the packed one started from, at lr 1 within 1e-5 (DelTA: at most
-    7.8e-7); the replay ends exactly at the full update's parameters.
+    of the tokens at the PPO clip): in float32 the two chains' end points differ by rounding
+    amplified by the steps, not by layout (DelTA 2.6e-6, DAPO 2.7e-5 on this rollout; on one
+    differing from it by float32 ulps, DelTA 2.7e-5, DAPO 4.9e-6) — in float64 they agree
+    (:func:`test_packed_chained_updates_equal_padded_in_float64`). In float32 what the layout
+    must not change is each update: the packed run's updates are replayed one at a time, the
+    padded update applied to the very parameters the packed one started from, at lr 1 within
+    1e-5 (at most 7.5e-7 DelTA, 3.6e-7 DAPO); the replay ends exactly at the full update's
+    parameters.
     """
     _, params, _ = setup
-    packed, m_packed, b_packed = results(loss, True, mini, micro)
-    padded, m_padded, b_padded = results(loss, False, mini, micro)
-    assert m_packed["batch/packed_rows"] < m_padded["batch/packed_rows"]
-    assert m_packed["batch/pad_fraction"] <= m_padded["batch/pad_fraction"]
+    packed, padded = results(loss, True, mini, micro), results(loss, False, mini, micro)
     if mini == 1:
-        assert _max_diff(packed.params, padded.params) <= 1e-5
+        assert _max_diff(packed[0].params, padded[0].params) <= 1e-5
     else:
         step_packed = results.train_step(loss, True, mini, micro)
         step_padded = results.train_step(loss, False, mini, micro)
-        state = init_train_state(params, SGD)
+        state = _initial_state(params, SGD)
         for m in range(mini):
             take = lambda batch, m=m: jax.tree.map(lambda x: x[m], batch)
-            after_padded, _ = step_padded(state, take(b_padded))
-            state, _ = step_packed(state, take(b_packed))
+            with sh.use_mesh(_mesh()):
+                after_padded, _ = step_padded(state, take(padded[2]))
+                state, _ = step_packed(state, take(packed[2]))
             assert _max_diff(state.params, after_padded.params) <= 1e-5, f"update {m}"
-        assert _max_diff(state.params, packed.params) == 0.0
-    assert _max_diff(packed.params, params) > 1e-2  # the update moved the parameters
+        assert _max_diff(state.params, packed[0].params) == 0.0
+        # The replay ran the full update's own compiled programs (no recompilation).
+        assert step_packed._cache_size() == 1 and step_padded._cache_size() == 1
+    _assert_same_update(params, packed, padded)
+
+
+@pytest.mark.parametrize("loss", ["delta", "dapo"])
+def test_packed_chained_updates_equal_padded_in_float64(setup64, loss):
+    """The full RL update of 4 mini-batches (4 chained SGD steps of lr 1), model, DelTA and loss
+    in float64: packed and padded rows end at the same parameters within 1e-5 (measured: DelTA
+    2.7e-15, DAPO 8.8e-15), so the float32 gap of the chain is rounding amplified by the steps,
+    not layout."""
+    with jax.enable_x64(True):  # this test only: every array and program below is float64
+        packed, padded = (_rl_update(setup64, *_plan(loss, p, 4, 1)) for p in (True, False))
+        assert jax.tree.leaves(packed[0].params)[0].dtype == jnp.float64
+        assert packed[2].old_logprobs.dtype == jnp.float64
+        assert _max_diff(packed[0].params, padded[0].params) <= 1e-5
+        _assert_same_update(setup64[1], packed, padded)
+
+
+def _assert_same_update(params, packed, padded):
+    """Fewer rows packed; the update moved the parameters; the same loss, metrics and DelTA
+    coefficients (token by token) in both layouts."""
+    (state, m_packed, b_packed), (_, m_padded, b_padded) = packed[:3], padded[:3]
+    assert m_packed["batch/packed_rows"] < m_padded["batch/packed_rows"]
+    assert m_packed["batch/pad_fraction"] <= m_padded["batch/pad_fraction"]
+    assert _max_diff(state.params, params) > 1e-2
     same = lambda k: not k.startswith(("batch/", "time/"))
     assert {k for k in m_packed if same(k)} == {k for k in m_padded if same(k)}
     for key in filter(same, m_padded):
@@ -227,18 +281,19 @@ def test_non_finite_gradient_skips_the_update_and_the_step_compiles_once(setup):
     bad = dataclasses.replace(rollout, advantages=rollout.advantages.copy())
     bad.advantages[0] = np.nan
     optimizer = make_optimizer(cfg.optim, 10)
-    state, metrics, _, _ = _rl_update((graphdef, params, bad), cfg, plan, optimizer)
+    state, metrics, _, step = _rl_update((graphdef, params, bad), cfg, plan, optimizer)
     assert metrics["update_skipped"] == 1.0
     assert int(state.skipped) == 1 and int(state.step) == 0
     assert _max_diff(state.params, params) == 0.0
-    step = make_train_step(graphdef, optimizer, plan, donate=False)
+    # The skipped update and the next three run one compiled program.
     batch, _ = loop_mod._prepare(
-        loop_mod._Run(cfg, sh.make_mesh(1, 1, 1, devices=jax.devices()[:1]), None, plan, state,
-                      None, step, None, make_assemble(plan), None, None, None, 0),
+        loop_mod._Run(cfg, _mesh(), None, plan, state, None, step, None, make_assemble(plan),
+                      None, None, None, 0),
         rollout, step=1,
     )  # fmt: skip
     for _ in range(3):
-        state, metrics = step(state, jax.tree.map(lambda x: x[0], batch))
+        with sh.use_mesh(_mesh()):
+            state, metrics = step(state, jax.tree.map(lambda x: x[0], batch))
     assert float(metrics["update_skipped"]) == 0.0 and int(state.step) == 3
     assert step._cache_size() == 1
 
