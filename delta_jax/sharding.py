@@ -380,7 +380,7 @@ def reshard_for_sampling(
     source = param_shardings(params, mesh, train_rules)
     leaves, treedef = jax.tree.flatten(params)
     target_leaves = jax.tree.leaves(target)
-    dtypes = [_sampling_dtype(x.dtype, dtype) for x in leaves]
+    dtypes = [sampling_dtype(x.dtype, dtype) for x in leaves]
     moved = [
         i
         for i, (s, t) in enumerate(zip(jax.tree.leaves(source), target_leaves, strict=True))
@@ -388,20 +388,23 @@ def reshard_for_sampling(
     ]
     if not moved:
         return params
-    program = _resharder(tuple(target_leaves[i] for i in moved), tuple(dtypes[i] for i in moved))
+    program = resharder(tuple(target_leaves[i] for i in moved), tuple(dtypes[i] for i in moved))
     for i, x in zip(moved, program(*(leaves[i] for i in moved)), strict=True):
         leaves[i] = x
     return jax.tree.unflatten(treedef, leaves)
 
 
-def _sampling_dtype(have: Any, want: Any) -> np.dtype:
+def sampling_dtype(have: Any, want: Any) -> np.dtype:
+    """A leaf's dtype in the sampling layout: ``want`` for floating-point leaves, else its own."""
     floating = want is not None and np.issubdtype(have, np.floating)
     return np.dtype(want if floating else have)
 
 
 @functools.lru_cache(maxsize=32)
-def _resharder(shardings: tuple[NamedSharding, ...], dtypes: tuple[np.dtype, ...]):
-    # One compiled program per target layout, reused every RL step (no recompilation).
+def resharder(shardings: tuple[NamedSharding, ...], dtypes: tuple[np.dtype, ...]):
+    """The jitted move of leaves into ``shardings`` cast to ``dtypes`` (what
+    :func:`reshard_for_sampling` runs; the planner compiles it for its figures). One program per
+    target layout, reused every RL step (no recompilation)."""
     def move(*xs):
         return tuple(x.astype(d) for x, d in zip(xs, dtypes, strict=True))
 

@@ -10,6 +10,9 @@ from delta_jax import plan as plan_lib
 from delta_jax import sharding as sh
 from delta_jax.config import load_config
 from delta_jax.models import Transformer
+from delta_jax.plan import compiler as plan_compiler
+from delta_jax.plan.compiler import chip_grid
+from delta_jax.plan.programs import Planner
 
 DEMO = "configs/demo.yaml"
 
@@ -196,7 +199,7 @@ def test_main_prints_table(capsys):
 
 
 def test_without_libtpu_plan_says_it_used_the_cpu_estimate(monkeypatch):
-    monkeypatch.setattr(plan_lib, "tpu_compiler_available", lambda: False)
+    monkeypatch.setattr(plan_compiler, "tpu_compiler_available", lambda: False)
     kind, why = plan_lib.resolve_compiler("auto")
     assert kind == "cpu" and why.startswith("libtpu not importable")
     with pytest.raises(ValueError, match="--compiler tpu needs libtpu"):
@@ -204,12 +207,12 @@ def test_without_libtpu_plan_says_it_used_the_cpu_estimate(monkeypatch):
 
 
 def test_chip_grids_of_slices():
-    assert plan_lib._chip_grid(32, 3) == (4, 4, 2)  # v5p-64
-    assert plan_lib._chip_grid(4, 3) == (2, 2, 1)  # v5p-8
-    assert plan_lib._chip_grid(8, 2) == (4, 2)  # v5e-8
-    assert plan_lib._chip_grid(1, 2) == (1, 1)
+    assert chip_grid(32, 3) == (4, 4, 2)  # v5p-64
+    assert chip_grid(4, 3) == (2, 2, 1)  # v5p-8
+    assert chip_grid(8, 2) == (4, 2)  # v5e-8
+    assert chip_grid(1, 2) == (1, 1)
     with pytest.raises(ValueError, match="power-of-two"):
-        plan_lib._chip_grid(6, 2)
+        chip_grid(6, 2)
 
 
 def test_engine_pool_follows_the_config():
@@ -220,7 +223,7 @@ def test_engine_pool_follows_the_config():
     sized = {}
     for pages in (0, 50):
         config = load_config(DEMO, [*overrides, f"rollout.num_pages={pages}"])
-        planner = plan_lib._Planner(config, mesh, plan_lib.resolve_model_config(config))
+        planner = Planner(config, mesh, plan_lib.resolve_model_config(config))
         spec = planner.engine_spec(8)
         sized[pages] = (spec.num_pages, planner.pool_bytes(spec))
     mc = plan_lib.resolve_model_config(load_config(DEMO))

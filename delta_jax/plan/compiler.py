@@ -1,0 +1,119 @@
+"""Which compiler plans (the TPU compiler, compile-only, or an XLA:CPU estimate), the slice's
+devices for it, and compiling one program into its :class:`ProgramMemory`."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import math
+import os
+import re
+import time
+from collections.abc import Callable
+
+import jax
+
+from delta_jax import sharding as sh
+from delta_jax.plan.report import ProgramMemory
+
+
+def tpu_compiler_available() -> bool:
+    """Whether the TPU compiler (``libtpu``, the ``tpu`` extra) can be loaded."""
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def resolve_compiler(compiler: str) -> tuple[str, str]:
+    """``("tpu" | "cpu", why)`` for ``--compiler auto | tpu | cpu``."""
+    if compiler not in ("auto", "tpu", "cpu"):
+        raise ValueError(f"--compiler={compiler!r}; expected 'auto', 'tpu' or 'cpu'")
+    if compiler == "cpu":
+        return "cpu", "--compiler cpu"
+    if tpu_compiler_available():
+        return "tpu", f"libtpu {importlib.metadata.version('libtpu')}"
+    if compiler == "tpu":
+        raise ValueError('--compiler tpu needs libtpu: pip install "delta-jax[tpu]"')
+    return "cpu", 'libtpu not importable (pip install "delta-jax[tpu]" for TPU figures)'
+
+
+def chip_grid(chips: int, dims: int) -> tuple[int, ...]:
+    """Physical chip grid of a slice (2D for v5e / v6e, 3D for v4 / v5p): near-square / cube."""
+    if chips & (chips - 1):
+        raise ValueError(f"{chips} chips: the planner knows power-of-two slices only")
+    grid = [1] * dims
+    while math.prod(grid) < chips:
+        grid[grid.index(min(grid))] *= 2
+    return tuple(grid)
+
+
+def tpu_topology_devices(topology_name: str) -> tuple[str, list]:
+    """Compile-only devices of a slice from the TPU compiler: ``(topology, devices)``.
+
+    Example: ``v5p-64`` (32 chips) -> ``"v5p:2x4x4"``; ``v5e-8`` -> ``"v5e:2x4"``.
+    """
+    from jax.experimental import topologies
+
+    # Compile-only use touches no chip: several processes (parallel plans, tests) may load it.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    chips = sh.topology(topology_name).chips
+    gen = topology_name.strip().lower().split("-")[0].replace("v5litepod", "v5e")
+    grid = chip_grid(chips, 3 if gen in ("v4", "v5p") else 2)
+    name = f"{gen}:{'x'.join(map(str, grid))}"
+    kwargs = {}
+    if chips < 4:  # the default host bounds (2x2x1) do not divide a smaller slice
+        kwargs["chips_per_host_bounds"] = (*grid, 1, 1)[:3]
+    desc = topologies.get_topology_desc(topology_name=name, platform="tpu", **kwargs)
+    return name, list(desc.devices)
+
+
+# The TPU compiler's refusals: "... required for HLO temporaries (334.10G) exceeds available
+# HBM", or "CompileTimeHbmOom ... Program hbm requirement 9.08G".
+_OOM = re.compile(
+    r"RESOURCE_EXHAUSTED: (?:.*?HLO temporaries \(|[\s\S]*?Program hbm requirement )"
+    r"([\d.]+)([KMGT])"
+)
+
+
+def plan_mesh(config, topology_name: str, compiler: str):
+    """The run's mesh on the slice's devices for ``compiler``, and the compiler described."""
+    kind, why = resolve_compiler(compiler)
+    if kind == "tpu":
+        grid, devices = tpu_topology_devices(topology_name)
+        mesh = sh.make_mesh(*config.run.mesh, devices=devices)
+        return mesh, f"TPU compiler, compile-only for {grid} ({why})"
+    mesh = sh.mesh_from_config(config.run.mesh, topology_name=topology_name)
+    return mesh, f"XLA:CPU on {mesh.size} stand-in devices, an estimate ({why})"
+
+
+def compile_program(lower: Callable, mesh, rules) -> ProgramMemory:
+    start = time.perf_counter()
+    with sh.use_mesh(mesh, rules):
+        lowered = lower()
+        try:
+            compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as err:
+            match = _OOM.search(str(err))
+            if match is None:
+                raise
+            scale = 1024 ** "KMGT".index(match.group(2)) * 1024
+            need = int(float(match.group(1)) * scale)
+            return ProgramMemory(0, 0, 0, need, time.perf_counter() - start, out_of_memory=True)
+    return ProgramMemory.of(compiled, time.perf_counter() - start)
+
+
+# Collective ops of an optimised HLO module and the result shape they produce per device.
+_COLLECTIVE = re.compile(
+    r"= (\(?[^=]*?\)?) (all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)"
+    r"(?:-start)?\("
+)
+
+_SHAPE = re.compile(r"(pred|[suf]\d+|bf16)\[([\d,]*)\]")
+
+
+def collective_bytes(hlo: str) -> int:
+    """Bytes the collectives of a compiled (per-device) HLO module produce on one device."""
+    total = 0
+    for match in _COLLECTIVE.finditer(hlo):
+        for dtype, dims in _SHAPE.findall(match.group(1)):
+            bits = 8 if dtype == "pred" else int(re.sub(r"\D", "", dtype))
+            total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+    return total

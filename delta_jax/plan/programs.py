@@ -1,0 +1,313 @@
+"""The run's programs built abstractly (no weights) and compiled for one mesh: the train step, the
+per-update reshard into the sampling layout, and the rollout's sampler (continuous engine or
+static)."""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from delta_jax import sharding as sh
+from delta_jax.models import Transformer, lora
+from delta_jax.models.axes import logical_to_mesh
+from delta_jax.models.transformer import KEY_CACHE_AXES, VALUE_CACHE_AXES
+from delta_jax.plan.compiler import collective_bytes, compile_program
+from delta_jax.plan.report import ProgramMemory
+from delta_jax.rl.state import init_train_state, make_optimizer
+from delta_jax.rl.train_step import abstract_batch, make_train_step
+from delta_jax.rl.update_plan import UpdatePlan
+from delta_jax.sampling import sampler as sampler_lib
+from delta_jax.sampling.buckets import Buckets, prepare_request
+from delta_jax.sampling.engine import lower_decode, pages_for, prefill_chunk
+from delta_jax.sampling.paged import PAGE_AXES, PageList, PagePool
+from delta_jax.sampling.strategies import make_strategy
+
+
+def _sharded_bytes(tree: Any, shardings: Any) -> int:
+    total = 0
+    for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True):
+        total += math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+    return total
+
+
+class Planner:
+    """Builds and compiles the run's programs for one mesh; caches nothing but the setup."""
+
+    def __init__(self, config, mesh, model_config):
+        self.config, self.mesh, self.model_config = config, mesh, model_config
+        m = config.model
+        dtype, param_dtype = jnp.dtype(m.dtype), jnp.dtype(m.param_dtype)
+
+        def build():
+            model = Transformer(model_config, dtype=dtype, param_dtype=param_dtype)
+            if m.lora_rank:  # adapters only train: optimiser state for them alone
+                lora.add_adapters(
+                    model, rank=m.lora_rank, alpha=m.lora_alpha, targets=m.lora_targets
+                )
+            return model
+
+        abstract_model = nnx.eval_shape(build)
+        self.graphdef, self.params, self.rest = nnx.split(abstract_model, nnx.Param, ...)
+        self.optimizer = make_optimizer(config.optim, total_updates=max(config.run.steps, 1))
+        self.state = jax.eval_shape(lambda p: init_train_state(p, self.optimizer), self.params)
+        self.state_shardings = sh.state_shardings(self.state, mesh)
+        self.param_shardings = sh.param_shardings(self.params, mesh)
+        # The rollout's layout (rl.loop): tensor-parallel regrouping, compute-dtype weights.
+        self.sample_mesh = sh.sampling_mesh(mesh, model_config.num_kv_heads)
+        self.sample_shardings = sh.param_shardings(self.params, self.sample_mesh, sh.SAMPLE_RULES)
+        self.sample_dtypes = [
+            sh.sampling_dtype(x.dtype, dtype) for x in jax.tree.leaves(self.params)
+        ]
+        self.update_plan = UpdatePlan.from_config(config)
+
+    def params_bytes(self) -> int:
+        return _sharded_bytes(self.params, self.param_shardings)
+
+    def opt_state_bytes(self) -> int:
+        opt = self.state.opt_state
+        shardings = self.state_shardings.opt_state
+        return _sharded_bytes(opt, shardings) if jax.tree.leaves(opt) else 0
+
+    def _moved(self) -> list[int]:
+        """Leaves whose sampling layout (placement or dtype) differs from the trainer's."""
+        return [
+            i
+            for i, (x, s, t, d) in enumerate(
+                zip(
+                    jax.tree.leaves(self.params),
+                    jax.tree.leaves(self.param_shardings),
+                    jax.tree.leaves(self.sample_shardings),
+                    self.sample_dtypes,
+                    strict=True,
+                )
+            )
+            if s != t or d != x.dtype
+        ]
+
+    def sampler_params_bytes(self) -> int:
+        """Per-device bytes of the sampling copy (0: the sampler reads the trainer's buffers)."""
+        leaves, targets = jax.tree.leaves(self.params), jax.tree.leaves(self.sample_shardings)
+        return sum(
+            math.prod(targets[i].shard_shape(leaves[i].shape)) * self.sample_dtypes[i].itemsize
+            for i in self._moved()
+        )
+
+    def reshard(self) -> tuple[ProgramMemory, int]:
+        """Compiles the per-update move of the trainer's weights into the sampling layout.
+
+        Returns its memory and the bytes its collectives produce per device (the traffic of one
+        weight update's reshard, from the compiled program's collectives).
+        """
+        moved = self._moved()
+        if not moved:
+            return ProgramMemory(0, 0, 0, 0, 0.0), 0
+        leaves = jax.tree.leaves(self.params)
+        sources, targets = (
+            jax.tree.leaves(self.param_shardings),
+            jax.tree.leaves(self.sample_shardings),
+        )
+        args = [
+            jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype, sharding=sources[i])
+            for i in moved
+        ]
+        program = sh.resharder(
+            tuple(targets[i] for i in moved), tuple(self.sample_dtypes[i] for i in moved)
+        )
+        start = time.perf_counter()
+        compiled = program.lower(*args).compile()
+        return ProgramMemory.of(compiled, time.perf_counter() - start), collective_bytes(
+            compiled.as_text()
+        )
+
+    def train(self, rows: int) -> ProgramMemory:
+        """Compiles the train step for micro-batches of ``rows`` rows (global).
+
+        Rows are sequences (padded layout) or packed rows of ``algo.tokens_per_row`` (at most one
+        per sequence), and the batch carries the fields the update plan feeds it.
+        """
+        batch = abstract_batch(self.update_plan, rows, sh.batch_sharding(self.mesh))
+        step = make_train_step(
+            self.graphdef,
+            self.optimizer,
+            self.update_plan,
+            mesh=self.mesh,
+            jit_kwargs=sh.train_jit_kwargs(self.state, self.mesh),
+        )
+        return compile_program(lambda: step.lower(self.state, batch), self.mesh, sh.TRAIN_RULES)
+
+    def _request(self, prompts: int):
+        c, mc = self.config, self.model_config
+        request = prepare_request(
+            [[1] * c.data.max_prompt_length] * prompts,
+            max_new_tokens=c.rollout.max_new_tokens,
+            n=c.rollout.samples_per_prompt,
+            stop_token_ids=[0],
+            vocab_size=mc.vocab_size,
+            pad_id=0,
+            buckets=Buckets(),
+            max_cache_length=mc.max_position_embeddings,
+            row_multiple=sh.batch_divisor(self.sample_mesh, sh.SAMPLE_RULES),
+        )
+        rows = request.prompt_ids.shape[0] * c.rollout.samples_per_prompt
+        return request, rows, request.prompt_ids.shape[1], request.gen_len
+
+    def cache_dtype(self):
+        kind = self.config.rollout.cache_dtype
+        # On a TPU "auto" is bfloat16 (the sampler's default off CPU).
+        return jnp.dtype(jnp.bfloat16 if kind == "auto" else kind)
+
+    def _sample_params(self):
+        return jax.tree.map(
+            lambda x, s, d: jax.ShapeDtypeStruct(x.shape, d, sharding=s),
+            self.params,
+            self.sample_shardings,
+            jax.tree.unflatten(jax.tree.structure(self.params), self.sample_dtypes),
+        )
+
+    # ---- the continuous engine (rollout.engine: continuous) -----------------------------------
+
+    def engine_spec(self, slots: int):
+        """The engine's static configuration for the run's request, as the rollout builds it."""
+        from delta_jax.sampling import Sampler
+
+        c = self.config
+        sampler = Sampler(
+            nnx.merge(self.graphdef, self.params, self.rest),
+            mesh=self.sample_mesh,
+            engine="continuous",
+            decode_slots=slots,
+            page_size=c.rollout.page_size,
+            num_pages=c.rollout.num_pages or None,
+        )
+        request, *_ = self._request(c.rollout.prompts_per_step)
+        return sampler.engine_spec(request, c.rollout.samples_per_prompt, False)
+
+    def pool_bytes(self, spec) -> int:
+        """Per-device bytes of the engine's page pool (``PAGE_AXES`` on the sampling mesh: a data
+        group's share of the pages, split by KV heads over its chips)."""
+        mc = self.model_config
+        shape = (spec.num_pages, spec.page_size, 2 * mc.num_kv_heads, mc.head_dim)
+        pool = logical_to_mesh(PAGE_AXES, sh.SAMPLE_RULES, self.sample_mesh, shape)
+        per_layer = math.prod(NamedSharding(self.sample_mesh, pool).shard_shape(shape))
+        return mc.num_layers * per_layer * self.cache_dtype().itemsize
+
+    def engine(self, spec) -> tuple[ProgramMemory, ProgramMemory]:
+        """Compiles the engine's decode chunk and its largest prefill chunk for ``spec``."""
+        mc, compute = self.model_config, jnp.dtype(self.config.model.dtype)
+        list_pages = 1 if spec.attention == "pallas" else _pow2(spec.group_slots * spec.max_table)
+        decode = compile_program(
+            lambda: lower_decode(
+                mc,
+                self.sample_mesh,
+                sh.SAMPLE_RULES,
+                slots=spec.slots,
+                steps=spec.steps,
+                page_size=spec.page_size,
+                num_pages=spec.num_pages,
+                table_pages=spec.max_table,
+                list_pages=list_pages,
+                dtype=compute,
+                cache_dtype=self.cache_dtype(),
+                attention=spec.attention,
+            ),
+            self.sample_mesh,
+            sh.SAMPLE_RULES,
+        )
+        return decode, compile_program(
+            lambda: self._lower_prefill(spec), self.sample_mesh, sh.SAMPLE_RULES
+        )
+
+    def _lower_prefill(self, spec):
+        """The engine's prefill program at its largest: the last chunk of the longest prompts."""
+        mc, mesh = self.model_config, self.sample_mesh
+        _, _, prompt_len, _ = self._request(self.config.rollout.prompts_per_step)
+        rows = spec.prefill_rows
+        T = min(spec.prefill_len, max(spec.min_len, _pow2(prompt_len)))
+        per_group = rows // spec.groups
+        listed = spec.groups * _pow2(per_group * pages_for(-(-prompt_len // T) * T, spec.page_size))
+
+        def aval(shape, dtype, names):
+            names = names + (None,) * (len(shape) - len(names))
+            where = NamedSharding(mesh, logical_to_mesh(names, sh.SAMPLE_RULES, mesh, shape))
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
+
+        page = (spec.num_pages, spec.page_size, 2 * mc.num_kv_heads, mc.head_dim)
+        pool = PagePool(
+            kv=tuple(aval(page, self.cache_dtype(), PAGE_AXES) for _ in range(mc.num_layers))
+        )
+        pages = PageList(
+            **{k: aval((listed,), jnp.int32, ("batch",)) for k in ("page", "seq", "index")}
+        )
+        args = (
+            self._sample_params(),
+            self.rest,
+            pool,
+            aval((rows, T), jnp.int32, ("batch",)),
+            aval((rows, T), jnp.int32, ("batch",)),
+            aval((rows, T), jnp.bool_, ("batch",)),
+            pages,
+        )
+        fn = functools.partial(prefill_chunk, graphdef=self.graphdef, mesh=mesh)
+        return jax.jit(fn, donate_argnums=(2,)).lower(*args)
+
+    # ---- the static sampler (rollout.engine: static) ------------------------------------------
+
+    def kv_cache_bytes(self, prompts: int) -> int:
+        """Per-device bytes of the static sampler's cache, in the model's layout (one K and one
+        V buffer per layer, ``KEY_CACHE_AXES`` / ``VALUE_CACHE_AXES``)."""
+        mc, mesh = self.model_config, self.sample_mesh
+        _, rows, P, G = self._request(prompts)
+        B, K, D, S = rows, mc.num_kv_heads, mc.head_dim, P + G
+        total = 0
+        for names, shape in ((KEY_CACHE_AXES, (B, K, D, S)), (VALUE_CACHE_AXES, (B, K, S, D))):
+            spec = logical_to_mesh(names, sh.SAMPLE_RULES, mesh, shape)
+            total += math.prod(NamedSharding(mesh, spec).shard_shape(shape))
+        return mc.num_layers * total * self.cache_dtype().itemsize
+
+    def sampler(self, prompts: int) -> ProgramMemory:
+        """Compiles the static sampler's prefill + decode program for ``prompts`` prompts."""
+        c, mesh = self.config, self.sample_mesh
+        request, _, _, gen_len = self._request(prompts)
+
+        def rows(x):
+            names = ("batch",) + (None,) * (x.ndim - 1)
+            spec = logical_to_mesh(names, sh.SAMPLE_RULES, mesh, x.shape)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+        strategy = make_strategy(c.rollout.temperature, c.rollout.top_p, c.rollout.top_k)
+        args = (
+            self._sample_params(),
+            self.rest,
+            rows(request.prompt_ids),
+            rows(request.prompt_mask),
+            rows(request.max_new),
+            rows(request.stop_ids),
+            np.uint32(0),
+            strategy,
+        )
+        fn = jax.jit(
+            functools.partial(
+                sampler_lib._program,
+                graphdef=self.graphdef,
+                n=c.rollout.samples_per_prompt,
+                gen_len=gen_len,
+                cache_dtype=self.cache_dtype(),
+                return_hidden=False,
+                pad_id=0,
+                # The accelerator path: layer weights are read in place, no per-call copy.
+                hoist_layers=False,
+            )
+        )
+        return compile_program(lambda: fn.lower(*args), mesh, sh.SAMPLE_RULES)
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())

@@ -1,0 +1,182 @@
+"""What a plan found: per-device bytes of each compiled program, and the report's table."""
+
+from __future__ import annotations
+
+import dataclasses
+
+GiB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramMemory:
+    """Per-device bytes of one compiled program (XLA buffer assignment).
+
+    ``out_of_memory``: the TPU compiler refused the program (it does not fit the chip's HBM);
+    ``temporaries`` is then the requirement its error message states and the other fields are 0,
+    so ``peak`` is a lower bound.
+    """
+
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+    compile_s: float
+    out_of_memory: bool = False
+
+    @property
+    def peak(self) -> int:
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+    @classmethod
+    def of(cls, compiled, compile_s: float) -> ProgramMemory:
+        stats = compiled.memory_analysis()
+        return cls(
+            arguments=int(stats.argument_size_in_bytes),
+            outputs=int(stats.output_size_in_bytes),
+            aliased=int(stats.alias_size_in_bytes),
+            temporaries=int(stats.temp_size_in_bytes),
+            compile_s=compile_s,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanReport:
+    """What :func:`plan` found; every byte figure is per device (chip).
+
+    The sampler is the rollout's: the continuous engine (``decode_slots`` sequences over a pool
+    of ``num_pages`` KV pages; ``sampler`` is its decode chunk, ``prefill`` its largest prefill
+    chunk) or the static sampler (``sampler`` is its one program, ``prefill`` None); both on the
+    sampling mesh with the weights in the sampling layout (``reshard``: the per-update move).
+    """
+
+    topology: str
+    chips: int
+    hbm_bytes: int
+    headroom: float
+    compiler: str
+    mesh: dict[str, int]
+    sample_mesh: dict[str, int]
+    model: str
+    params_bytes: int
+    opt_state_bytes: int
+    micro_batch_rows: int
+    train: ProgramMemory
+    engine: str
+    sampler_prompts: int
+    samples_per_prompt: int
+    cache_slots: int  # static: cache length; engine: decode slots (every data group's)
+    num_pages: int  # engine: pages in the pool (every group's, scratch pages included); static: 0
+    page_size: int
+    kv_cache_bytes: int  # static: the KV cache; engine: the page pool
+    sampler_params_bytes: int
+    sampler: ProgramMemory
+    prefill: ProgramMemory | None
+    reshard: ProgramMemory
+    reshard_collective_bytes: int
+    max_micro_batch_rows: int | None
+    max_sampler_size: int | None  # static: prompts per call; engine: decode slots
+    train_compiled: bool = True  # False: --skip-train (train figures are zero)
+    data_groups: int = 1  # engine: sampling-mesh row shards, each with its slots and pages
+
+    @property
+    def budget(self) -> int:
+        return int(self.hbm_bytes * self.headroom)
+
+    @property
+    def train_peak(self) -> int:
+        return self.train.peak
+
+    @property
+    def sampler_peak(self) -> int:
+        return max(self.sampler.peak, self.prefill.peak if self.prefill else 0)
+
+    @property
+    def sampling_peak(self) -> int:
+        # The train state stays resident while sampling; the sampler's own argument bytes
+        # already hold its parameters (a resharded copy, or the same buffers when no leaf moves).
+        shared = self.params_bytes if self.sampler_params_bytes == 0 else 0
+        shared = 0 if self.sampler.out_of_memory else shared  # no argument bytes counted
+        return self.params_bytes + self.opt_state_bytes + self.sampler_peak - shared
+
+    @property
+    def fits(self) -> bool:
+        return max(self.train_peak, self.sampling_peak) <= self.budget
+
+    @property
+    def headroom_bytes(self) -> int:
+        """Budget left at the larger of the two peaks (negative: does not fit)."""
+        return self.budget - max(self.train_peak, self.sampling_peak)
+
+    def table(self) -> str:
+        """The report as an aligned text table (GiB per device, and where each figure is from)."""
+        g = lambda b: f"{b / GiB:8.2f}"
+        mesh = lambda m: " x ".join(f"{k}={v}" for k, v in m.items())
+        exact, comp = "exact (shapes x shardings)", self.compiler_name
+        row = lambda label, b, src: f"{label:<40}{g(b)}  {src}"
+        oom = " (TPU compiler: out of memory, a lower bound)"
+        train_src = comp + (oom if self.train.out_of_memory else "")
+        train_src = train_src if self.train_compiled else "not compiled (--skip-train)"
+        sampler_src = comp + (oom if self.sampler.out_of_memory else "")
+        if self.engine == "continuous":
+            G = self.data_groups
+            slots, pages = self.cache_slots // G, self.num_pages // G
+            head = (
+                f"sampler: continuous engine, {G} data groups x ({slots} decode slots, "
+                f"{pages} pages of {self.page_size} tokens = {(pages - 1) * self.page_size} "
+                f"tokens); {self.sampler_prompts} prompts x {self.samples_per_prompt} samples "
+                "per step:"
+            )
+            cache = row("  KV page pool (group's share / chip)", self.kv_cache_bytes, exact)
+            temps = [
+                row("  sampler temporaries (decode chunk)", self.sampler.temporaries, sampler_src),
+                row("  sampler temporaries (prefill chunk)", self.prefill.temporaries, comp),
+            ]
+            largest = f"largest decode_slots that fits: {_rows(self.max_sampler_size, 'slots')}"
+        else:
+            head = (
+                f"sampler: static, {self.sampler_prompts} prompts x {self.samples_per_prompt} "
+                f"samples, {self.cache_slots} cache slots:"
+            )
+            cache = row("  KV cache", self.kv_cache_bytes, exact)
+            temps = [row("  sampler temporaries (incl. KV cache)", self.sampler.temporaries,
+                         sampler_src)]  # fmt: skip
+            largest = f"largest sampler call that fits: {_rows(self.max_sampler_size, 'prompts')}"
+        lines = [
+            f"{self.model} on {self.topology} ({self.chips} devices, {self.hbm_bytes / GiB:.0f} "
+            f"GiB HBM each; budget {self.headroom:.0%} = {self.budget / GiB:.1f} GiB); train "
+            f"mesh {mesh(self.mesh)}, sampling mesh {mesh(self.sample_mesh)}",
+            f"compiler: {self.compiler}",
+            f"{'per device':<40}{'GiB':>8}  source",
+            row("parameters (train placement)", self.params_bytes, exact),
+            row("optimizer state", self.opt_state_bytes, exact),
+            f"train step, micro-batch {self.micro_batch_rows} rows:",
+            row("  train temporaries", self.train.temporaries, train_src),
+            row("  peak (state + batch + temporaries)", self.train_peak, train_src),
+            head,
+            cache,
+            row("  parameters (sampling layout)", self.sampler_params_bytes, exact),
+            *temps,
+            row("  peak (+ resident train state)", self.sampling_peak, sampler_src),
+            row("headroom (budget - larger peak)", self.headroom_bytes, comp),
+            f"fits: {'YES' if self.fits else 'NO'} (train "
+            f"{f'{self.train_peak / self.budget:.0%}' if self.train_compiled else 'not compiled'}"
+            f", sampling {self.sampling_peak / self.budget:.0%} of budget)",
+            f"weights to the sampling layout, per update: {g(self.reshard_collective_bytes)} GiB "
+            f"through collectives, {g(self.reshard.temporaries)} GiB temporaries ({comp})",
+            f"largest micro-batch that fits: {_rows(self.max_micro_batch_rows, 'rows')}",
+            largest,
+            f"compile time: train {self.train.compile_s:.1f}s, sampler "
+            f"{self.sampler.compile_s + (self.prefill.compile_s if self.prefill else 0):.1f}s "
+            f"({comp})",
+        ]
+        return "\n".join(lines)
+
+    @property
+    def compiler_name(self) -> str:
+        return "TPU compiler" if self.compiler.startswith("TPU") else "XLA:CPU estimate"
+
+
+def _rows(value: int | None, unit: str) -> str:
+    if value is None:
+        return "not searched"
+    return f"{value} {unit}" if value > 0 else "none (even the smallest does not fit)"

@@ -1,0 +1,264 @@
+"""``plan()``: compile the run's programs for a slice, report their memory, and search the largest
+micro-batch and sampler size that fit."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+from delta_jax import sharding as sh
+from delta_jax.plan.compiler import plan_mesh
+from delta_jax.plan.models import describe, resolve_model_config
+from delta_jax.plan.programs import Planner
+from delta_jax.plan.report import GiB, PlanReport, ProgramMemory
+
+
+def compile_train_step(
+    config, topology_name: str, *, compiler: str = "tpu", model_config=None, **model_changes
+) -> ProgramMemory:
+    """Memory of the run's train step alone (one micro-batch as configured) on the slice.
+
+    ``model_changes`` override fields of the model config (``model_config``, default the run's),
+    e.g. ``attention="dense"``.
+    """
+    mesh, _ = plan_mesh(config, topology_name, compiler)
+    model_config = (model_config or resolve_model_config(config)).replace(**model_changes)
+    c = config
+    rows = c.rollout.prompts_per_step * c.rollout.samples_per_prompt // c.algo.mini_batches
+    return Planner(config, mesh, model_config).train(rows // c.algo.micro_batches)
+
+
+def largest_fitting(
+    measure: Callable[[int], int],
+    unit: int,
+    budget: int,
+    *,
+    start: int,
+    limit: int,
+    max_measures: int = 8,
+) -> int:
+    """Largest multiple of ``unit`` in ``[unit, limit]`` with ``measure(x) <= budget`` (0: none).
+
+    Peak memory grows about linearly with the batch, so a secant through measured sizes lands
+    on (or next to) the answer; bisection takes over when the secant leaves the bracket. Each
+    ``measure`` is a compilation, at most ``max_measures`` of them; the result is the largest
+    size seen to fit.
+
+    Args:
+      measure: size -> bytes (non-decreasing in size).
+      unit: sizes are multiples of it.
+      budget: bytes available.
+      start: a second size to measure besides ``unit`` (e.g. the configured one).
+      limit: the largest size worth considering.
+      max_measures: compilations allowed.
+
+    Example:
+      >>> largest_fitting(lambda x: 10 + 3 * x, 2, 40, start=4, limit=64)
+      10
+    """
+    seen: dict[int, int] = {}
+
+    def peak(x: int) -> int:
+        if x not in seen:
+            seen[x] = measure(x)
+        return seen[x]
+
+    def down(x: float) -> int:
+        return max(unit, min(limit, int(x) // unit * unit))
+
+    if peak(unit) > budget:
+        return 0
+    limit -= limit % unit
+    if limit <= unit:
+        return unit
+    peak(down(max(2 * unit, start)))
+    while len(seen) < max_measures:
+        good = max(x for x in seen if seen[x] <= budget)
+        bad = min((x for x in seen if seen[x] > budget), default=None)
+        if good >= limit or (bad is not None and bad - good <= unit):
+            break
+        # Secant through the best fitting size and its nearest measured neighbour.
+        other = (
+            bad
+            if bad is not None
+            else max(x for x in seen if x < good)
+            if any(x < good for x in seen)
+            else None
+        )
+        slope = 0.0 if other is None else (seen[other] - seen[good]) / (other - good)
+        guess = limit if slope <= 0 else down(good + (budget - seen[good]) / slope)
+        upper = limit if bad is None else bad - unit
+        if guess <= good:
+            guess = good + unit
+        if guess > upper or guess in seen:
+            guess = down(good + (upper - good + unit) / 2)
+            guess = guess if guess > good else good + unit
+        peak(guess)
+    return max(x for x in seen if seen[x] <= budget)
+
+
+def plan(
+    config,
+    topology_name: str,
+    *,
+    model_config=None,
+    headroom: float = 0.95,
+    search: bool = True,
+    compiler: str = "auto",
+    compile_train: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> PlanReport:
+    """Compiles the run's train step and sampler for ``topology_name`` and reports memory.
+
+    Args:
+      config: the run :class:`~delta_jax.config.Config` (model, batch sizes, ``run.mesh``).
+      topology_name: a TPU slice, e.g. ``"v5p-64"``, ``"v4-32"``, ``"v5e-8"``, ``"v6e-1"``. With
+        the XLA:CPU estimate the process needs that many devices (fake CPU devices: see
+        :func:`main`).
+      model_config: overrides the model resolved from ``config.model.path``.
+      headroom: fraction of HBM the programs may use.
+      search: also search the largest fitting micro-batch and sampler call (more compiles).
+      compiler: "tpu" (compile-only for the slice, needs libtpu), "cpu" (XLA:CPU estimate on
+        stand-in devices) or "auto" (tpu when libtpu is importable).
+      compile_train: False plans the sampler side only (train figures are then zero).
+      log: progress messages (e.g. ``print``).
+
+    Returns:
+      A :class:`PlanReport`; ``report.table()`` formats it.
+    """
+    log = log or (lambda _: None)
+    topo = sh.topology(topology_name)
+    mesh, described = plan_mesh(config, topology_name, compiler)
+    devices = list(mesh.devices.flat)
+    log(f"compiler: {described}")
+    model_config = model_config or resolve_model_config(config)
+    planner = Planner(config, mesh, model_config)
+    c = config
+    rows_per_update = (
+        c.rollout.prompts_per_step * c.rollout.samples_per_prompt // c.algo.mini_batches
+    )
+    micro_rows = rows_per_update // c.algo.micro_batches
+    divisor = sh.batch_divisor(mesh)
+    if micro_rows % divisor:
+        raise ValueError(
+            f"micro-batch of {micro_rows} rows (rollout {rows_per_update} rows per update / "
+            f"algo.micro_batches={c.algo.micro_batches}) does not split over the {divisor} batch "
+            f"shards of mesh {dict(mesh.shape)}"
+        )
+    train = ProgramMemory(0, 0, 0, 0, 0.0)
+    if compile_train:
+        log(f"compiling train step ({micro_rows} rows per micro-batch) on {len(devices)} devices")
+        train = planner.train(micro_rows)
+        log(f"  train temporaries {train.temporaries / GiB:.2f} GiB ({train.compile_s:.0f}s)")
+    prompts = c.rollout.prompts_per_step
+    measure_sampler = _engine_measure if c.rollout.engine == "continuous" else _static_measure
+    size = c.rollout.decode_slots if c.rollout.engine == "continuous" else prompts
+    sampled = measure_sampler(planner, size, log)
+    log("compiling the reshard of the weights into the sampling layout")
+    reshard, moved = planner.reshard()
+    report = PlanReport(
+        topology=topo.name,
+        chips=len(devices),
+        # v4's compile-only topology has one device per TensorCore (two per chip).
+        hbm_bytes=topo.hbm_bytes * topo.chips // len(devices),
+        headroom=headroom,
+        compiler=described,
+        mesh=dict(mesh.shape),
+        sample_mesh=dict(planner.sample_mesh.shape),
+        model=describe(c.model.path, model_config),
+        params_bytes=planner.params_bytes(),
+        opt_state_bytes=planner.opt_state_bytes(),
+        micro_batch_rows=micro_rows,
+        train=train,
+        engine=c.rollout.engine,
+        sampler_prompts=prompts,
+        samples_per_prompt=c.rollout.samples_per_prompt,
+        sampler_params_bytes=planner.sampler_params_bytes(),
+        reshard=reshard,
+        reshard_collective_bytes=moved,
+        max_micro_batch_rows=None,
+        max_sampler_size=None,
+        train_compiled=compile_train,
+        **sampled,
+    )
+    if not search:
+        return report
+    budget = report.budget
+    cache = {micro_rows: train.peak}
+
+    def train_peak(rows: int) -> int:
+        if rows not in cache:
+            log(f"  train step with {rows} rows per micro-batch")
+            cache[rows] = planner.train(rows).peak
+        return cache[rows]
+
+    resident = report.sampling_peak - report.sampler_peak
+    sizes = {size: report.sampler_peak}
+
+    def sampling_peak(n: int) -> int:
+        if n not in sizes:
+            got = measure_sampler(planner, n, log)
+            sizes[n] = max(got["sampler"].peak, got["prefill"].peak if got["prefill"] else 0)
+        return resident + sizes[n]
+
+    max_rows = None
+    if compile_train:
+        max_rows = largest_fitting(
+            train_peak, divisor, budget, start=micro_rows, limit=rows_per_update
+        )
+    sample_rows = sh.batch_divisor(planner.sample_mesh, sh.SAMPLE_RULES)
+    if c.rollout.engine == "continuous":
+        # Slots split over the sampling mesh's rows; a call never holds more sequences.
+        limit = prompts * c.rollout.samples_per_prompt
+        max_size = largest_fitting(
+            sampling_peak, sample_rows, budget, start=size, limit=max(limit, sample_rows),
+            max_measures=4,
+        )  # fmt: skip
+    else:
+        # The sampler's rows (prompts x n) must split over the batch shards too.
+        unit = sample_rows // math.gcd(sample_rows, c.rollout.samples_per_prompt)
+        max_size = largest_fitting(
+            sampling_peak, unit, budget, start=prompts, limit=max(prompts, unit)
+        )
+    return dataclasses.replace(report, max_micro_batch_rows=max_rows, max_sampler_size=max_size)
+
+
+def _engine_measure(planner: Planner, slots: int, log) -> dict[str, Any]:
+    """The engine with ``slots`` decode slots: its pool and its two programs compiled."""
+    spec = planner.engine_spec(slots)
+    log(
+        f"compiling the engine: {spec.groups} data groups x ({spec.group_slots} decode slots, "
+        f"{spec.group_pages} pages of {spec.page_size} tokens), {spec.attention} attention"
+    )
+    decode, prefill = planner.engine(spec)
+    log(
+        f"  decode temporaries {decode.temporaries / GiB:.2f} GiB, prefill "
+        f"{prefill.temporaries / GiB:.2f} GiB ({decode.compile_s + prefill.compile_s:.0f}s)"
+    )
+    return dict(
+        cache_slots=spec.slots,
+        num_pages=spec.num_pages,
+        page_size=spec.page_size,
+        kv_cache_bytes=planner.pool_bytes(spec),
+        sampler=decode,
+        prefill=prefill,
+        data_groups=spec.groups,
+    )
+
+
+def _static_measure(planner: Planner, prompts: int, log) -> dict[str, Any]:
+    """The static sampler's program for ``prompts`` prompts per call."""
+    log(f"compiling the static sampler ({prompts} prompts)")
+    sampler = planner.sampler(prompts)
+    log(f"  sampler temporaries {sampler.temporaries / GiB:.2f} GiB ({sampler.compile_s:.0f}s)")
+    _, _, P, G = planner._request(prompts)
+    return dict(
+        cache_slots=P + G,
+        num_pages=0,
+        page_size=0,
+        kv_cache_bytes=planner.kv_cache_bytes(prompts),
+        sampler=sampler,
+        prefill=None,
+    )
