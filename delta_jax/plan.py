@@ -187,6 +187,7 @@ class PlanReport:
     page_size: int
     kv_cache_bytes: int  # static: the KV cache; engine: the page pool
     sampler_params_bytes: int
+    shared_params_bytes: int  # trainer's parameter bytes the sampler reads in place (not moved)
     sampler: ProgramMemory
     prefill: ProgramMemory | None
     reshard: ProgramMemory
@@ -210,9 +211,9 @@ class PlanReport:
     @property
     def sampling_peak(self) -> int:
         # The train state stays resident while sampling; the sampler's own argument bytes
-        # already hold its parameters (a resharded copy, or the same buffers when no leaf moves).
-        shared = self.params_bytes if self.sampler_params_bytes == 0 else 0
-        shared = 0 if self.sampler.out_of_memory else shared  # no argument bytes counted
+        # already hold its parameters: a resharded copy of the leaves that move, the trainer's
+        # own buffers for the rest (e.g. a bfloat16 LoRA base on one chip), counted once.
+        shared = 0 if self.sampler.out_of_memory else self.shared_params_bytes
         return self.params_bytes + self.opt_state_bytes + self.sampler_peak - shared
 
     @property
@@ -364,6 +365,16 @@ class _Planner:
         return sum(
             math.prod(targets[i].shard_shape(leaves[i].shape)) * self.sample_dtypes[i].itemsize
             for i in self._moved()
+        )
+
+    def shared_params_bytes(self) -> int:
+        """Per-device bytes of the trainer's parameters the sampler reads in place."""
+        moved = set(self._moved())
+        leaves, shardings = jax.tree.leaves(self.params), jax.tree.leaves(self.param_shardings)
+        return sum(
+            math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+            for i, (x, s) in enumerate(zip(leaves, shardings, strict=True))
+            if i not in moved
         )
 
     def reshard(self) -> tuple[ProgramMemory, int]:
@@ -839,6 +850,7 @@ def plan(
         sampler_prompts=prompts,
         samples_per_prompt=c.rollout.samples_per_prompt,
         sampler_params_bytes=planner.sampler_params_bytes(),
+        shared_params_bytes=planner.shared_params_bytes(),
         reshard=reshard,
         reshard_collective_bytes=moved,
         max_micro_batch_rows=None,
