@@ -4,7 +4,7 @@ Part 1 (``--part tpu``, needs libtpu): per-chip memory of Qwen3-8B's train step 
 ``configs/qwen3_8b_delta.yaml``: one 22.5k-token row per chip per micro-batch on v5p-64, FSDP)
 compiled compile-only by the TPU compiler, at 2k, 8k, 16k and 22.5k tokens per row, with
 ``model.attention`` dense and splash. A program the compiler refuses (out of HBM) is shown with
-the requirement its error states (">").
+the requirement its error states (">=": a lower bound).
 
 Part 2 (``--part cpu``): wall time of the tiny model's forward + backward (the train step's
 gradient, no optimiser update) on this CPU at T = 512, 2048, 4096 tokens, dense vs chunked;
@@ -48,10 +48,10 @@ def tpu_table(lengths, topology: str, overrides) -> None:
         )
         for impl in ("dense", "splash"):
             mem = plan_lib.compile_train_step(config, topology, attention=impl)
-            more = ">" if mem.out_of_memory else " "
+            more = ">=" if mem.out_of_memory else "  "
             print(
-                f"{total:>10} {impl:>9} {more}{mem.temporaries / _GiB:>11.2f} "
-                f"{more}{mem.peak / _GiB:>7.2f} {mem.compile_s:>9.0f}",
+                f"{total:>10} {impl:>9} {more}{mem.temporaries / _GiB:>10.2f} "
+                f"{more}{mem.peak / _GiB:>6.2f} {mem.compile_s:>9.0f}",
                 flush=True,
             )
 

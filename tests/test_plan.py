@@ -106,6 +106,7 @@ def test_qwen3_06b_on_v5e_1(qwen06_report):
     L, K, D = mc.num_layers, mc.num_kv_heads, mc.head_dim
     assert r.kv_cache_bytes == L * 129 * 16 * 2 * K * D * 2  # k and v pages, bfloat16
     assert r.sampler_params_bytes == 2 * total  # the sampling copy in the compute dtype
+    assert r.shared_params_bytes == 0  # every float32 leaf moves: no buffer read in place
     # The donated train state is both an argument and (aliased) an output of the step.
     state = r.params_bytes + r.opt_state_bytes
     assert r.train.arguments >= state and r.train.aliased >= state
@@ -120,6 +121,24 @@ def test_qwen3_06b_on_v5e_1(qwen06_report):
     table = r.table()
     assert "Qwen/Qwen3-0.6B (L=28 H=1024" in table and "fits:" in table
     assert "largest micro-batch that fits: not searched" in table
+
+
+def test_lora_base_read_in_place_is_counted_once():
+    # A bfloat16 base on one chip stays where the trainer holds it; only the float32 adapters
+    # get a bfloat16 sampling copy. The base must not be counted twice in the sampling peak.
+    config = load_config(
+        DEMO, ["model.lora_rank=4", "model.param_dtype=bfloat16", "model.dtype=bfloat16"]
+    )
+    mesh = sh.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    planner = Planner(config, mesh, plan_lib.resolve_model_config(config))
+    leaves = jax.tree.leaves(planner.params)
+    base = sum(x.size * 2 for x in leaves if x.dtype == jax.numpy.bfloat16)
+    adapters = sum(x.size for x in leaves if x.dtype == jax.numpy.float32)
+    assert base > 0 and adapters > 0
+    assert all(x.dtype in (jax.numpy.bfloat16, jax.numpy.float32) for x in leaves)
+    assert planner.shared_params_bytes() == base
+    assert planner.sampler_params_bytes() == 2 * adapters
+    assert planner.params_bytes() == base + 4 * adapters
 
 
 def test_tiny_plan_on_mesh_matches_real_placement():

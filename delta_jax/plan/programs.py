@@ -100,6 +100,16 @@ class Planner:
             for i in self._moved()
         )
 
+    def shared_params_bytes(self) -> int:
+        """Per-device bytes of the trainer's parameters the sampler reads in place."""
+        moved = set(self._moved())
+        leaves, shardings = jax.tree.leaves(self.params), jax.tree.leaves(self.param_shardings)
+        return sum(
+            math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+            for i, (x, s) in enumerate(zip(leaves, shardings, strict=True))
+            if i not in moved
+        )
+
     def reshard(self) -> tuple[ProgramMemory, int]:
         """Compiles the per-update move of the trainer's weights into the sampling layout.
 

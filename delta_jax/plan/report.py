@@ -69,6 +69,7 @@ class PlanReport:
     page_size: int
     kv_cache_bytes: int  # static: the KV cache; engine: the page pool
     sampler_params_bytes: int
+    shared_params_bytes: int  # trainer's parameter bytes the sampler reads in place (not moved)
     sampler: ProgramMemory
     prefill: ProgramMemory | None
     reshard: ProgramMemory
@@ -93,9 +94,9 @@ class PlanReport:
     @property
     def sampling_peak(self) -> int:
         # The train state stays resident while sampling; the sampler's own argument bytes
-        # already hold its parameters (a resharded copy, or the same buffers when no leaf moves).
-        shared = self.params_bytes if self.sampler_params_bytes == 0 else 0
-        shared = 0 if self.sampler.out_of_memory else shared  # no argument bytes counted
+        # already hold its parameters: a resharded copy of the leaves that move, the trainer's
+        # own buffers for the rest (e.g. a bfloat16 LoRA base on one chip), counted once.
+        shared = 0 if self.sampler.out_of_memory else self.shared_params_bytes
         return self.params_bytes + self.opt_state_bytes + self.sampler_peak - shared
 
     @property

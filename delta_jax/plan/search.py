@@ -176,6 +176,7 @@ def plan(
         sampler_prompts=prompts,
         samples_per_prompt=c.rollout.samples_per_prompt,
         sampler_params_bytes=planner.sampler_params_bytes(),
+        shared_params_bytes=planner.shared_params_bytes(),
         reshard=reshard,
         reshard_collective_bytes=moved,
         max_micro_batch_rows=None,
