@@ -30,6 +30,7 @@ Usage::
 
     python benchmarks/rollout_ragged.py                       # 64 x 8, cap 1024, CPU only
     python benchmarks/rollout_ragged.py --skip-cpu --tpu      # TPU figures only
+    python benchmarks/rollout_ragged.py --equal --prompts 16 --cap 128  # equal lengths
 """
 
 from __future__ import annotations
@@ -102,10 +103,12 @@ def cpu_table(args) -> None:
     cfg = bench_config("tiny")
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     prompts, budgets = workload(args.prompts, args.n, args.mean_new, args.cap, cfg.vocab_size)
+    shape = f"log-normal mean {np.mean(budgets):.0f} (max {max(budgets)}, cap {args.cap})"
+    if args.equal:  # the static sampler's best case: no row waits for a longer one
+        budgets, shape = [args.cap] * len(budgets), f"all {args.cap} (--equal)"
     print(
         f"tiny config, {args.prompts} prompts x {args.n} samples, prompts 32-256 tokens, "
-        f"max_new_tokens log-normal mean {np.mean(budgets):.0f} (max {max(budgets)}, cap "
-        f"{args.cap}), {jax.devices()[0].platform}"
+        f"max_new_tokens {shape}, {jax.devices()[0].platform}"
     )
     # The tiny config's 512 positions are too few for 256 + 1024 tokens (random weights anyway).
     buckets = Buckets(max_cache_length=256 + args.cap)
@@ -346,6 +349,7 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=16)
+    ap.add_argument("--equal", action="store_true", help="every row runs --cap new tokens")
     ap.add_argument("--tpu", action="store_true", help="add the TPU compile-only figures")
     ap.add_argument("--tpu-topology", default="v5p:4x4x2", help="v5p:4x4x2 is v5p-64")
     ap.add_argument("--tpu-prompts", type=int, default=8, help="per data group (x --n rows)")
