@@ -37,18 +37,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Modules with a slow test run first, in collection order; the rest keep theirs.
-
-    The suite runs on every core (``-n auto --dist loadscope`` in pyproject: one module stays
-    on one worker, which keeps module fixtures built once). A long module dealt out last would
-    end the run alone on one worker while the others idle; dealt out first, the short modules
-    fill in around it.
-    """
-    slow = {item.module for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module not in slow)
-
-
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per core, at most 4 (each holds a JAX runtime with 8 CPU
     devices and its compiled programs, 2-4 GB)."""
