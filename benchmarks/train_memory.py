@@ -15,8 +15,8 @@ import argparse
 from delta_jax import plan as plan_lib
 from delta_jax import sharding as sh
 from delta_jax.config import load_config
-
-_GiB = 1024**3
+from delta_jax.plan.models import describe
+from delta_jax.plan.report import GiB as _GiB
 
 
 def main(argv=None) -> int:
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     hbm = topo.hbm_bytes  # v5e / v6e: one device per chip
     budget = hbm * args.headroom
     more = ">= " if mem.out_of_memory else ""
-    print(f"{plan_lib._describe(config.model.path, model_config)} on {args.topology}")
+    print(f"{describe(config.model.path, model_config)} on {args.topology}")
     print(f"train step, TPU compiler (compile-only), GiB per device; HBM {hbm / _GiB:.2f}")
     print(f"  arguments {mem.arguments / _GiB:.2f}, outputs {mem.outputs / _GiB:.2f}")
     print(f"  temporaries {more}{mem.temporaries / _GiB:.2f}")
