@@ -148,13 +148,15 @@ def train(config: Config) -> TrainResult:
             batch, metrics = _prepare(run, rollout, step)
             metrics.update(_update(run, batch))
             metrics["time/update"] = time.perf_counter() - t_update
-            row = _finish_step(run, step, metrics, t_step, compiles, stop.requested)
+            # Read the flag once: the step that saves is the step that stops (a SIGTERM
+            # arriving after this line is served at the end of the next step).
+            stopped = stop.requested
+            row = _finish_step(run, step, metrics, t_step, compiles, stopped)
             if progress is not None:
                 loss = row.get("loss") or 0
                 progress.set_postfix(reward=f"{row['reward_mean']:.3f}", loss=f"{loss:.4f}")
                 progress.update(1)
-            if stop.requested:
-                stopped = True
+            if stopped:
                 break
     run.checkpointer.close()
     run.parts.close()

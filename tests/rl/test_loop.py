@@ -207,6 +207,29 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path, demo_model_dir
     assert Checkpointer(run / "checkpoints").latest_step() == last
 
 
+def test_sigterm_just_after_a_step_is_logged_still_saves_the_step_that_stops(
+    tmp_path, demo_model_dir, monkeypatch
+):
+    # The window the CLI test can hit only by chance: the signal lands after step 1's row is
+    # written and its save decision made. The loop must not stop on an unsaved step.
+    real_finish = loop_mod._finish_step
+
+    def finish_then_signal(run, step, *args):
+        row = real_finish(run, step, *args)
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return row
+
+    monkeypatch.setattr(loop_mod, "_finish_step", finish_then_signal)
+    config = load_config(
+        DEMO, tiny_overrides(tmp_path / "run", demo_model_dir, "run.steps=6", "run.save_every=100")
+    )
+    result = loop_mod.train(config)
+    last = read_metrics(result.metrics_path)[-1]["step"]
+    assert result.stopped_early and last == 2
+    assert Checkpointer(result.checkpoint_dir).all_steps() == [last]
+
+
 def test_bad_inputs_give_clear_errors_and_lose_nothing(tmp_path, demo_model_dir):
     # Wrong config key / value: one line on stderr, exit code 2, no traceback.
     for override, message in [
