@@ -17,7 +17,7 @@ from delta_jax.cli import _restore_policy, main
 from delta_jax.compare import RUN_COLUMNS, TABLE_COLUMNS, run_dir, t_interval
 from delta_jax.models import from_pretrained
 
-STEPS = 12  # the first 12 of the demo's 60 RL steps (constant schedule: the same 12 steps)
+STEPS = 12  # the first 12 of the demo's 100 RL steps (constant schedule: the same 12 steps)
 # Two of the five seeds the README promises (docs/evidence.md has all five at full length). The
 # warm-up runs until the held-out probe reaches its target, 210-440 steps depending on the seed;
 # 0 and 2 are the two shortest (210 and 260 steps), which keeps this sweep affordable in CI.
@@ -54,7 +54,7 @@ def demo_sweep(tmp_path_factory):
 def test_demo_starts_in_the_band_and_rl_raises_the_right_answer(demo_sweep, seed):
     """The README's demo (the DelTA runs of the sweep), shortened to 12 RL steps.
 
-    The full demo's target (held-out accuracy at step 60 >= 1.5x step 0 and >= +0.08,
+    The full demo's target (held-out accuracy at step 100 >= 1.5x step 0 and >= +0.08,
     docs/evidence.md) takes minutes a seed, so CI checks what it rests on, with looser bounds:
 
     * the warm-up lands the policy in the band at every seed (issue 16: seeds 1-3 used to start
