@@ -203,7 +203,7 @@ class RunConfigSection:
     """Where the run writes, how long it runs and how often it saves and evaluates."""
 
     dir: str = "runs/demo"
-    steps: int = 60
+    steps: int = 100
     seed: int = 0
     save_every: int = 20
     keep_last: int = 2
