@@ -247,12 +247,12 @@ def write_doc(overhead: str) -> None:
     body += [
         "`delta-jax train --config configs/demo.yaml run.seed=S` is the DelTA run of the short "
         "sweep at seed S (the sweep only sets `run.dir`, no progress bar, no TensorBoard). "
-        "Target: held-out accuracy at the last step (100) ≥ 1.5x its step-0 value and ≥ +0.08, in under 10 "
-        "minutes. Wall times are end to end (warm-up included) on the shared 2-core machine, "
-        "two runs at a time, with the 1-minute load average at start and end of each run: at a "
-        "load average near 19 on 2 cores every run takes longer than 10 minutes, so the time "
-        "bound was not checked on an idle machine in this session (the time of the RL steps "
-        "and evaluations alone is given too).",
+        "Target: held-out accuracy at the last step (`run.steps`) ≥ 1.5x its step-0 value and ≥ "
+        "+0.08, in under 10 minutes. Wall times are end to end (warm-up included) on the shared "
+        "2-core machine, two runs at a time, with the 1-minute load average at start and end of "
+        "each run: at a load average near 19 on 2 cores every run takes longer than 10 minutes, "
+        "so the time bound was not checked on an idle machine in this session (the time of the RL"
+        " steps and evaluations alone is given too).",
         "",
         *demo_seed_table(),
         "",
