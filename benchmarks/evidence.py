@@ -188,8 +188,11 @@ def sweep_section(name: str) -> list[str]:
     return lines + figs + [""]
 
 
-def answers() -> list[str]:
-    """The four questions of the issue, answered from what finished (or said not to have)."""
+def answers(overhead_summary: str) -> list[str]:
+    """The four questions of the issue, answered from what finished (or said not to have).
+
+    ``overhead_summary``: the first paragraph of the overhead section (measured by hand).
+    """
     short, long = coefficient_rows("short"), coefficient_rows("long")
     if short and long:
         s, lg = short["final"], long["final"]
@@ -209,7 +212,7 @@ def answers() -> list[str]:
         f"1. **DelTA vs DAPO, short template**: {verdict('short', 'dapo')}. "
         f"**Long template**: {verdict('long', 'dapo')}. "
         f"**DelTA vs GRPO, short template**: {verdict('short', 'grpo')}.",
-        "2. **Overhead**: see [Overhead](#overhead) at the end.",
+        f"2. **Overhead**: {overhead_summary} Details: [Overhead](#overhead) at the end.",
         f"3. **Coefficient statistics as the template grows**: {coef}",
         f"4. **Noisy rewards**: 10% flipped: {verdict('flip10', 'dapo')}. "
         f"30% flipped: {verdict('flip30', 'dapo')}.",
@@ -282,7 +285,8 @@ def write_doc(overhead: str) -> None:
         "1 on 512 problems; reward AUC is the mean training reward over the run's steps.",
         "",
     ]
-    DOC.write_text("\n".join(head + answers() + body))
+    summary = " ".join(overhead.strip().split("\n\n")[0].split())
+    DOC.write_text("\n".join(head + answers(summary) + body))
 
 
 def main() -> None:
