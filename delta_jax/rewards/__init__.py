@@ -1,7 +1,9 @@
 """Verifiable rewards: math (math-verify), sandboxed code execution, format, custom functions.
 
-:class:`RewardScorer` scores a whole rollout batch in a process pool with per-item deadlines
-and crash isolation; the functions below are the per-item rewards it runs. The DAPO overlong
+:class:`RewardSet` sums several named functions with weights (callables in the batched TRL /
+Tunix convention included); :class:`RewardScorer` scores a whole rollout batch in a process pool
+with per-item deadlines and crash isolation; the functions below are the per-item rewards it
+runs. The DAPO overlong
 penalty lives with the advantages (:func:`delta_jax.losses.advantages.overlong_penalty`).
 """
 
@@ -9,6 +11,7 @@ from delta_jax.rewards.batch import FlippedRewards, RewardBatch, RewardScorer
 from delta_jax.rewards.code import CodeResult, extract_code, run_code
 from delta_jax.rewards.custom import load_reward_fn
 from delta_jax.rewards.format import format_reward, score_format
+from delta_jax.rewards.functions import RewardSet, reward_name
 from delta_jax.rewards.math import extract_last_boxed, math_reward, score_math
 
 __all__ = [
@@ -16,11 +19,13 @@ __all__ = [
     "FlippedRewards",
     "RewardBatch",
     "RewardScorer",
+    "RewardSet",
     "extract_code",
     "extract_last_boxed",
     "format_reward",
     "load_reward_fn",
     "math_reward",
+    "reward_name",
     "run_code",
     "score_format",
     "score_math",

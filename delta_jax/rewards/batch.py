@@ -18,6 +18,22 @@ come from the reward kind: ``"correct"`` / ``"wrong"`` / ``"no_answer"`` / ... f
 and ``"no_code"`` for code, :func:`~delta_jax.rewards.format.score_format` reasons for format,
 ``"ok"`` for a custom function.
 
+Two calling conventions:
+
+* **per item** (the built-in kinds and ``"package.module:function"`` paths):
+  ``fn(prompt, response, item) -> float``, one task per item;
+* **batched** (``batched=True``, the convention of TRL's ``GRPOTrainer`` and Tunix):
+  ``fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]`` where
+  ``columns`` are the rows' other fields as lists; one task per group of ``group_size`` items
+  (a prompt's samples), whose deadline is ``timeout_s`` for the whole call. ``None`` means "does
+  not apply": reward 0, reason ``"none"``; a wrong length is an error for the whole group, a
+  non-finite or non-numeric value an error for its item.
+
+A callable that cannot reach a worker process (a lambda or closure, anything defined in
+``__main__`` or a notebook cell, anything that does not pickle) runs in the calling process
+instead, with the same deadline (a call past it is abandoned to its daemon thread and scored
+``"timeout"``) and the same error handling, but no crash isolation; a warning says so once.
+
 ``num_workers=0`` scores serially in the calling process: no deadline and no crash isolation
 (for debugging, and as the baseline of ``benchmarks/reward_throughput.py``).
 """
@@ -27,12 +43,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import logging
 import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
 import signal
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -51,6 +69,10 @@ _STARTUP_TIMEOUT_S = 120.0
 _MAX_STARTUP_FAILURES = 3
 
 ScoreFn = Callable[[str, str, Mapping[str, Any]], tuple[float, str]]
+# A unit of work: (prompts, responses, items) of one item, or of one group for batched functions.
+UnitFn = Callable[[Sequence[str], Sequence[str], Sequence[Mapping[str, Any]]], list]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,11 +83,14 @@ class RewardBatch:
       rewards: float32 ``[N]``, 0 wherever scoring failed.
       reasons: one reason string per item (``"correct"``, ``"timeout"``, ...).
       counts: number of items per reason.
+      components: each reward function's own rewards ``[N]`` by name, when several are summed
+        (:class:`~delta_jax.rewards.RewardSet`).
     """
 
     rewards: np.ndarray
     reasons: list[str]
     counts: dict[str, int]
+    components: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 def _make_score_fn(kind: str | Callable[..., Any], options: Mapping[str, Any]) -> ScoreFn:
@@ -97,14 +122,73 @@ def _score_one(score_fn: ScoreFn, prompt: str, response: str, item: Mapping[str,
         return 0.0, f"error:{type(e).__name__}"
 
 
+def _batched_value(value: Any) -> tuple[float, str]:
+    if value is None:
+        return 0.0, "none"
+    try:
+        return as_reward(value), "ok"
+    except (TypeError, ValueError) as e:
+        return 0.0, f"error:{type(e).__name__}"
+
+
+def _make_unit_fn(kind: str | Callable[..., Any], options: Mapping[str, Any]) -> UnitFn:
+    """``(prompts, responses, items) -> [(reward, reason)]`` for one unit of work."""
+    if not options.get("batched"):
+        score_fn = _make_score_fn(kind, options)
+        return lambda prompts, responses, items: [
+            _score_one(score_fn, p, r, i) for p, r, i in zip(prompts, responses, items)
+        ]
+
+    def batched(prompts, responses, items) -> list[tuple[float, str]]:
+        n = len(prompts)
+        keys = dict.fromkeys(k for item in items for k in item)
+        columns = {k: [item.get(k) for item in items] for k in keys}
+        try:
+            values = kind(list(prompts), list(responses), **columns)
+            values = list(values)
+        except Exception as e:  # noqa: BLE001 - any failure of a reward function is a 0 reward
+            return [(0.0, f"error:{type(e).__name__}")] * n
+        if len(values) != n:
+            return [(0.0, "error:wrong_length")] * n
+        return [_batched_value(v) for v in values]
+
+    return batched
+
+
+def runs_in_process(fn: Any) -> bool:
+    """Whether a reward callable must run in this process: it cannot reach a spawned worker.
+
+    Functions of ``__main__`` (a script, a notebook cell) would make each worker re-import the
+    main program; lambdas, closures and other unpicklable objects cannot be sent at all.
+    """
+    if isinstance(fn, str):
+        return False
+    if getattr(fn, "__module__", None) == "__main__":
+        return True
+    try:
+        pickle.dumps(fn)
+    except Exception:  # noqa: BLE001 - any pickling failure means: not for the pool
+        return True
+    return False
+
+
+def _call_with_deadline(fn: Callable[[], Any], deadline_s: float) -> tuple[bool, Any]:
+    """Runs ``fn`` in a daemon thread; ``(False, None)`` if it is still running at the deadline."""
+    box: list = []
+    thread = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    return (False, None) if thread.is_alive() or not box else (True, box[0])
+
+
 def _worker_main(conn, kind, options) -> None:
     # Ctrl-C is the parent's to handle; workers are shut down through their pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        score_fn = _make_score_fn(kind, options)
+        unit_fn = _make_unit_fn(kind, options)
         if kind == "math":
             # The first parse builds math-verify's grammar (about a second): not an item's time.
-            score_fn("", "\\boxed{1}", {"answer": "1"})
+            unit_fn([""], ["\\boxed{1}"], [{"answer": "1"}])
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
         conn.send(("init_error", f"{type(e).__name__}: {e}"))
         return
@@ -116,8 +200,8 @@ def _worker_main(conn, kind, options) -> None:
             return
         if task is None:
             return
-        index, prompt, response, item = task
-        conn.send((index, *_score_one(score_fn, prompt, response, item)))
+        index, prompts, responses, items = task
+        conn.send((index, unit_fn(prompts, responses, items)))
 
 
 @dataclasses.dataclass
@@ -136,15 +220,18 @@ class RewardScorer:
     Args:
       kind: ``"math"`` (items need ``"answer"``), ``"code"`` (items need ``"tests"``; the code
         is the response's last fenced block), ``"format"``, a ``"package.module:function"``
-        path, or a picklable callable ``(prompt, response, item) -> float``.
+        path, or a callable: ``(prompt, response, item) -> float``, or with ``batched=True``
+        ``(prompts, completions, **columns) -> list[float | None]`` (module docstring).
       num_workers: worker processes; None for one per CPU, 0 for serial in-process scoring
         (no timeout, no crash isolation).
-      timeout_s: wall-clock seconds per item. For ``"code"`` it is run_code's budget, and the
-        pool deadline adds a grace for the sandbox's start and clean-up.
+      timeout_s: wall-clock seconds per item (per group call when batched). For ``"code"`` it
+        is run_code's budget, and the pool deadline adds a grace for the sandbox's start and
+        clean-up.
       format_pattern: regular expression for ``"format"`` (see
         :func:`~delta_jax.rewards.format.score_format`).
       code_kwargs: extra keyword arguments of :func:`~delta_jax.rewards.run_code`
         (``memory_mb``, ``max_procs``, ...).
+      batched: ``kind`` is a batched callable.
 
     Example:
       >>> with RewardScorer("math", num_workers=2) as scorer:  # doctest: +SKIP
@@ -155,17 +242,20 @@ class RewardScorer:
 
     def __init__(
         self,
-        kind: str | Callable[[str, str, Mapping[str, Any]], float] = "math",
+        kind: str | Callable[..., Any] = "math",
         *,
         num_workers: int | None = None,
         timeout_s: float = 10.0,
         format_pattern: str | None = None,
         code_kwargs: Mapping[str, Any] | None = None,
+        batched: bool = False,
     ):
         if isinstance(kind, str) and kind not in _BUILTIN:
             load_reward_fn(kind)  # A wrong path is a configuration error: raise it now.
         elif not isinstance(kind, str) and not callable(kind):
             raise ValueError(f"kind must be one of {_BUILTIN}, 'module:function' or a callable")
+        if batched and not callable(kind):
+            raise ValueError(f"batched=True needs a callable, got {kind!r}")
         if num_workers is None:
             num_workers = len(os.sched_getaffinity(0))
         if num_workers < 0:
@@ -176,24 +266,29 @@ class RewardScorer:
         if kind == "code":
             code_kwargs.setdefault("timeout_s", timeout_s)
         self.kind = kind
+        self.batched = batched
         self.num_workers = num_workers
         self.deadline_s = timeout_s + (_CODE_GRACE_S if kind == "code" else 0.0)
-        self._options = {"pattern": format_pattern, "code_kwargs": code_kwargs}
+        self._options = {"pattern": format_pattern, "code_kwargs": code_kwargs, "batched": batched}
         self._workers: list[_Worker] = []
         self._startup_failures = 0
         self._ctx = mp.get_context("spawn")
-        if num_workers == 0:
-            self._serial_fn = _make_score_fn(kind, self._options)
-            return
-        if callable(kind):
-            try:
-                pickle.dumps(kind)
-            except Exception as e:
-                raise ValueError(
-                    f"kind: a callable must be picklable to reach the workers (a module-level "
-                    f"function); use 'module:function' instead ({e})"
-                ) from e
-        self._workers = [self._spawn() for _ in range(num_workers)]
+        self._closed = False
+        self._unit_fn = _make_unit_fn(kind, self._options)
+        # In this process: serial (num_workers=0), or with deadlines when the callable cannot
+        # reach a worker.
+        self.in_process = num_workers == 0 or runs_in_process(kind)
+        if num_workers and self.in_process:
+            name = getattr(kind, "__qualname__", repr(kind))
+            log.warning(
+                "reward function %s cannot run in the reward pool (defined in __main__ or a "
+                "notebook, or not picklable): it runs in the trainer's process, with the same "
+                "%.3g s deadline and error handling but no crash isolation",
+                name,
+                self.deadline_s,
+            )
+        if not self.in_process:
+            self._workers = [self._spawn() for _ in range(num_workers)]
 
     def _spawn(self) -> _Worker:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
@@ -224,6 +319,8 @@ class RewardScorer:
         prompts: Sequence[str],
         responses: Sequence[str],
         items: Sequence[Mapping[str, Any]],
+        *,
+        group_size: int = 1,
     ) -> RewardBatch:
         """Scores a batch; never raises for what a response or reward function does.
 
@@ -231,6 +328,7 @@ class RewardScorer:
           prompts: ``[N]`` prompt texts.
           responses: ``[N]`` response texts.
           items: ``[N]`` data set rows (with ``"answer"`` for math, ``"tests"`` for code).
+          group_size: items per call of a batched function (a prompt's samples); must divide N.
 
         Returns:
           A :class:`RewardBatch` with float32 ``rewards [N]``, ``reasons`` and ``counts``.
@@ -245,25 +343,42 @@ class RewardScorer:
         for i, item in enumerate(items):
             if not isinstance(item, Mapping) or (field is not None and field not in item):
                 raise ValueError(f"items[{i}] must be a mapping with key {field!r}, got {item!r}")
+        unit = group_size if self.batched else 1
+        if unit < 1 or n % unit:
+            raise ValueError(f"group_size={group_size} must be >= 1 and divide the batch ({n})")
+        if self._closed:
+            raise RuntimeError("RewardScorer is closed")
         rewards = np.zeros(n, np.float32)
         reasons = [""] * n
-        if self.num_workers == 0:
-            for i in range(n):
-                rewards[i], reasons[i] = _score_one(
-                    self._serial_fn, prompts[i], responses[i], items[i]
-                )
+
+        def finish(start: int, results: Sequence[tuple[float, str]]) -> None:
+            for j, (reward, reason) in enumerate(results):
+                rewards[start + j], reasons[start + j] = reward, reason
+
+        tasks = [
+            (s, list(prompts[s : s + unit]), list(responses[s : s + unit]),
+             [dict(x) for x in items[s : s + unit]])
+            for s in range(0, n, unit)
+        ]  # fmt: skip
+        if not self.in_process:
+            self._run_pool(tasks, finish)
+        elif self.num_workers == 0:
+            for start, *args in tasks:
+                finish(start, self._unit_fn(*args))
         else:
-            if not self._workers:
-                raise RuntimeError("RewardScorer is closed")
-            tasks = [(i, prompts[i], responses[i], dict(items[i])) for i in range(n)]
-            self._run_pool(tasks, rewards, reasons)
+            for start, *args in tasks:
+                done, results = _call_with_deadline(
+                    lambda args=args: self._unit_fn(*args), self.deadline_s
+                )
+                finish(start, results if done else [(0.0, "timeout")] * len(args[0]))
         return RewardBatch(rewards, reasons, dict(collections.Counter(reasons)))
 
-    def _run_pool(self, tasks: list[tuple], rewards: np.ndarray, reasons: list[str]) -> None:
+    def _run_pool(self, tasks: list[tuple], finish: Callable[[int, Sequence], None]) -> None:
         todo = collections.deque(tasks)
+        size = {task[0]: len(task[1]) for task in tasks}
 
-        def finish(index: int, reward: float, reason: str) -> None:
-            rewards[index], reasons[index] = reward, reason
+        def fail(start: int, reason: str) -> None:
+            finish(start, [(0.0, reason)] * size[start])
 
         while todo or any(w.task is not None for w in self._workers):
             for worker in list(self._workers):
@@ -293,7 +408,7 @@ class RewardScorer:
                         msg = None
                     if msg is None:
                         if worker.task is not None:
-                            finish(worker.task, 0.0, "worker_died")
+                            fail(worker.task, "worker_died")
                         self._replace(worker)
                     elif msg[0] == "ready":
                         worker.ready, self._startup_failures = True, 0
@@ -304,12 +419,12 @@ class RewardScorer:
                         worker.task, worker.deadline = None, math.inf
                 elif worker.process.sentinel in ready:
                     if worker.task is not None:
-                        finish(worker.task, 0.0, "worker_died")
+                        fail(worker.task, "worker_died")
                     self._replace(worker)
             now = time.monotonic()
             for worker in list(self._workers):
                 if worker.task is not None and now > worker.deadline:
-                    finish(worker.task, 0.0, "timeout")
+                    fail(worker.task, "timeout")
                     worker.ready = True  # A hang while scoring is not a start-up failure.
                     self._replace(worker)
                 elif not worker.ready and now > worker.started + _STARTUP_TIMEOUT_S:
@@ -345,6 +460,7 @@ class RewardScorer:
                 worker.process.join()
             worker.conn.close()
         self._workers = []
+        self._closed = True
 
     def __enter__(self) -> RewardScorer:
         return self
@@ -382,10 +498,12 @@ class FlippedRewards:
         prompts: Sequence[str],
         responses: Sequence[str],
         items: Sequence[Mapping[str, Any]],
+        **kwargs: Any,
     ) -> RewardBatch:
-        batch = self.scorer.score(prompts, responses, items)
+        batch = self.scorer.score(prompts, responses, items, **kwargs)
         digest = hashlib.blake2b("\0".join([*prompts, *responses]).encode(), digest_size=8)
         rng = np.random.default_rng([self.seed, int.from_bytes(digest.digest(), "little")])
         flip = rng.random(len(batch.rewards)) < self.fraction
         rewards = np.where(flip, 1.0 - batch.rewards, batch.rewards).astype(np.float32)
-        return RewardBatch(rewards, batch.reasons, {**batch.counts, "flipped": int(flip.sum())})
+        counts = {**batch.counts, "flipped": int(flip.sum())}
+        return RewardBatch(rewards, batch.reasons, counts, batch.components)

@@ -36,3 +36,21 @@ def sandboxed_spin(prompt, response, item):
     from delta_jax.rewards import run_code
 
     return float(run_code("while True:\n    pass", "assert True", timeout_s=60).passed)
+
+
+def batched_by_answer(prompts, completions, answer, **columns):
+    """Batched convention: 1 where the completion equals the answer, None where it is "n/a"."""
+    return [None if c == "n/a" else float(c == a) for c, a in zip(completions, answer)]
+
+
+def batched_misbehaving(prompts, completions, mode, **columns):
+    """Misbehaves as the group's first ``mode`` says (one call per group)."""
+    if mode[0] == "sleep":
+        time.sleep(3600)
+    if mode[0] == "raise":
+        raise RuntimeError("boom")
+    if mode[0] == "short":
+        return [1.0]
+    if mode[0] == "nan":
+        return [float("nan")] + [1.0] * (len(completions) - 1)
+    return [2.0] * len(completions)

@@ -124,8 +124,6 @@ def test_code_kind_scores_responses():
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="package.module:function"):
         RewardScorer("maths", num_workers=0)
-    with pytest.raises(ValueError, match="picklable"):
-        RewardScorer(lambda p, r, i: 1.0, num_workers=1)
     with pytest.raises(ValueError, match="num_workers"):
         RewardScorer("math", num_workers=-1)
     with pytest.raises(ValueError, match="timeout_s"):
