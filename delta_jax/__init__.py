@@ -1,7 +1,20 @@
 """delta_jax: JAX/TPU-native RLVR training built around DelTA.
 
 This top-level module deliberately imports nothing heavy: ``import delta_jax.losses`` must load
-only jax and numpy, so sub-packages are imported explicitly by the caller.
+only jax and numpy, so sub-packages are imported explicitly by the caller, and :class:`Trainer`
+(the library's front door, :mod:`delta_jax.rl.trainer`) is loaded on first access.
 """
 
+from typing import Any
+
 __version__ = "0.1.0"
+__all__ = ["TrainResult", "Trainer"]
+
+
+def __getattr__(name: str) -> Any:
+    # `from delta_jax import Trainer` loads the trainer (flax, transformers, ...) on first use.
+    if name in __all__:
+        from delta_jax.rl import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'delta_jax' has no attribute {name!r}")

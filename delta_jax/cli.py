@@ -17,10 +17,9 @@ from delta_jax.eval import add_eval_arguments, run_eval_cli
 
 
 def _cmd_train(args) -> int:
-    from delta_jax.rl.loop import train
+    from delta_jax.rl import train
 
-    config = load_config(args.config, args.overrides)
-    result = train(config)
+    result = train(load_config(args.config, args.overrides))
     status = "stopped by SIGTERM at" if result.stopped_early else "finished"
     print(f"\nRun {status} step {result.last_step}.")
     print(f"  metrics:     {result.metrics_path}")

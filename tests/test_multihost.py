@@ -233,14 +233,6 @@ if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2])
 
 
-def _loop_is_wired() -> bool:
-    import inspect
-
-    import delta_jax.rl.loop as loop
-
-    return "mesh_from_config" in inspect.getsource(loop)
-
-
 TRAIN = [
     "train",
     "--config",
@@ -294,11 +286,6 @@ def _cli(out: Path, steps: int, processes: int, *overrides: str) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not _loop_is_wired(),
-    reason="delta_jax.rl.loop does not build a mesh yet "
-    "(wiring: see delta_jax.sharding / the issue-7 report)",
-)
 def test_cli_two_processes_match_one_process_and_resume(tmp_path):
     """`delta-jax train`, 2 processes x 2 devices vs 1 x 4; the 2-process run resumes at step 3."""
     # The dense test reward gives every group varied rewards (a learning signal) from a

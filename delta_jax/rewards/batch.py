@@ -136,7 +136,7 @@ def _make_unit_fn(kind: str | Callable[..., Any], options: Mapping[str, Any]) ->
     if not options.get("batched"):
         score_fn = _make_score_fn(kind, options)
         return lambda prompts, responses, items: [
-            _score_one(score_fn, p, r, i) for p, r, i in zip(prompts, responses, items)
+            _score_one(score_fn, p, r, i) for p, r, i in zip(prompts, responses, items, strict=True)
         ]
 
     def batched(prompts, responses, items) -> list[tuple[float, str]]:

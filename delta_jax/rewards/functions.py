@@ -92,7 +92,7 @@ class RewardSet:
         *,
         group_size: int = 1,
     ) -> RewardBatch:
-        """The weighted sum of every function's rewards; counts ``"<name>:<reason>"`` when several."""
+        """The weighted sum of every function's rewards; counts by ``"<name>:<reason>"``."""
         batches = [s.score(prompts, responses, items, group_size=group_size) for s in self.scorers]
         total = sum(w * b.rewards for w, b in zip(self.weights, batches, strict=True))
         components = {name: b.rewards for name, b in zip(self.names, batches, strict=True)}
@@ -100,7 +100,11 @@ class RewardSet:
             return RewardBatch(batches[0].rewards * self.weights[0], batches[0].reasons,
                                batches[0].counts, components)  # fmt: skip
         reasons = [";".join(r) for r in zip(*(b.reasons for b in batches), strict=True)]
-        counts = {f"{n}:{k}": v for n, b in zip(self.names, batches) for k, v in b.counts.items()}
+        counts = {
+            f"{n}:{k}": v
+            for n, b in zip(self.names, batches, strict=True)
+            for k, v in b.counts.items()
+        }
         return RewardBatch(np.asarray(total, np.float32), reasons, counts, components)
 
     def close(self) -> None:

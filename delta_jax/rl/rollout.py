@@ -119,6 +119,10 @@ def collect_rollout(
         stats["dynamic/uninformative_filled"] = wanted - len(kept)
         kept.extend(spare[: wanted - len(kept)])
     kept = kept[:wanted]
+    if stats.get("engine/decode_steps"):
+        stats["rollout/occupancy"] = stats["engine/useful_steps"] / stats["engine/decode_steps"]
+    for key in ("engine/useful_steps", "engine/decode_steps"):
+        stats.pop(key, None)
     stats["dynamic/informative_groups"] = int(sum(np.ptp(g["rewards"]) > 0 for g in kept))
     return _assemble(kept, tuple(outputs), n, prompt_len, gen_len, advantage, dict(stats))
 
@@ -132,6 +136,8 @@ def _assemble(kept, outputs, n, prompt_len, gen_len, advantage, stats) -> Rollou
     joined = lambda key: [x for g in kept for x in g[key]]
     rewards = np.concatenate([g["rewards"] for g in kept]).astype(np.float32)
     lengths = np.asarray(joined("lengths"), np.int32)
+    for name in kept[0]["components"]:
+        stats[f"reward/{name}"] = float(np.mean([x for g in kept for x in g["components"][name]]))
     stats.update(
         {
             "reward_mean": float(rewards.mean()),
@@ -173,10 +179,16 @@ def _sample_and_score(
     t1 = time.perf_counter()
     records = [rec for _, rec in pairs for _ in range(n)]
     items = [{"answer": r.answer, "tests": r.tests, **r.extra} for r in records]
-    scored = scorer.score([r.prompt for r in records], texts, items)
+    scored = scorer.score([r.prompt for r in records], texts, items, group_size=n)
     stats["time/rollout"] += t1 - t0
     stats["time/reward"] += time.perf_counter() - t1
-    stats.update({f"reward/{k}": v for k, v in scored.counts.items()})
+    stats.update({f"reward_reason/{k}": v for k, v in scored.counts.items()})
+    if out.engine_stats is not None:  # the continuous engine: how full its slots and pool were
+        es = out.engine_stats
+        stats["engine/useful_steps"] += es.useful_steps
+        stats["engine/decode_steps"] += es.decode_steps
+        stats["rollout/preemptions"] += es.preemptions
+        stats["rollout/pages_peak"] = max(stats["rollout/pages_peak"], *es.high_water_pages)
     rewards = np.asarray(scored.rewards, np.float32)
     if overlong is not None and overlong[0] > 0:
         rewards = rewards + np.asarray(
@@ -194,6 +206,7 @@ def _sample_and_score(
             lengths=list(out.lengths[g * n : (g + 1) * n]),
             records=records[g * n : (g + 1) * n],
             texts=texts[g * n : (g + 1) * n],
+            components={k: v[g * n : (g + 1) * n] for k, v in scored.components.items()},
         )
         for g, (prompt_ids, _) in enumerate(pairs)
     ]

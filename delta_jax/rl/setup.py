@@ -1,12 +1,17 @@
-"""Assemble the parts of a run from its config: model, tokenizer, data, sampler, rewards."""
+"""Assemble the parts of a run: model, tokenizer, data, sampler, rewards.
+
+Each part is built from the config unless the caller passes it as an object
+(:class:`~delta_jax.rl.Trainer`'s keywords): a loaded model, a tokenizer, a data set object,
+reward callables.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,18 +19,43 @@ import numpy as np
 from delta_jax import sharding as sh
 from delta_jax.config import Config, ConfigError
 from delta_jax.data import PromptPipeline, PromptRecord, encode_prompts, load_records
+from delta_jax.data.objects import RowConverter, StreamPrompts, is_stream, records_from_object
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from delta_jax.models import Transformer
-    from delta_jax.rewards import FlippedRewards, RewardScorer
+    from delta_jax.rewards import FlippedRewards, RewardSet
     from delta_jax.sampling import Sampler
 
 log = logging.getLogger(__name__)
 
 DEMO_MODEL = "demo:tiny"
 DEMO_DATA = "demo:arithmetic"
+
+
+class IndexedPrompts:
+    """Batches of ``(prompt ids, record)`` of an in-memory prompt list, in pipeline order."""
+
+    def __init__(self, pipeline: PromptPipeline, ids: list[list[int]], records):
+        self.pipeline, self.ids, self.records = pipeline, ids, records
+
+    def __next__(self) -> list[tuple[list[int], PromptRecord]]:
+        return [(self.ids[i], self.records[i]) for i in next(self.pipeline)]
+
+    def __iter__(self) -> IndexedPrompts:
+        return self
+
+    def get_state(self) -> dict[str, Any]:
+        return self.pipeline.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if isinstance(state, dict) and "stream" in state:
+            raise ValueError(
+                "the checkpoint's data state is a stream's: it was saved by a run whose "
+                "train_dataset was a stream (an IterableDataset)"
+            )
+        self.pipeline.set_state(state)
 
 
 @dataclasses.dataclass
@@ -37,20 +67,13 @@ class RunParts:
     model: Transformer
     tokenizer: PreTrainedTokenizerBase
     sampler: Sampler
-    scorer: RewardScorer | FlippedRewards  # training rewards (noisy if reward.flip_fraction > 0)
-    eval_scorer: RewardScorer  # the verifier itself
-    pipeline: PromptPipeline
-    prompt_ids: list[list[int]]
-    records: list[PromptRecord]
+    scorer: RewardSet | FlippedRewards  # training rewards (noisy if reward.flip_fraction > 0)
+    eval_scorer: RewardSet  # the verifier itself
+    prompts: IndexedPrompts | StreamPrompts  # the training batches, checkpointable
     eval_prompt_ids: list[list[int]]
     eval_records: list[PromptRecord]
     prompt_len: int
     stop_token_ids: tuple[int, ...]
-
-    def prompt_batches(self) -> Iterator[list[tuple[list[int], PromptRecord]]]:
-        """Batches of ``(prompt ids, record)`` drawn from the (checkpointable) pipeline."""
-        while True:
-            yield [(self.prompt_ids[i], self.records[i]) for i in next(self.pipeline)]
 
     def evaluate(self, params, step: int) -> dict[str, float]:
         """Mean reward on the held-out prompts (the sampling settings of the run)."""
@@ -74,7 +97,7 @@ class RunParts:
         )
 
     def close(self) -> None:
-        self.eval_scorer.close()
+        self.eval_scorer.close()  # the training scorer wraps the same pools
 
 
 def special_token_ids(tokenizer, model) -> tuple[int, tuple[int, ...]]:
@@ -85,14 +108,23 @@ def special_token_ids(tokenizer, model) -> tuple[int, tuple[int, ...]]:
     return (pad if pad is not None else 0), stop_ids
 
 
-def load_model(config: Config, run_dir: Path):
-    """The run's policy and tokenizer (the demo model is warmed up once, by process 0)."""
+def load_model(config: Config, run_dir: Path, *, model=None, tokenizer=None):
+    """The run's policy and tokenizer: the objects given, else built from ``config.model``.
+
+    The demo model is warmed up once, by process 0. A given model is used as it is, except that
+    ``model.lora_rank > 0`` adds adapters to one that has none (what the config would build).
+    """
     from delta_jax.demo import warm_up_demo_model
     from delta_jax.models import from_pretrained, load_tokenizer, resolve_model_dir
 
     m = config.model
+    if model is not None and tokenizer is None and m.path == DEMO_MODEL:
+        raise ConfigError(
+            "model= was given without tokenizer=: pass its tokenizer, or set model.path to the "
+            "directory or hub id it was loaded from"
+        )
     path: str | Path = m.path
-    if m.path == DEMO_MODEL:
+    if m.path == DEMO_MODEL and model is None:
         from delta_jax import distributed
 
         path = run_dir / "demo_model"
@@ -107,18 +139,19 @@ def load_model(config: Config, run_dir: Path):
                 template=config.data.demo_template,
             )
         distributed.barrier("demo-model")
-    path = resolve_model_dir(str(path), revision=m.revision)  # a hub id: downloaded once
-    dtype = jnp.dtype(m.dtype)
-    model = from_pretrained(
-        str(path),
-        dtype=dtype,
-        param_dtype=jnp.dtype(m.param_dtype),
-        scan_layers=m.scan_layers,
-        remat=m.remat,
-        attention=m.attention,
-        attention_block=m.attention_block,
-    )
-    if m.lora_rank:
+    if model is None or tokenizer is None:
+        path = resolve_model_dir(str(path), revision=m.revision)  # a hub id: downloaded once
+    if model is None:
+        model = from_pretrained(
+            str(path),
+            dtype=jnp.dtype(m.dtype),
+            param_dtype=jnp.dtype(m.param_dtype),
+            scan_layers=m.scan_layers,
+            remat=m.remat,
+            attention=m.attention,
+            attention_block=m.attention_block,
+        )
+    if m.lora_rank and not model.config.lora_rank:
         from delta_jax.models import lora
 
         lora.add_adapters(
@@ -128,7 +161,13 @@ def load_model(config: Config, run_dir: Path):
             targets=m.lora_targets,
             seed=config.run.seed,
         )
-    return model, load_tokenizer(str(path))
+    tokenizer = load_tokenizer(str(path)) if tokenizer is None else tokenizer
+    if len(tokenizer) > model.config.vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has "
+            f"{model.config.vocab_size} rows: resize the model's embeddings to the tokenizer"
+        )
+    return model, tokenizer
 
 
 def _load_records(config: Config, source: str, split: str, *, eval_set: bool):
@@ -153,8 +192,8 @@ def _load_records(config: Config, source: str, split: str, *, eval_set: bool):
     return result.records
 
 
-def _encoded_prompts(config: Config, tokenizer):
-    """The encoded training prompts and held-out ones (None without an eval source)."""
+def _encoder(config: Config, tokenizer) -> Callable:
+    """records -> EncodedPrompts with the run's template and length policy."""
     d = config.data
     template = d.template
     if d.source == DEMO_DATA and template is None:
@@ -175,50 +214,110 @@ def _encoded_prompts(config: Config, tokenizer):
             )
         return enc
 
-    train = encode(_load_records(config, d.source, d.split, eval_set=False))
-    if len(train.ids) < config.rollout.prompts_per_step:
-        raise ConfigError(
-            f"data.source={d.source}: {len(train.ids)} usable prompts < "
-            f"rollout.prompts_per_step={config.rollout.prompts_per_step}"
+    return encode
+
+
+def _object_records(config: Config, data, *, label: str, limit: int | None):
+    d = config.data
+    result = records_from_object(
+        data, adapter=d.adapter, on_bad_row=d.on_bad_row, limit=limit, label=label
+    )
+    if result.skipped:
+        log.warning("%s: skipped %d bad rows %s", label, result.skipped, result.skip_reasons)
+    return result.records
+
+
+def _prompts(config: Config, tokenizer, train_dataset, eval_dataset):
+    """The training batches and the held-out prompts (None without an eval source)."""
+    d, encode = config.data, _encoder(config, tokenizer)
+    batch = config.rollout.prompts_per_step
+    if train_dataset is not None and is_stream(train_dataset):
+        convert = RowConverter(d.adapter, None, "train_dataset", d.on_bad_row)
+        train = StreamPrompts(
+            train_dataset, batch_size=batch, encode=encode, convert=convert,
+            seed=config.run.seed, shuffle=d.shuffle,
+        )  # fmt: skip
+    else:
+        if train_dataset is not None:
+            records = _object_records(config, train_dataset, label="train_dataset", limit=d.limit)
+        else:
+            records = _load_records(config, d.source, d.split, eval_set=False)
+        enc = encode(records)
+        if len(enc.ids) < batch:
+            where = "train_dataset" if train_dataset is not None else f"data.source={d.source}"
+            raise ConfigError(
+                f"{where}: {len(enc.ids)} usable prompts < rollout.prompts_per_step={batch}"
+            )
+        pipeline = PromptPipeline(
+            len(enc.ids),
+            batch_size=batch,
+            seed=config.run.seed,
+            shuffle=d.shuffle,
+            # Host-replicated rollouts: every process draws the same prompts (the sampler's
+            # program spans all hosts); each feeds its own rows to the train step.
+            process_index=0,
+            process_count=1,
         )
-    eval_source = d.eval_source or (DEMO_DATA if d.source == DEMO_DATA else None)
+        train = IndexedPrompts(pipeline, enc.ids, enc.records)
     evals = None
-    if eval_source:
-        held_out = _load_records(config, eval_source, d.eval_split, eval_set=True)
-        evals = encode(held_out[: config.run.eval_prompts])
+    if eval_dataset is not None:
+        limit = config.run.eval_prompts
+        evals = encode(_object_records(config, eval_dataset, label="eval_dataset", limit=limit))
+    else:
+        from_demo = d.source == DEMO_DATA and train_dataset is None
+        eval_source = d.eval_source or (DEMO_DATA if from_demo else None)
+        if eval_source:
+            held_out = _load_records(config, eval_source, d.eval_split, eval_set=True)
+            evals = encode(held_out[: config.run.eval_prompts])
     if config.run.eval_every and evals is None:
-        raise ConfigError("run.eval_every > 0 needs data.eval_source")
+        raise ConfigError(
+            f"run.eval_every={config.run.eval_every} needs held-out prompts: pass eval_dataset=, "
+            "set data.eval_source, or set run.eval_every=0"
+        )
     return train, evals
 
 
-def make_scorers(config: Config) -> tuple[RewardScorer | FlippedRewards, RewardScorer]:
-    """(training scorer, evaluation scorer): the same verifier, noisy for training only."""
-    from delta_jax.rewards import FlippedRewards, RewardScorer
+def make_scorers(
+    config: Config,
+    reward_fns: Sequence[str | Callable] | str | Callable | None = None,
+    reward_weights: Sequence[float] | None = None,
+) -> tuple[RewardSet | FlippedRewards, RewardSet]:
+    """(training scorer, evaluation scorer): the same rewards, noisy for training only.
+
+    ``reward_fns`` replaces ``reward.kind``: kinds, ``"module:function"`` paths or batched
+    callables, summed with ``reward_weights``.
+    """
+    from delta_jax.rewards import FlippedRewards, RewardSet
 
     r = config.reward
-    scorer = RewardScorer(r.kind, num_workers=r.num_workers, timeout_s=r.timeout_s)
+    fns = r.kind if reward_fns is None else reward_fns
+    try:
+        scorer = RewardSet(fns, reward_weights, num_workers=r.num_workers, timeout_s=r.timeout_s)
+    except ValueError as e:
+        raise ConfigError(f"reward: {e}") from None
     if r.flip_fraction > 0:
         return FlippedRewards(scorer, r.flip_fraction, config.run.seed), scorer
     return scorer, scorer
 
 
-def build_run_parts(config: Config, mesh=None) -> RunParts:
+def build_run_parts(
+    config: Config,
+    mesh=None,
+    *,
+    model=None,
+    tokenizer=None,
+    train_dataset=None,
+    eval_dataset=None,
+    reward_fns=None,
+    reward_weights=None,
+) -> RunParts:
+    """The parts of a run; each keyword, when given, replaces what the config would build."""
     from delta_jax.sampling import Sampler
 
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_model(config, run_dir)
-    train, evals = _encoded_prompts(config, tokenizer)
-    pipeline = PromptPipeline(
-        len(train.ids),
-        batch_size=config.rollout.prompts_per_step,
-        seed=config.run.seed,
-        shuffle=config.data.shuffle,
-        # Host-replicated rollouts: every process draws the same prompts (the sampler's
-        # program spans all hosts); each feeds its own rows to the train step.
-        process_index=0,
-        process_count=1,
-    )
+    model, tokenizer = load_model(config, run_dir, model=model, tokenizer=tokenizer)
+    train, evals = _prompts(config, tokenizer, train_dataset, eval_dataset)
     pad_id, stop_ids = special_token_ids(tokenizer, model)
     cache_dtype = config.rollout.cache_dtype
     sampler = Sampler(
@@ -232,7 +331,7 @@ def build_run_parts(config: Config, mesh=None) -> RunParts:
         page_size=config.rollout.page_size,
         num_pages=config.rollout.num_pages or None,
     )
-    train_scorer, scorer = make_scorers(config)
+    train_scorer, scorer = make_scorers(config, reward_fns, reward_weights)
     return RunParts(
         config=config,
         run_dir=run_dir,
@@ -241,9 +340,7 @@ def build_run_parts(config: Config, mesh=None) -> RunParts:
         sampler=sampler,
         scorer=train_scorer,
         eval_scorer=scorer,
-        pipeline=pipeline,
-        prompt_ids=train.ids,
-        records=train.records,
+        prompts=train,
         eval_prompt_ids=evals.ids if evals else [],
         eval_records=evals.records if evals else [],
         prompt_len=config.data.max_prompt_length,

@@ -40,7 +40,7 @@ def sandboxed_spin(prompt, response, item):
 
 def batched_by_answer(prompts, completions, answer, **columns):
     """Batched convention: 1 where the completion equals the answer, None where it is "n/a"."""
-    return [None if c == "n/a" else float(c == a) for c, a in zip(completions, answer)]
+    return [None if c == "n/a" else float(c == a) for c, a in zip(completions, answer, strict=True)]
 
 
 def batched_misbehaving(prompts, completions, mode, **columns):

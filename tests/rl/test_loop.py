@@ -15,8 +15,9 @@ import pytest
 
 from delta_jax.checkpoint import Checkpointer
 from delta_jax.config import ConfigError, load_config
-from delta_jax.rl import loop as loop_mod
-from delta_jax.rl.metrics_log import read_metrics
+from delta_jax.rl import train
+from delta_jax.rl import update as update_mod
+from delta_jax.rl.metrics_log import MetricsLog, read_metrics
 from tests.rl.conftest import tiny_overrides
 
 ROOT = Path(__file__).parents[2]
@@ -68,7 +69,7 @@ def test_loop_runs_full_steps_and_logs(tmp_path, demo_model_dir):
             "run.tensorboard=true",
         ),
     )
-    result = loop_mod.train(config)
+    result = train(config)
     rows = read_metrics(result.metrics_path)
     # Step 0 is the evaluation of the policy before any update (the curve's starting point).
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -91,7 +92,7 @@ def test_mini_batches_use_coefficients_computed_once_per_rollout(
     tmp_path, demo_model_dir, monkeypatch
 ):
     prepared, seen = [], []
-    real_prepare, real_make = loop_mod.make_prepare, loop_mod.make_train_step
+    real_prepare, real_make = update_mod.make_prepare, update_mod.make_train_step
 
     def recording_prepare(*args, **kwargs):
         prepare = real_prepare(*args, **kwargs)
@@ -112,13 +113,13 @@ def test_mini_batches_use_coefficients_computed_once_per_rollout(
 
         return wrapped
 
-    monkeypatch.setattr(loop_mod, "make_prepare", recording_prepare)
-    monkeypatch.setattr(loop_mod, "make_train_step", recording_make)
+    monkeypatch.setattr(update_mod, "make_prepare", recording_prepare)
+    monkeypatch.setattr(update_mod, "make_train_step", recording_make)
     config = load_config(
         DEMO,
         tiny_overrides(tmp_path / "run", demo_model_dir, "run.steps=2", "algo.mini_batches=2"),
     )
-    loop_mod.train(config)
+    train(config)
     assert len(prepared) == 2  # once per rollout batch ...
     assert len(seen) == 4  # ... for two updates each, which read the prepared coefficients
     for k, coefficients in enumerate(seen):
@@ -210,21 +211,21 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path, demo_model_dir
 def test_sigterm_just_after_a_step_is_logged_still_saves_the_step_that_stops(
     tmp_path, demo_model_dir, monkeypatch
 ):
-    # The window the CLI test can hit only by chance: the signal lands after step 1's row is
-    # written and its save decision made. The loop must not stop on an unsaved step.
-    real_finish = loop_mod._finish_step
+    # The window the CLI test can hit only by chance: the signal lands after step 1's stop flag
+    # is read (its row is being written). The loop must not stop on an unsaved step.
+    real_log = MetricsLog.log
 
-    def finish_then_signal(run, step, *args):
-        row = real_finish(run, step, *args)
+    def log_then_signal(self, step, metrics):
+        row = real_log(self, step, metrics)
         if step == 1:
             os.kill(os.getpid(), signal.SIGTERM)
         return row
 
-    monkeypatch.setattr(loop_mod, "_finish_step", finish_then_signal)
+    monkeypatch.setattr(MetricsLog, "log", log_then_signal)
     config = load_config(
         DEMO, tiny_overrides(tmp_path / "run", demo_model_dir, "run.steps=6", "run.save_every=100")
     )
-    result = loop_mod.train(config)
+    result = train(config)
     last = read_metrics(result.metrics_path)[-1]["step"]
     assert result.stopped_early and last == 2
     assert Checkpointer(result.checkpoint_dir).all_steps() == [last]
@@ -254,7 +255,7 @@ def test_bad_inputs_give_clear_errors_and_lose_nothing(tmp_path, demo_model_dir)
         + "\n"
     )
     with pytest.raises(ValueError, match=r"bad\.jsonl.*row 1"):
-        loop_mod.train(
+        train(
             load_config(
                 DEMO,
                 tiny_overrides(
@@ -283,10 +284,10 @@ def test_reward_function_that_raises_or_hangs_does_not_stop_the_run(tmp_path, de
             "reward.num_workers=2",
         ),
     )
-    result = loop_mod.train(config)
+    result = train(config)
     rows = read_metrics(result.metrics_path)
     assert [r["step"] for r in rows] == [1, 2]
-    reasons = {k for r in rows for k in r if k.startswith("reward/")}
+    reasons = {k for r in rows for k in r if k.startswith("reward_reason/")}
     assert any("error" in k for k in reasons), reasons
     assert any("timeout" in k for k in reasons), reasons
 
@@ -306,7 +307,7 @@ def test_dynamic_sampling_and_reference_kl(tmp_path, demo_model_dir):
             "algo.kl_coef=0.01",
         ),
     )
-    rows = read_metrics(loop_mod.train(config).metrics_path)
+    rows = read_metrics(train(config).metrics_path)
     for row in rows:
         assert row["dynamic/rounds"] == 3
         assert row["dynamic/uninformative_filled"] == 4

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from delta_jax import cli
 from delta_jax.config import load_config
 from delta_jax.models import from_pretrained
-from delta_jax.rl import loop as loop_mod
+from delta_jax.rl import train
 from tests.models.hf_helpers import forward
 from tests.rl.conftest import tiny_overrides
 from tests.rl.test_loop import DEMO
@@ -21,7 +21,7 @@ from tests.rl.test_loop import DEMO
 def test_lora_run_trains_adapters_only_and_exports(tmp_path, demo_model_dir):
     run = tmp_path / "run"
     overrides = ["run.steps=2", "model.lora_rank=4", "model.lora_targets=[q_proj,o_proj,up_proj]"]
-    loop_mod.train(load_config(DEMO, tiny_overrides(run, demo_model_dir, *overrides)))
+    train(load_config(DEMO, tiny_overrides(run, demo_model_dir, *overrides)))
 
     with ocp.StandardCheckpointer() as reader:
         saved = reader.restore(run / "checkpoints" / "2" / "state")

@@ -2,26 +2,24 @@
 
 import pytest
 
+from delta_jax import Trainer
 from delta_jax.config import ConfigError, load_config
-from delta_jax.rl.setup import build_run_parts
 from tests.rl.conftest import tiny_overrides
 from tests.rl.test_loop import DEMO
 
 
 def test_engine_keys_are_wired(tmp_path, demo_model_dir):
-    default = build_run_parts(load_config(DEMO, tiny_overrides(tmp_path / "a", demo_model_dir)))
-    assert default.sampler.engine == "continuous"
-    assert default.sampler.num_pages is None  # sized by the engine
+    with Trainer(load_config(DEMO, tiny_overrides(tmp_path / "a", demo_model_dir))) as default:
+        assert default.sampler.engine == "continuous"
+        assert default.sampler.num_pages is None  # sized by the engine
     extra = (
         "rollout.engine=static",
         "rollout.decode_slots=8",
         "rollout.page_size=32",
         "rollout.num_pages=40",
     )
-    parts = build_run_parts(
-        load_config(DEMO, tiny_overrides(tmp_path / "b", demo_model_dir, *extra))
-    )
-    s = parts.sampler
+    with Trainer(load_config(DEMO, tiny_overrides(tmp_path / "b", demo_model_dir, *extra))) as t:
+        s = t.sampler
     assert (s.engine, s.decode_slots, s.page_size, s.num_pages) == ("static", 8, 32, 40)
 
 

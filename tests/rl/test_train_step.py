@@ -16,12 +16,11 @@ from flax import nnx
 from delta_jax import sharding as sh
 from delta_jax.config import load_config
 from delta_jax.models import ModelConfig, Transformer, token_logprobs
-from delta_jax.rl import loop as loop_mod
-from delta_jax.rl.packing import first_fit_decreasing, make_assemble
-from delta_jax.rl.prepare import make_prepare, make_sampler_coefficients
+from delta_jax.rl.packing import first_fit_decreasing
 from delta_jax.rl.rollout import Rollout
 from delta_jax.rl.state import init_train_state, make_optimizer
-from delta_jax.rl.train_step import check_batch, make_train_step
+from delta_jax.rl.train_step import check_batch
+from delta_jax.rl.update import Updater
 from delta_jax.rl.update_plan import UpdatePlan
 
 P, G, PROMPTS, N = 6, 10, 4, 4
@@ -121,24 +120,11 @@ def _rl_update(setup, config, plan, optimizer=SGD):
     """One full RL update (prepare + every mini-batch update) through the loop's stages."""
     graphdef, params, rollout = setup
     mesh = _mesh()
-    run = loop_mod._Run(
-        config=config,
-        mesh=mesh,
-        parts=None,
-        plan=plan,
-        state=_initial_state(params, optimizer),
-        ref_params=jax.tree.map(jnp.copy, params) if plan.reference else None,
-        train_step=make_train_step(graphdef, optimizer, plan, donate=False),
-        prepare=make_prepare(graphdef, plan),
-        assemble=make_assemble(plan),
-        sampler_coefficients=make_sampler_coefficients(plan),
-        checkpointer=None,
-        metrics_log=None,
-        start=0,
-    )
-    batch, metrics = loop_mod._prepare(run, rollout, step=1)
-    metrics.update(loop_mod._update(run, batch))
-    return run.state, metrics, batch, run.train_step
+    updater = Updater(graphdef, optimizer, plan, mesh, seed=config.run.seed, donate=False)
+    ref_params = jax.tree.map(jnp.copy, params) if plan.reference else None
+    batch, metrics = updater.prepare(rollout, 1, params, ref_params)
+    state, update_metrics = updater.update(_initial_state(params, optimizer), batch)
+    return state, {**metrics, **update_metrics}, batch, updater.train_step
 
 
 @pytest.fixture(scope="module")
@@ -286,11 +272,7 @@ def test_non_finite_gradient_skips_the_update_and_the_step_compiles_once(setup):
     assert int(state.skipped) == 1 and int(state.step) == 0
     assert _max_diff(state.params, params) == 0.0
     # The skipped update and the next three run one compiled program.
-    batch, _ = loop_mod._prepare(
-        loop_mod._Run(cfg, _mesh(), None, plan, state, None, step, None, make_assemble(plan),
-                      None, None, None, 0),
-        rollout, step=1,
-    )  # fmt: skip
+    batch, _ = Updater(graphdef, optimizer, plan, _mesh()).prepare(rollout, 1, state.params)
     for _ in range(3):
         with sh.use_mesh(_mesh()):
             state, metrics = step(state, jax.tree.map(lambda x: x[0], batch))

@@ -1,0 +1,434 @@
+"""The trainer: the library's front door, one RL step at a time.
+
+One RL step (:meth:`Trainer.step`), each stage a function below, in this order:
+
+1. **rollout + score** (:func:`delta_jax.rl.rollout.collect_rollout`): ``prompts_per_step``
+   prompts from the checkpointable prompt source, ``n`` responses each from the sampler (reading
+   the trainer's current parameters, no copy), rewards (worker pools, timeouts) plus the overlong
+   penalty, group advantages, dynamic sampling when configured. Sequences, log-probs and hidden
+   states stay on device; the host reads the token ids only to decode the text the rewards need;
+2. **prepare** (:meth:`~delta_jax.rl.update.Updater.prepare`): the sequences go into the
+   update's rows — packed first-fit-decreasing into ``algo.tokens_per_row`` (``algo.packing``),
+   or one padded per row — by one on-device gather (:mod:`delta_jax.rl.packing`); then, as the
+   :class:`~delta_jax.rl.update_plan.UpdatePlan` says, DelTA coefficients from the sampler's
+   hidden states, or the old-policy pass (old log-probs, coefficients once per rollout batch),
+   and the reference pass (:mod:`delta_jax.rl.prepare`);
+3. **update(s)** (:meth:`~delta_jax.rl.update.Updater.update`): ``algo.mini_batches``
+   optimiser updates, each accumulating ``algo.micro_batches`` micro-batches; metrics reduced
+   by meaning;
+4. **log / evaluate / save** (:meth:`Trainer._finish`).
+
+Resume is exact: sampling seeds derive from (seed, step), the prompt source's state is saved
+with the parameters and optimiser state, and metrics lines after the restored step are dropped.
+In :meth:`Trainer.train`, SIGTERM finishes the current step, saves and returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import yaml
+from flax import nnx
+
+from delta_jax import sharding as sh
+from delta_jax.checkpoint import Checkpointer
+from delta_jax.config import Config, ConfigError, load_config
+from delta_jax.rl.metrics_log import MetricsLog
+from delta_jax.rl.rollout import Rollout, collect_rollout
+from delta_jax.rl.setup import RunParts, build_run_parts
+from delta_jax.rl.state import init_sharded_state, make_optimizer
+from delta_jax.rl.update import Updater
+from delta_jax.rl.update_plan import UpdatePlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    run_dir: Path
+    last_step: int
+    metrics_path: Path
+    checkpoint_dir: Path
+    plot_path: Path | None
+    stopped_early: bool
+
+
+class _CompileCounter:
+    """Counts XLA backend compilations (jitted programs and eager ops) in this process.
+
+    Logged per step as ``compiles``: after the first step of a run it should stay 0 — the update,
+    old-log-prob pass and sampler each compile once per shape bucket.
+    """
+
+    count = 0
+    _registered = False
+
+    @classmethod
+    def install(cls) -> None:
+        if not cls._registered:
+            jax.monitoring.register_event_duration_secs_listener(cls._on_event)
+            cls._registered = True
+
+    @classmethod
+    def _on_event(cls, name: str, duration: float, **kwargs) -> None:
+        if name == "/jax/core/compile/backend_compile_duration":
+            cls.count += 1
+
+
+class _StopFlag:
+    """Set by SIGTERM: the loop finishes its step, saves and returns."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread: no signal handling
+            self._previous = None
+        return self
+
+    def _handle(self, signum, frame):
+        log.warning("SIGTERM received: finishing the current step, saving, then exiting")
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def as_config(config: Config | str | Path | Mapping[str, Any] | None) -> Config:
+    """A :class:`Config` from itself, a YAML path, or overrides of the built-in defaults.
+
+    Overrides are ``{"section.key": value}`` or nested ``{"section": {"key": value}}``.
+    """
+    if config is None or isinstance(config, Config):
+        return config or load_config(None)
+    if isinstance(config, str | Path):
+        return load_config(config)
+    if isinstance(config, Mapping):
+        flat = []
+        for key, value in config.items():
+            items = value.items() if isinstance(value, Mapping) else [(None, value)]
+            for sub, v in items:
+                dotted = key if sub is None else f"{key}.{sub}"
+                flat.append((dotted, v))
+        values: dict[str, dict[str, Any]] = {}
+        for dotted, v in flat:
+            if not isinstance(dotted, str) or dotted.count(".") != 1:
+                raise ConfigError(f"config key {dotted!r} must be section.key (e.g. algo.loss)")
+            section, key = dotted.split(".")
+            values.setdefault(section, {})[key] = v
+        from delta_jax.config import build_config
+
+        return build_config(values)
+    raise ConfigError(
+        f"config must be a Config, a YAML path or a dict of section.key overrides, "
+        f"got {type(config).__name__}"
+    )
+
+
+class Trainer:
+    """An RL run of a policy on prompts with verifiable rewards (DelTA by default).
+
+    Args:
+      config: a :class:`~delta_jax.config.Config`, a YAML path, or a dict of ``section.key``
+        overrides of the built-in defaults (the CPU demo).
+      model: a :class:`~delta_jax.models.Transformer` (e.g. from
+        :func:`~delta_jax.models.from_pretrained`, LoRA applied or not), instead of
+        ``model.path``; used as it is (``model.lora_rank > 0`` adds adapters if it has none).
+      tokenizer: any Hugging Face tokenizer (added tokens included), instead of the one in
+        ``model.path``.
+      train_dataset: a ``datasets.Dataset``, a ``datasets.IterableDataset`` or a list of dicts,
+        instead of ``data.source``; read with ``data.adapter`` and ``data.template`` as a file
+        would be (:mod:`delta_jax.data.objects` says what a resume promises for each).
+      eval_dataset: the held-out prompts, likewise, instead of ``data.eval_source``.
+      reward_fns: reward functions instead of ``reward.kind``: kinds (``"math"``, ``"code"``,
+        ``"format"``), ``"module:function"`` paths, or callables
+        ``fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]``
+        (``columns``: the rows' other fields as lists; ``None``: does not apply, reward 0).
+      reward_weights: one weight per reward function (default 1 each); the reward is the sum.
+
+    Example::
+
+      def exact(prompts, completions, answer, **columns):
+          return [float(a in c) for c, a in zip(completions, answer)]
+
+      with Trainer({"run.steps": 2, "run.eval_every": 0}, train_dataset=rows,
+                   reward_fns=[exact]) as trainer:
+          row = trainer.step()   # one RL step's metrics, e.g. row["reward/exact"]
+    """
+
+    def __init__(
+        self,
+        config: Config | str | Path | Mapping[str, Any] | None = None,
+        *,
+        model=None,
+        tokenizer=None,
+        train_dataset=None,
+        eval_dataset=None,
+        reward_fns: Sequence[str | Callable] | str | Callable | None = None,
+        reward_weights: Sequence[float] | None = None,
+    ):
+        self.config = cfg = as_config(config)
+        self.mesh = sh.mesh_from_config(cfg.run.mesh)
+        self.parts: RunParts = build_run_parts(
+            cfg,
+            mesh=self.mesh,
+            model=model,
+            tokenizer=tokenizer,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            reward_fns=reward_fns,
+            reward_weights=reward_weights,
+        )
+        try:
+            self._start(cfg)
+        except BaseException:
+            self.parts.close()
+            raise
+        self._closed = False
+        _CompileCounter.install()
+
+    def _start(self, cfg: Config) -> None:
+        """Update plan, compiled programs, train state (restored when resuming), logs."""
+        parts, mesh = self.parts, self.mesh
+        self.plan = plan = UpdatePlan.from_config(cfg)
+        optimizer = make_optimizer(cfg.optim, total_updates=cfg.run.steps * plan.mini_batches)
+        graphdef, params = nnx.split(parts.model, nnx.Param)
+        self.state, _ = init_sharded_state(params, optimizer, mesh)
+        self.checkpointer = Checkpointer(
+            parts.run_dir / "checkpoints", keep_last=cfg.run.keep_last,
+            best_metric=cfg.run.best_metric,
+        )  # fmt: skip
+        start = self.checkpointer.latest_step() or 0
+        # The reference is the initial policy, also when resuming.
+        self.ref_params = jax.tree.map(jnp.copy, self.state.params) if plan.reference else None
+        if start:
+            self.state, host = self.checkpointer.restore(start, self.state)
+            parts.prompts.set_state(host["data"])
+            log.info("resumed from %s at step %d", self.checkpointer.directory, start)
+        self.step_count = self._saved_step = start
+        self._writer = jax.process_index() == 0
+        self.metrics_log = MetricsLog(
+            parts.run_dir,
+            enabled=self._writer,
+            tensorboard=cfg.run.tensorboard,
+            wandb=cfg.run.wandb,
+            resume_step=start if start else -1,  # from scratch: no rows of an earlier attempt
+            config=cfg.to_dict(),
+        )
+        if self._writer:
+            text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+            (parts.run_dir / "config.yaml").write_text(text)
+        self.updater = Updater(
+            graphdef, optimizer, plan, mesh, seed=cfg.run.seed, placed_like=self.state
+        )
+
+    # -- the public surface ------------------------------------------------------------------
+
+    @property
+    def params(self):
+        """The current parameters (an ``nnx.State`` of the policy's ``nnx.Param``)."""
+        return self.state.params
+
+    @property
+    def model(self):
+        """The policy with the current parameters (e.g. for ``save_pretrained``)."""
+        nnx.update(self.parts.model, self.state.params)
+        return self.parts.model
+
+    @property
+    def tokenizer(self):
+        return self.parts.tokenizer
+
+    @property
+    def sampler(self):
+        """The rollout sampler (its settings, and the engine statistics of its last call)."""
+        return self.parts.sampler
+
+    @property
+    def run_dir(self) -> Path:
+        return self.parts.run_dir
+
+    def step(self) -> dict[str, Any]:
+        """Runs exactly one RL step (rollout, rewards, prepare, update, log, save when due).
+
+        Returns:
+          The step's metrics row, as written to ``metrics.jsonl``.
+        """
+        return self._step(stopping=False)
+
+    def train(self) -> TrainResult:
+        """Runs to ``run.steps`` (from the last checkpoint when resuming); SIGTERM-safe."""
+        cfg, progress = self.config, None
+        if self._writer and cfg.run.progress:
+            from tqdm import tqdm
+
+            progress = tqdm(
+                total=cfg.run.steps, initial=self.step_count, desc="rl", dynamic_ncols=True
+            )
+        stopped = False
+        with _StopFlag() as stop:
+            while self.step_count < cfg.run.steps and not stopped:
+                # The flag is read once per step, before its save decision: the step that
+                # stops is the step that saves (a later SIGTERM is served after the next step).
+                row = self._step(stopping=lambda: stop.requested)
+                stopped = self._stopped
+                if progress is not None:
+                    loss = row.get("loss") or 0
+                    progress.set_postfix(reward=f"{row['reward_mean']:.3f}", loss=f"{loss:.4f}")
+                    progress.update(1)
+        if progress is not None:
+            progress.close()
+        self.checkpointer.wait()
+        plot_path = None
+        if self._writer:
+            from delta_jax.diagnostics.plots import plot_runs
+
+            plot_path = plot_runs([self.run_dir], self.run_dir / "learning_curve.png")
+        return TrainResult(
+            run_dir=self.run_dir,
+            last_step=self.step_count,
+            metrics_path=self.metrics_log.path,
+            checkpoint_dir=self.checkpointer.directory,
+            plot_path=plot_path,
+            stopped_early=stopped,
+        )
+
+    def evaluate(self) -> dict[str, float]:
+        """The held-out evaluation of the current policy (``eval/avg@1``, ...); not logged."""
+        if not self.parts.eval_prompt_ids:
+            raise ConfigError("no held-out prompts: pass eval_dataset= or set data.eval_source")
+        return self.parts.evaluate(self._sampling_params(), self.step_count)
+
+    def save(self) -> Path:
+        """Checkpoints the current state (at the current step); returns the checkpoint folder."""
+        if self._saved_step != self.step_count or self.checkpointer.latest_step() is None:
+            self._save(self.step_count, {})
+        self.checkpointer.wait()
+        return self.checkpointer.directory / str(self.step_count)
+
+    def close(self) -> None:
+        """Waits for pending saves and stops the reward workers (idempotent)."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self.checkpointer.close()
+        self.parts.close()
+        self.metrics_log.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _step(self, stopping: bool | Callable[[], bool]) -> dict[str, Any]:
+        if self._closed:
+            raise RuntimeError("the trainer is closed")
+        cfg = self.config
+        if self.step_count >= cfg.run.steps:
+            raise ConfigError(
+                f"run.steps={cfg.run.steps} reached: raise run.steps to train further"
+            )
+        if cfg.run.eval_every and self.step_count == 0:
+            # The starting point of the learning curve: the policy before any RL update.
+            self.metrics_log.log(0, self.parts.evaluate(self._sampling_params(), 0))
+        step = self.step_count + 1
+        t_step, compiles = time.perf_counter(), _CompileCounter.count
+        rollout = self._rollout(step)
+        t_update = time.perf_counter()
+        batch, metrics = self.updater.prepare(rollout, step, self.state.params, self.ref_params)
+        self.state, update_metrics = self.updater.update(self.state, batch)
+        metrics.update(update_metrics)
+        metrics["time/update"] = time.perf_counter() - t_update
+        self._stopped = stopping() if callable(stopping) else stopping
+        row = self._finish(step, metrics, t_step, compiles, self._stopped)
+        self.step_count = step
+        return row
+
+    def _rollout(self, step: int) -> Rollout:
+        """Sample and score one rollout batch with the current parameters."""
+        cfg, parts = self.config, self.parts
+        rollout = collect_rollout(
+            sampler=parts.sampler,
+            params=self._sampling_params(),
+            scorer=parts.scorer,
+            tokenizer=parts.tokenizer,
+            prompt_batches=parts.prompts,
+            n=cfg.rollout.samples_per_prompt,
+            prompt_len=parts.prompt_len,
+            gen_len=cfg.rollout.max_new_tokens,
+            sampling=dict(
+                temperature=cfg.rollout.temperature,
+                top_p=cfg.rollout.top_p,
+                top_k=cfg.rollout.top_k,
+                stop_token_ids=parts.stop_token_ids,
+            ),
+            seed=cfg.run.seed * 1_000_003 + step,
+            advantage=cfg.algo.advantage,
+            overlong=(cfg.reward.overlong_buffer, cfg.reward.overlong_factor),
+            dynamic_rounds=cfg.rollout.dynamic_sampling_rounds,
+            return_hidden=self.plan.coefficients == "sampler",
+        )
+        # Back from the sampler's mesh to the trainer's rows (a no-op when the layouts agree).
+        moved = sh.replicated_to_global(
+            (rollout.sequences, rollout.rollout_logprobs, rollout.hidden), self.mesh, row_axis=0
+        )
+        return dataclasses.replace(
+            rollout, sequences=moved[0], rollout_logprobs=moved[1], hidden=moved[2]
+        )
+
+    def _sampling_params(self):
+        """The trainer's parameters in the sampler's layout: its mesh, the compute dtype."""
+        return sh.reshard_for_sampling(
+            self.state.params,
+            self.mesh,
+            sample_mesh=self.parts.sampler.mesh,
+            dtype=self.parts.model.dtype,
+        )
+
+    def _finish(self, step, metrics, t_step, compiles, stopping: bool) -> dict[str, Any]:
+        """Evaluate when due, log the step's metrics, save when due; returns the logged row."""
+        cfg = self.config
+        if cfg.run.eval_every and step % cfg.run.eval_every == 0:
+            t_eval = time.perf_counter()
+            metrics.update(self.parts.evaluate(self._sampling_params(), step))
+            metrics["time/eval"] = time.perf_counter() - t_eval
+        metrics["time/step"] = time.perf_counter() - t_step
+        metrics["compiles"] = _CompileCounter.count - compiles
+        row = self.metrics_log.log(step, metrics)
+        if step % cfg.run.save_every == 0 or step == cfg.run.steps or stopping:
+            self._save(step, row)
+        return row
+
+    def _save(self, step: int, row: dict[str, Any]) -> None:
+        self.checkpointer.save(
+            step,
+            self.state,
+            host={
+                "data": self.parts.prompts.get_state(),
+                "step": step,
+                "seed": self.config.run.seed,
+            },
+            metrics={k: v for k, v in row.items() if isinstance(v, int | float)},
+        )
+        self._saved_step = step
+
+
+def train(config: Config | str | Path | Mapping[str, Any]) -> TrainResult:
+    """Runs (or resumes) the RL job described by ``config``; returns where its outputs are."""
+    with Trainer(config) as trainer:
+        return trainer.train()

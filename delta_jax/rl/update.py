@@ -1,0 +1,113 @@
+"""Stages 2 and 3 of an RL step: a scored rollout -> the update's rows -> optimiser updates.
+
+:class:`Updater` holds the compiled programs of one :class:`~delta_jax.rl.update_plan.UpdatePlan`
+(the row assembly, the old-policy / reference pass, DelTA coefficients from the sampler's hidden
+states, the train step) and applies them in the plan's order. The :class:`~delta_jax.rl.Trainer`
+runs it after each rollout; tests run it on hand-made rollouts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from delta_jax import sharding as sh
+from delta_jax.rl.packing import make_assemble, plan_rows
+from delta_jax.rl.prepare import make_prepare, make_sampler_coefficients
+from delta_jax.rl.rollout import Rollout
+from delta_jax.rl.state import TrainState
+from delta_jax.rl.train_step import TrainBatch, combine_metrics, make_train_step
+from delta_jax.rl.update_plan import UpdatePlan
+
+
+class Updater:
+    """Prepares a rollout batch and applies the plan's optimiser updates.
+
+    Args:
+      graphdef: the policy's static graph (``nnx.split(model, nnx.Param)[0]``).
+      optimizer: the optax optimiser of the train state.
+      plan: the update plan.
+      mesh: the trainer's device mesh.
+      seed: the run's seed (the mini-batch order of step ``s`` derives from it).
+      placed_like: a train state whose placement the compiled update keeps and whose rows are
+        sharded over the mesh (the trainer's); None leaves placement to XLA.
+      donate: donate the train state to the update (off where a test reuses its input).
+    """
+
+    def __init__(
+        self,
+        graphdef,
+        optimizer,
+        plan: UpdatePlan,
+        mesh,
+        *,
+        seed: int = 0,
+        placed_like: TrainState | None = None,
+        donate: bool = True,
+    ):
+        self.plan, self.mesh, self.seed = plan, mesh, seed
+        sharded = placed_like is not None
+        self.train_step = make_train_step(
+            graphdef, optimizer, plan, mesh=mesh if sharded else None, donate=donate,
+            jit_kwargs=sh.train_jit_kwargs(placed_like, mesh) if sharded else None,
+        )  # fmt: skip
+        self._prepare = make_prepare(graphdef, plan, mesh=mesh if sharded else None)
+        self._assemble = make_assemble(
+            plan, sh.rows_sharding(mesh, row_axis=2) if sharded else None
+        )
+        self._coefficients = make_sampler_coefficients(plan, mesh=mesh if sharded else None)
+
+    def prepare(
+        self, rollout: Rollout, step: int, params, ref_params=None
+    ) -> tuple[TrainBatch, dict[str, Any]]:
+        """The rollout in the update's rows ``[mini, M, b, ...]``, with the plan's fixed inputs.
+
+        Returns:
+          The batch and the rollout's metrics with the layout's and DelTA's added.
+        """
+        plan, metrics = self.plan, dict(rollout.stats)
+        advantages = jnp.asarray(rollout.advantages)
+        coefficients, diagnostics = None, {}
+        if plan.coefficients == "sampler":
+            coefficients, diagnostics = self._coefficients(
+                rollout.hidden, rollout.rollout_logprobs, advantages, jnp.asarray(rollout.lengths)
+            )
+        order = np.arange(plan.rows)
+        if plan.mini_batches > 1:
+            order = np.random.default_rng(self.seed * 7919 + step).permutation(plan.rows)
+        shards = sh.batch_divisor(self.mesh)
+        index, layout_stats = plan_rows(
+            plan, order, rollout.prompt_lengths, rollout.lengths, shards
+        )
+        metrics.update(layout_stats)
+        index = sh.replicated_to_global(index, self.mesh, row_axis=2)
+        batch = self._assemble(
+            rollout.sequences, rollout.rollout_logprobs, advantages, coefficients, index
+        )
+        if plan.old_pass or plan.reference:
+            with sh.use_mesh(self.mesh):
+                batch, diagnostics = self._prepare(params, ref_params, batch)
+        metrics.update({f"delta/{k}": v for k, v in diagnostics.items()})
+        if plan.coefficients in ("sampler", "old_pass"):
+            metrics["delta/computed_per_rollout"] = 1.0
+        elif plan.coefficients == "in_loss":
+            metrics["delta/computed_in_loss"] = 1.0
+        return batch, metrics
+
+    def update(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, float]]:
+        """The plan's optimiser updates, one per mini-batch; their metrics reduced by meaning."""
+        per_update = []
+        for m in range(self.plan.mini_batches):
+            with sh.use_mesh(self.mesh):
+                state, metrics = self.train_step(state, jax.tree.map(lambda x, m=m: x[m], batch))
+            per_update.append(metrics)
+        per_update = jax.device_get(per_update)  # one transfer, after the last update
+        stacked = {k: np.stack([u[k] for u in per_update]) for k in per_update[0]}
+        means = ("loss", "pg_loss", "grad_norm", "update_skipped")
+        metrics = combine_metrics(stacked, means=means)
+        metrics.pop("tokens")
+        metrics["updates_skipped_total"] = int(state.skipped)
+        return state, {k: float(v) if not isinstance(v, int) else v for k, v in metrics.items()}
