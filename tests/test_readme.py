@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
 
 
@@ -42,3 +44,17 @@ def test_readme_starts_with_the_two_commands():
     blocks = re.findall(r"```bash\n(.*?)\n```", (ROOT / "README.md").read_text(), flags=re.S)
     assert "delta-jax train --config configs/demo.yaml" in blocks[0]
     assert "pytest" in blocks[1]
+
+
+@pytest.mark.slow  # a short demo warm-up and two RL steps
+def test_readme_trainer_snippet_runs(tmp_path):
+    code = _section_code("Use the trainer from Python")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split() for line in proc.stdout.splitlines() if line[:2] in ("1 ", "2 ")]
+    assert [line[0] for line in lines] == ["1", "2"]
+    for _, math, boxed, loss in lines:
+        assert 0 <= float(math) <= 1 and 0 <= float(boxed) <= 1 and loss != "nan"
+    assert (tmp_path / "runs" / "api_demo" / "checkpoints" / "2").exists()

@@ -253,7 +253,7 @@ class Trainer:
 
     @property
     def sampler(self):
-        """The rollout sampler (its settings, and the engine statistics of its last call)."""
+        """The rollout sampler (engine, slots, pages: what the config or defaults chose)."""
         return self.parts.sampler
 
     @property
@@ -410,7 +410,8 @@ class Trainer:
         metrics["time/step"] = time.perf_counter() - t_step
         metrics["compiles"] = _CompileCounter.count - compiles
         row = self.metrics_log.log(step, metrics)
-        if step % cfg.run.save_every == 0 or step == cfg.run.steps or stopping:
+        periodic = cfg.run.save_every and step % cfg.run.save_every == 0  # 0: off
+        if periodic or step == cfg.run.steps or stopping:
             self._save(step, row)
         return row
 
