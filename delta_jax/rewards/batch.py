@@ -41,6 +41,7 @@ instead, with the same deadline (a call past it is abandoned to its daemon threa
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import hashlib
 import logging
@@ -214,6 +215,22 @@ class _Worker:
     deadline: float = math.inf
 
 
+class _Job:
+    """One submitted batch: its tasks, the rewards and reasons filled in as tasks finish."""
+
+    def __init__(self, n: int):
+        self.n, self.tasks = n, []
+        self.rewards, self.reasons = np.zeros(n, np.float32), [""] * n
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def finish(self, start: int, results: Sequence[tuple[float, str]]) -> None:
+        for j, (reward, reason) in enumerate(results):
+            self.rewards[start + j], self.reasons[start + j] = reward, reason
+
+    def batch(self) -> RewardBatch:
+        return RewardBatch(self.rewards, self.reasons, dict(collections.Counter(self.reasons)))
+
+
 class RewardScorer:
     """Scores whole rollout batches in parallel, with per-item timeouts and crash isolation.
 
@@ -274,6 +291,9 @@ class RewardScorer:
         self._startup_failures = 0
         self._ctx = mp.get_context("spawn")
         self._closed = False
+        self._jobs: list[_Job] = []
+        self._wakeup = threading.Condition()
+        self._dispatcher: threading.Thread | None = None
         self._unit_fn = _make_unit_fn(kind, self._options)
         # In this process: serial (num_workers=0), or with deadlines when the callable cannot
         # reach a worker.
@@ -343,35 +363,93 @@ class RewardScorer:
         for i, item in enumerate(items):
             if not isinstance(item, Mapping) or (field is not None and field not in item):
                 raise ValueError(f"items[{i}] must be a mapping with key {field!r}, got {item!r}")
+        return self.submit(prompts, responses, items, group_size=group_size).result()
+
+    def submit(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        items: Sequence[Mapping[str, Any]],
+        *,
+        group_size: int = 1,
+    ) -> concurrent.futures.Future:
+        """Starts scoring a batch (e.g. one prompt's samples, while others are still sampled).
+
+        Submissions are scored in the background, all that are waiting together (so a batched
+        function's groups still spread over the workers); :meth:`score` is ``submit(...)
+        .result()``. Arguments as for :meth:`score`; validation errors raise here.
+
+        Returns:
+          A future of the :class:`RewardBatch`.
+        """
+        n = len(responses)
+        if len(prompts) != n or len(items) != n:
+            raise ValueError(
+                f"prompts, responses and items must have the same length, got {len(prompts)}, "
+                f"{n} and {len(items)}"
+            )
+        field = _REQUIRED_FIELD.get(self.kind) if isinstance(self.kind, str) else None
+        for i, item in enumerate(items):
+            if not isinstance(item, Mapping) or (field is not None and field not in item):
+                raise ValueError(f"items[{i}] must be a mapping with key {field!r}, got {item!r}")
         unit = group_size if self.batched else 1
         if unit < 1 or n % unit:
             raise ValueError(f"group_size={group_size} must be >= 1 and divide the batch ({n})")
         if self._closed:
             raise RuntimeError("RewardScorer is closed")
-        rewards = np.zeros(n, np.float32)
-        reasons = [""] * n
-
-        def finish(start: int, results: Sequence[tuple[float, str]]) -> None:
-            for j, (reward, reason) in enumerate(results):
-                rewards[start + j], reasons[start + j] = reward, reason
-
-        tasks = [
+        job = _Job(n)
+        job.tasks = [
             (s, list(prompts[s : s + unit]), list(responses[s : s + unit]),
              [dict(x) for x in items[s : s + unit]])
             for s in range(0, n, unit)
         ]  # fmt: skip
-        if not self.in_process:
-            self._run_pool(tasks, finish)
-        elif self.num_workers == 0:
-            for start, *args in tasks:
-                finish(start, self._unit_fn(*args))
-        else:
-            for start, *args in tasks:
-                done, results = _call_with_deadline(
-                    lambda args=args: self._unit_fn(*args), self.deadline_s
-                )
-                finish(start, results if done else [(0.0, "timeout")] * len(args[0]))
-        return RewardBatch(rewards, reasons, dict(collections.Counter(reasons)))
+        if self.num_workers == 0:  # serial: here and now
+            for start, *args in job.tasks:
+                job.finish(start, self._unit_fn(*args))
+            job.future.set_result(job.batch())
+            return job.future
+        with self._wakeup:
+            self._jobs.append(job)
+            if self._dispatcher is None:
+                self._dispatcher = threading.Thread(target=self._dispatch, daemon=True)
+                self._dispatcher.start()
+            self._wakeup.notify()
+        return job.future
+
+    def _dispatch(self) -> None:
+        """The background thread: scores every job waiting, together, until the scorer closes."""
+        while True:
+            with self._wakeup:
+                while not self._jobs and not self._closed:
+                    self._wakeup.wait()
+                if self._closed:
+                    return
+                jobs, self._jobs = self._jobs, []
+            tasks, owner = [], {}
+            for job in jobs:  # task ids: the tasks' places in this round's list
+                for start, *args in job.tasks:
+                    owner[len(tasks)] = (job, start)
+                    tasks.append((len(tasks), *args))
+
+            def finish(tid: int, results: Sequence, owner=owner) -> None:
+                job, start = owner[tid]
+                job.finish(start, results)
+
+            try:
+                if self.in_process:
+                    for tid, *args in tasks:
+                        done, results = _call_with_deadline(
+                            lambda args=args: self._unit_fn(*args), self.deadline_s
+                        )
+                        finish(tid, results if done else [(0.0, "timeout")] * len(args[0]))
+                else:
+                    self._run_pool(tasks, finish)
+            except BaseException as e:  # noqa: BLE001 - a broken pool fails its jobs, loudly
+                for job in jobs:
+                    job.future.set_exception(e)
+                continue
+            for job in jobs:
+                job.future.set_result(job.batch())
 
     def _run_pool(self, tasks: list[tuple], finish: Callable[[int, Sequence], None]) -> None:
         todo = collections.deque(tasks)
@@ -444,7 +522,15 @@ class RewardScorer:
             worker.ready = True
 
     def close(self) -> None:
-        """Shuts the workers down (idempotent)."""
+        """Shuts the workers down (idempotent); jobs still waiting are cancelled."""
+        with self._wakeup:
+            self._closed = True
+            for job in self._jobs:
+                job.future.cancel()
+            self._jobs = []
+            self._wakeup.notify()
+        if self._dispatcher is not None and self._dispatcher is not threading.current_thread():
+            self._dispatcher.join(timeout=max(5.0, self.deadline_s + 5.0))
         for worker in self._workers:
             if not worker.ready or worker.task is not None:
                 worker.process.kill()  # Still starting, or stuck: nothing to wait for.
@@ -460,7 +546,6 @@ class RewardScorer:
                 worker.process.join()
             worker.conn.close()
         self._workers = []
-        self._closed = True
 
     def __enter__(self) -> RewardScorer:
         return self

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from delta_jax.config import ConfigError, load_config
-from delta_jax.rewards import FlippedRewards, RewardScorer
+from delta_jax.rewards import FlippedRewards, RewardScorer, RewardSet
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_config_range_and_wiring():
     noisy = load_config(None, ["reward.flip_fraction=0.25", "run.seed=5", "reward.num_workers=0"])
     train, evaluation = make_scorers(noisy)
     assert isinstance(train, FlippedRewards) and (train.fraction, train.seed) == (0.25, 5)
-    assert train.scorer is evaluation and isinstance(evaluation, RewardScorer)
+    assert train.scorer is evaluation and isinstance(evaluation, RewardSet)
     clean = load_config(None, ["reward.num_workers=0"])
     train, evaluation = make_scorers(clean)
-    assert train is evaluation and isinstance(train, RewardScorer)
+    assert train is evaluation and isinstance(train, RewardSet)

@@ -86,3 +86,25 @@ def test_reward_names_and_bad_arguments():
         RewardScorer(batched_by_answer, num_workers=0, batched=True).score(
             ["p"] * 3, ["c"] * 3, [{"answer": "c"}] * 3, group_size=2
         )
+
+
+@pytest.mark.parametrize("fn", ["math", "batched"])
+def test_submissions_score_in_the_background_as_score_does(fn):
+    batched = fn == "batched"
+    kind = batched_by_answer if batched else "math"
+    responses = [r"\boxed{4}", "4", r"\boxed{5}", "5", "n/a", r"\boxed{7}"]
+    answers = ["4", "4", "4", "5", "1", "7"]
+    if batched:
+        responses = [r.replace(r"\boxed{", "").rstrip("}") for r in responses]
+    items = [{"answer": a} for a in answers]
+    with RewardScorer(kind, num_workers=2, batched=batched) as scorer:
+        whole = scorer.score(["p"] * 6, responses, items, group_size=2)
+        futures = [
+            scorer.submit(["p"] * 2, responses[g : g + 2], items[g : g + 2], group_size=2)
+            for g in (0, 2, 4)
+        ]
+        parts = [f.result(timeout=60) for f in futures]
+    np.testing.assert_array_equal(np.concatenate([b.rewards for b in parts]), whole.rewards)
+    assert [r for b in parts for r in b.reasons] == whole.reasons
+    with pytest.raises(RuntimeError, match="closed"):
+        scorer.submit(["p"], ["4"], [{"answer": "4"}])
