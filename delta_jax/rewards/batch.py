@@ -586,6 +586,14 @@ class FlippedRewards:
         **kwargs: Any,
     ) -> RewardBatch:
         batch = self.scorer.score(prompts, responses, items, **kwargs)
+        return self.finish(batch, prompts, responses)
+
+    def submit(self, prompts, responses, items, **kwargs: Any):
+        """The wrapped scorer's submission; flip the whole batch with :meth:`finish`."""
+        return self.scorer.submit(prompts, responses, items, **kwargs)
+
+    def finish(self, batch: RewardBatch, prompts, responses) -> RewardBatch:
+        """Flips the rewards of a whole scored batch (which items depends on all its text)."""
         digest = hashlib.blake2b("\0".join([*prompts, *responses]).encode(), digest_size=8)
         rng = np.random.default_rng([self.seed, int.from_bytes(digest.digest(), "little")])
         flip = rng.random(len(batch.rewards)) < self.fraction

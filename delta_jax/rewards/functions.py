@@ -93,11 +93,30 @@ class RewardSet:
         group_size: int = 1,
     ) -> RewardBatch:
         """The weighted sum of every function's rewards; counts by ``"<name>:<reason>"``."""
-        batches = [s.score(prompts, responses, items, group_size=group_size) for s in self.scorers]
+        return self.submit(prompts, responses, items, group_size=group_size).result()
+
+    def submit(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        items: Sequence[Mapping[str, Any]],
+        *,
+        group_size: int = 1,
+    ) -> PendingRewards:
+        """Starts scoring in the background (:meth:`RewardScorer.submit`); ``.result()`` waits."""
+        futures = [s.submit(prompts, responses, items, group_size=group_size) for s in self.scorers]
+        return PendingRewards(self, futures)
+
+    def finish(self, batch: RewardBatch, prompts, responses) -> RewardBatch:
+        """What the scorer does to a whole batch once all of it is scored: nothing here."""
+        return batch
+
+    def combine(self, batches: Sequence[RewardBatch]) -> RewardBatch:
+        """One batch from every function's (same items, in :attr:`names` order)."""
         total = sum(w * b.rewards for w, b in zip(self.weights, batches, strict=True))
         components = {name: b.rewards for name, b in zip(self.names, batches, strict=True)}
         if len(batches) == 1:
-            return RewardBatch(batches[0].rewards * self.weights[0], batches[0].reasons,
+            return RewardBatch(np.asarray(total, np.float32), batches[0].reasons,
                                batches[0].counts, components)  # fmt: skip
         reasons = [";".join(r) for r in zip(*(b.reasons for b in batches), strict=True)]
         counts = {
@@ -116,6 +135,19 @@ class RewardSet:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class PendingRewards:
+    """Rewards being scored: :meth:`result` waits for every function's and combines them."""
+
+    def __init__(self, rewards: RewardSet, futures: list):
+        self.rewards, self.futures = rewards, futures
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def result(self, timeout: float | None = None) -> RewardBatch:
+        return self.rewards.combine([f.result(timeout) for f in self.futures])
 
 
 def _unique(names: list[str]) -> list[str]:
