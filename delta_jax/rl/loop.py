@@ -189,11 +189,10 @@ def _start(cfg: Config) -> _Run:
     ckpt = Checkpointer(
         parts.run_dir / "checkpoints", keep_last=cfg.run.keep_last, best_metric=cfg.run.best_metric
     )
-    start = ckpt.latest_step() or 0
     # The reference is the initial policy, also when resuming.
     ref_params = jax.tree.map(jnp.copy, state.params) if plan.reference else None
+    start, state, host = ckpt.restore_latest(state)
     if start:
-        state, host = ckpt.restore(start, state)
         parts.pipeline.set_state(host["data"])
         log.info("resumed from %s at step %d", ckpt.directory, start)
     writer = jax.process_index() == 0
@@ -327,7 +326,7 @@ def _finish_step(run: _Run, step, metrics, t_step, compiles, stopping) -> dict[s
     metrics["time/step"] = time.perf_counter() - t_step
     metrics["compiles"] = _CompileCounter.count - compiles
     row = run.metrics_log.log(step, metrics)
-    if step % cfg.run.save_every == 0 or step == cfg.run.steps or stopping:
+    if cfg.run.save_due(step, stopping):
         run.checkpointer.save(
             step,
             run.state,
