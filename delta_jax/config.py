@@ -132,7 +132,8 @@ class RewardConfigSection:
     # Worker processes; 0 scores serially in the trainer's process (no deadline, no isolation).
     num_workers: int = 2
     timeout_s: float = 5.0  # per item, > 0
-    # DAPO soft overlong punishment, in tokens (buffer 0 disables it).
+    # DAPO soft overlong punishment, in tokens (buffer 0 disables it; at most
+    # rollout.max_new_tokens), and its largest penalty (>= 0).
     overlong_buffer: int = 0
     overlong_factor: float = 1.0
     # Reward noise: this fraction of training rewards (chosen at random, reproducibly) is
@@ -417,6 +418,11 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"rollout.samples_per_prompt={r.samples_per_prompt} exceeds "
             f"rollout.decode_slots={r.decode_slots}"
+        )
+    if config.reward.overlong_buffer > r.max_new_tokens:
+        raise ConfigError(
+            f"reward.overlong_buffer={config.reward.overlong_buffer} must be <= "
+            f"rollout.max_new_tokens={r.max_new_tokens} (the punished tail of a response)"
         )
     if not 0.0 <= config.reward.flip_fraction <= 1.0:
         raise ConfigError(f"reward.flip_fraction={config.reward.flip_fraction} must be in [0, 1]")
