@@ -34,19 +34,23 @@ def _restore_policy(run_dir: Path, step: int | None):
     """The policy model of a run, with parameters from its checkpoint (latest by default)."""
     from flax import nnx
 
-    from delta_jax.checkpoint import Checkpointer
+    from delta_jax.checkpoint import Checkpointer, CheckpointError
     from delta_jax.rl.setup import load_model
     from delta_jax.rl.state import init_train_state, make_optimizer
 
     config = load_config(run_dir / "config.yaml")
     model, tokenizer = load_model(config, run_dir)
     ckpt = Checkpointer(run_dir / "checkpoints", keep_last=config.run.keep_last)
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise ConfigError(f"{run_dir}: no checkpoint found under {run_dir / 'checkpoints'}")
     _, params = nnx.split(model, nnx.Param)
-    optimizer = make_optimizer(config.optim, total_updates=1)
-    state, _ = ckpt.restore(step, init_train_state(params, optimizer))
+    state = init_train_state(params, make_optimizer(config.optim, total_updates=1))
+    if step is None:  # the newest intact step (damaged newer ones are skipped, with a warning)
+        step, state, _ = ckpt.restore_latest(state)
+    elif problem := ckpt.damage(step):
+        raise CheckpointError(f"{run_dir}: checkpoint step {step} is damaged ({problem})")
+    else:
+        state, _ = ckpt.restore(step, state)
+    if not step:
+        raise ConfigError(f"{run_dir}: no checkpoint found under {run_dir / 'checkpoints'}")
     ckpt.close()
     nnx.update(model, state.params)
     return model, tokenizer, step

@@ -44,7 +44,7 @@ class ModelConfigSection:
     # LoRA (delta_jax.models.lora): rank 0 trains every weight; rank r > 0 freezes the base and
     # trains adapters of rank r on `lora_targets` (PEFT module names), scaled by alpha / r.
     lora_rank: int = 0
-    lora_alpha: float = 32.0
+    lora_alpha: float = 32.0  # > 0
     lora_targets: tuple[LoraTarget, ...] = (
         "q_proj",
         "k_proj",
@@ -63,8 +63,9 @@ class ModelConfigSection:
     attention: Literal["auto", "dense", "chunked", "splash", "cudnn"] = "auto"
     attention_block: int = 512
     # Supervised warm-up of the demo model (ignored for real checkpoints): at most this many
-    # steps, stopped early once the held-out probability of the correct answer reaches
-    # `demo_warmup_target` (None: all the steps). See delta_jax.demo.
+    # steps (0: none, RL starts from the random initialisation), stopped early once the
+    # held-out probability of the correct answer reaches `demo_warmup_target` (in [0, 1], checked
+    # every 10 steps; None: all the steps). See delta_jax.demo.
     demo_warmup_steps: int = 800
     demo_warmup_lr: float = 3e-3
     demo_warmup_target: float | None = 0.1
@@ -91,7 +92,7 @@ class DataConfigSection:
     system_prompt: str | None = None
     on_bad_row: Literal["error", "skip"] = "error"
     shuffle: bool = True
-    limit: int | None = None
+    limit: int | None = None  # at most this many rows (>= 1); None: all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,9 +129,11 @@ class RewardConfigSection:
     """Verifiable reward: ``math``, ``code``, ``format`` or ``package.module:function``."""
 
     kind: str = "math"
+    # Worker processes; 0 scores serially in the trainer's process (no deadline, no isolation).
     num_workers: int = 2
-    timeout_s: float = 5.0
-    # DAPO soft overlong punishment, in tokens (buffer 0 disables it).
+    timeout_s: float = 5.0  # per item, > 0
+    # DAPO soft overlong punishment, in tokens (buffer 0 disables it; at most
+    # rollout.max_new_tokens), and its largest penalty (>= 0).
     overlong_buffer: int = 0
     overlong_factor: float = 1.0
     # Reward noise: this fraction of training rewards (chosen at random, reproducibly) is
@@ -147,7 +150,8 @@ class AlgoConfigSection:
 
     loss: LossName = "delta"
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
-    # Overrides of the preset's surrogate settings; None keeps the preset's value.
+    # Overrides of the preset's surrogate settings; None keeps the preset's value. The clip range
+    # is [1 - low, 1 + high] (low in [0, 1], high >= 0); dual_clip_c > 1 (None: no dual clip).
     clip_eps_low: float | None = None
     clip_eps_high: float | None = None
     dual_clip_c: float | None = 10.0
@@ -167,10 +171,11 @@ class AlgoConfigSection:
     delta_normalize: Literal["sum", "count"] = "sum"
     delta_scope: Literal["global", "per_shard"] = "global"
     forking_top_q: float = 0.2
-    kl_coef: float = 0.0
+    kl_coef: float = 0.0  # >= 0; 0: no KL term (and no reference pass)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    entropy_coef: float = 0.0
-    # Truncated importance sampling against the sampler's log-probs (None disables).
+    entropy_coef: float = 0.0  # >= 0; 0: no entropy bonus
+    # Truncated importance sampling against the sampler's log-probs: weights capped at this
+    # value (> 0; None disables).
     tis_cap: float | None = None
     # Optimiser updates per rollout batch (DELTA_SPEC §7: 4), and gradient-accumulation
     # micro-batches per update.
@@ -187,15 +192,15 @@ class AlgoConfigSection:
 class OptimConfigSection:
     """AdamW with global-norm clipping and a constant or warmup+cosine schedule."""
 
-    lr: float = 2e-4
+    lr: float = 2e-4  # > 0
     schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
+    warmup_steps: int = 0  # linear warm-up updates, >= 0 (0: none)
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr, in [0, 1]
+    weight_decay: float = 0.0  # >= 0
+    grad_clip: float = 1.0  # global-norm bound, >= 0 (0: no clipping)
+    b1: float = 0.9  # in [0, 1)
+    b2: float = 0.999  # in [0, 1)
+    eps: float = 1e-8  # > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,17 +209,24 @@ class RunConfigSection:
 
     dir: str = "runs/demo"
     steps: int = 100
-    seed: int = 0
+    seed: int = 0  # >= 0
+    # Checkpoint every this many steps; 0: no periodic checkpoints. The last step and a step
+    # stopped by SIGTERM are always saved (see `save_due`), so a finished or stopped run resumes.
     save_every: int = 20
-    keep_last: int = 2
+    keep_last: int = 2  # most recent checkpoints kept (>= 1), plus the best by `best_metric`
     best_metric: str = "reward_mean"
-    eval_every: int = 20
-    eval_prompts: int = 512
+    eval_every: int = 20  # evaluate every this many steps (and before step 1); 0: never
+    eval_prompts: int = 512  # >= 1
     tensorboard: bool = True
     wandb: bool = False
     progress: bool = True
     # Optional device mesh (data, fsdp, tensor); -1 takes the remaining devices.
     mesh: tuple[int, int, int] = (-1, 1, 1)
+
+    def save_due(self, step: int, stopping: bool = False) -> bool:
+        """Whether the loop saves a checkpoint at the end of ``step``."""
+        periodic = self.save_every > 0 and step % self.save_every == 0
+        return periodic or step == self.steps or stopping
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,10 +413,16 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{key}={value} must be >= 1")
     if r.num_pages < 0:
         raise ConfigError(f"rollout.num_pages={r.num_pages} must be >= 0 (0: sized by the engine)")
+    _check_ranges(config)
     if r.engine == "continuous" and r.samples_per_prompt > r.decode_slots:
         raise ConfigError(
             f"rollout.samples_per_prompt={r.samples_per_prompt} exceeds "
             f"rollout.decode_slots={r.decode_slots}"
+        )
+    if config.reward.overlong_buffer > r.max_new_tokens:
+        raise ConfigError(
+            f"reward.overlong_buffer={config.reward.overlong_buffer} must be <= "
+            f"rollout.max_new_tokens={r.max_new_tokens} (the punished tail of a response)"
         )
     if not 0.0 <= config.reward.flip_fraction <= 1.0:
         raise ConfigError(f"reward.flip_fraction={config.reward.flip_fraction} must be in [0, 1]")
@@ -444,4 +462,63 @@ def validate(config: Config) -> None:
     if r.samples_per_prompt < 2 and a.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):
         raise ConfigError(
             f"rollout.samples_per_prompt={r.samples_per_prompt}: group advantages need >= 2 samples"
+        )
+
+
+# Numeric ranges: key -> (lowest, highest, whether each bound is included); None: unbounded;
+# `null` is always allowed for an Optional field. Keys with a meaning for 0 say so in the fields.
+_RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
+    "model.lora_rank": (0, None, True, True),
+    "model.lora_alpha": (0, None, False, True),
+    "model.attention_block": (1, None, True, True),
+    "model.demo_warmup_steps": (0, None, True, True),
+    "model.demo_warmup_lr": (0, None, False, True),
+    "model.demo_warmup_target": (0, 1, True, True),
+    "model.demo_warmup_noise": (0, 1, True, True),
+    "data.limit": (1, None, True, True),
+    "rollout.dynamic_sampling_rounds": (0, None, True, True),
+    "reward.num_workers": (0, None, True, True),
+    "reward.timeout_s": (0, None, False, True),
+    "reward.overlong_buffer": (0, None, True, True),
+    "reward.overlong_factor": (0, None, True, True),
+    "algo.clip_eps_low": (0, 1, True, True),
+    "algo.clip_eps_high": (0, None, True, True),
+    "algo.dual_clip_c": (1, None, False, True),
+    "algo.tis_cap": (0, None, False, True),
+    "algo.kl_coef": (0, None, True, True),
+    "algo.entropy_coef": (0, None, True, True),
+    "optim.warmup_steps": (0, None, True, True),
+    "optim.min_lr_ratio": (0, 1, True, True),
+    "optim.weight_decay": (0, None, True, True),
+    "optim.grad_clip": (0, None, True, True),
+    "optim.b1": (0, 1, True, False),
+    "optim.b2": (0, 1, True, False),
+    "optim.eps": (0, None, False, True),
+    "run.seed": (0, None, True, True),
+    "run.save_every": (0, None, True, True),
+    "run.keep_last": (1, None, True, True),
+    "run.eval_every": (0, None, True, True),
+    "run.eval_prompts": (1, None, True, True),
+}
+
+
+def _check_ranges(config: Config) -> None:
+    for key, (lo, hi, lo_in, hi_in) in _RANGES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if value is None:
+            continue
+        low_ok = lo is None or (value >= lo if lo_in else value > lo)
+        high_ok = hi is None or (value <= hi if hi_in else value < hi)
+        if not (low_ok and high_ok):
+            if hi is None:
+                bound = f">= {lo}" if lo_in else f"> {lo}"
+            else:
+                bound = f"in {'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
+            raise ConfigError(f"{key}={value} must be {bound}")
+    mesh = config.run.mesh
+    if mesh.count(-1) > 1 or any(m == 0 or m < -1 for m in mesh):
+        raise ConfigError(
+            f"run.mesh={list(mesh)}: each entry must be >= 1, or -1 (the remaining devices) "
+            "for at most one"
         )

@@ -70,6 +70,12 @@ def test_overrides_are_typed():
         ("algo.mini_batches=3", "must divide the rollout batch"),
         ("algo.loss", "must look like section.key=value"),
         ("loss=dapo", "the key must be section.key"),
+        # Upper bounds (the walk in tests/rl/test_config_boundaries.py covers 0 and -1).
+        ("optim.b2=1", "optim.b2=1.0 must be in [0, 1)"),
+        ("algo.clip_eps_low=1.5", "algo.clip_eps_low=1.5 must be in [0, 1]"),
+        ("model.demo_warmup_noise=2", "model.demo_warmup_noise=2.0 must be in [0, 1]"),
+        ("run.mesh=[-1,2,-1]", "run.mesh=[-1, 2, -1]: each entry must be >= 1, or -1"),
+        ("reward.overlong_buffer=25", "must be <= rollout.max_new_tokens=24"),
     ],
 )
 def test_bad_overrides_are_one_line_errors(override, message):

@@ -278,7 +278,9 @@ class Transformer(nnx.Module):
             slot_mask = None
         else:
             S = cache.mask.shape[1]
-            slot_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (0, cache.index))
+            # Start indices must share a dtype: a literal 0 is int64 under x64, the index int32.
+            zero = jnp.zeros_like(cache.index)
+            slot_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (zero, cache.index))
             causal = jnp.arange(S)[None, :] <= (cache.index + jnp.arange(T))[:, None]
             segments = causal[None] & slot_mask[:, None, :]  # bool[B, T, S] over cache slots
         index = 0 if cache is None else cache.index
@@ -475,8 +477,9 @@ def _cached_attention(q, k, v, kv, visible, index, w, lora_scale):
     ck, cv = kv
     k = jnp.transpose(k, (0, 2, 3, 1))  # [B, K, D, T], the cache's key layout
     v = jnp.swapaxes(v, 1, 2)  # [B, K, T, D]
-    ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, index))
-    cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, index, 0))
+    zero = jnp.zeros_like(index)  # one index dtype (a literal 0 is int64 under x64)
+    ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (zero, zero, zero, index))
+    cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (zero, zero, index, zero))
     attn = _attend_cache(q, ck.astype(q.dtype), cv.astype(q.dtype), visible)
     B, T, N, D = attn.shape
     w = dict(w, wo=w["wo"].reshape(N * D, -1))

@@ -39,8 +39,10 @@ def make_optimizer(cfg: OptimConfigSection, total_updates: int) -> optax.Gradien
     else:
         lr = cfg.lr
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    # grad_clip 0 is "no clipping" (clip_by_global_norm(0) would zero every update).
+    clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
     return optax.chain(
-        optax.clip_by_global_norm(cfg.grad_clip),
+        clip,
         optax.adamw(
             lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
         ),

@@ -210,11 +210,11 @@ class Trainer:
             parts.run_dir / "checkpoints", keep_last=cfg.run.keep_last,
             best_metric=cfg.run.best_metric,
         )  # fmt: skip
-        start = self.checkpointer.latest_step() or 0
         # The reference is the initial policy, also when resuming.
         self.ref_params = jax.tree.map(jnp.copy, self.state.params) if plan.reference else None
+        # The newest intact checkpoint (damaged newer ones are named in a warning).
+        start, self.state, host = self.checkpointer.restore_latest(self.state)
         if start:
-            self.state, host = self.checkpointer.restore(start, self.state)
             parts.prompts.set_state(host["data"])
             log.info("resumed from %s at step %d", self.checkpointer.directory, start)
         self.step_count = self._saved_step = start
@@ -410,8 +410,7 @@ class Trainer:
         metrics["time/step"] = time.perf_counter() - t_step
         metrics["compiles"] = _CompileCounter.count - compiles
         row = self.metrics_log.log(step, metrics)
-        periodic = cfg.run.save_every and step % cfg.run.save_every == 0  # 0: off
-        if periodic or step == cfg.run.steps or stopping:
+        if cfg.run.save_due(step, stopping):
             self._save(step, row)
         return row
 

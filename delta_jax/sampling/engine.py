@@ -55,6 +55,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Int
 
 from delta_jax.models import Transformer, lm_head_weight
+from delta_jax.models.attention import accumulation_dtype
 from delta_jax.models.axes import logical_to_mesh
 from delta_jax.sampling.paged import (
     PAGE_AXES,
@@ -166,6 +167,7 @@ def decode_chunk(
     head_spec = "SH,VH->SV" if tied else "SH,HV->SV"
     key = jax.random.key(seed)
     S = slots.last.shape[0]
+    acc = accumulation_dtype(model.dtype)  # float32; float64 for a float64 model (x64 checks)
 
     def draw(logits, keys):
         return jax.vmap(lambda row, k: strategy(row[None], k))(logits, keys)
@@ -185,7 +187,7 @@ def decode_chunk(
             mesh=mesh,
         )
         h = h[:, 0]
-        logits = jnp.einsum(head_spec, h, head, preferred_element_type=jnp.float32)
+        logits = jnp.einsum(head_spec, h, head, preferred_element_type=acc)
         res = draw(logits, _row_keys(key, s.prompt, s.sample, s.count))
         live = s.active
         token = jnp.where(live, res.token[:, 0], pad_id)
@@ -217,8 +219,8 @@ def decode_chunk(
 
     out = dict(
         tokens=jnp.full((S, steps), pad_id, jnp.int32),
-        logprobs=jnp.zeros((S, steps), jnp.float32),
-        untruncated=jnp.zeros((S, steps), jnp.float32),
+        logprobs=jnp.zeros((S, steps), acc),
+        untruncated=jnp.zeros((S, steps), acc),
     )
     if return_hidden:
         out["hidden"] = jnp.zeros((S, steps, model.config.hidden_size), model.dtype)
@@ -775,8 +777,10 @@ def generate_continuous(
 
     rows, G = len(seqs), request.gen_len
     tokens = np.full((rows, G), spec.pad_id, np.int32)
-    logprobs = np.zeros((rows, G), np.float32)
-    untruncated = np.zeros((rows, G), np.float32)
+    # float32; float64 for a float64 model (x64 numerics checks)
+    lp_dtype = next((c.dtype for s in seqs for c in s.out["logprobs"]), np.float32)
+    logprobs = np.zeros((rows, G), lp_dtype)
+    untruncated = np.zeros((rows, G), lp_dtype)
     hidden = None
     if return_hidden:
         H = sampler.model.config.hidden_size

@@ -37,6 +37,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from delta_jax.models import Transformer
 from delta_jax.models import axes as ax
+from delta_jax.models.attention import accumulation_dtype
 from delta_jax.models.transformer import _rms_norm, _rope, _rope_tables
 
 __all__ = [
@@ -178,7 +179,7 @@ def _xla_attention(q, kv, positions, pages: PageList):
     cost nothing and one list length serves every batch. Each block's pages are gathered (a
     block stays in cache, where one gather of the whole list would not), attended to by their
     sequence's queries, and merged into per-sequence running sums with the flash-attention
-    rescaling by the running max. Exact in float32.
+    rescaling by the running max. Exact in float32 (float64 for a float64 model).
     """
     B, T, N, D = q.shape
     _, page_size, C, _ = kv.shape
@@ -191,6 +192,7 @@ def _xla_attention(q, kv, positions, pages: PageList):
     ]
     num_blocks = -(-jnp.sum(pages.seq < B) // block)
     qg = q.reshape(B, T, K, N // K, D)
+    acc = accumulation_dtype(q.dtype)  # float32; float64 for a float64 model (x64 checks)
 
     def body(carry):
         i, run_max, run_sum, run_out = carry
@@ -199,7 +201,7 @@ def _xla_attention(q, kv, positions, pages: PageList):
         ctx = jnp.take(kv, page, axis=0, mode="clip").reshape(block, page_size, K, 2, D)
         k, v = ctx[..., 0, :].astype(q.dtype), ctx[..., 1, :].astype(q.dtype)  # [U, P, K, D]
         qu = jnp.take(qg, row, axis=0)
-        scores = jnp.einsum("UTKGD,UPKD->UKTGP", qu, k, preferred_element_type=jnp.float32)
+        scores = jnp.einsum("UTKGD,UPKD->UKTGP", qu, k, preferred_element_type=acc)
         scores = scores * (D**-0.5)
         key_pos = index[:, None] * page_size + jnp.arange(page_size)  # [U, P]
         visible = key_pos[:, None, :] <= jnp.take(positions, row, axis=0)[:, :, None]
@@ -212,7 +214,7 @@ def _xla_attention(q, kv, positions, pages: PageList):
         page_out = jnp.einsum("UKTGP,UPKD->UKTGD", weights.astype(v.dtype), v)
         scale = jnp.exp(run_max - ref)  # 0 while a sequence has seen no key
         run_sum = run_sum * scale + _segment_sum(jnp.sum(weights, axis=-1), seq, B)
-        run_out = run_out * scale[..., None] + _segment_sum(page_out.astype(jnp.float32), seq, B)
+        run_out = run_out * scale[..., None] + _segment_sum(page_out.astype(acc), seq, B)
         return i + 1, new_max, run_sum, run_out
 
     shape = (B, K, T, N // K)
@@ -221,9 +223,9 @@ def _xla_attention(q, kv, positions, pages: PageList):
         body,
         (
             jnp.zeros((), num_blocks.dtype),
-            jnp.full(shape, -jnp.inf, jnp.float32),
-            jnp.zeros(shape, jnp.float32),
-            jnp.zeros((*shape, D), jnp.float32),
+            jnp.full(shape, -jnp.inf, acc),
+            jnp.zeros(shape, acc),
+            jnp.zeros((*shape, D), acc),
         ),
     )
     out = out / jnp.where(total > 0, total, 1.0)[..., None]  # rows with no key: 0

@@ -48,6 +48,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Bool, Float, Int
 
 from delta_jax.models import KVCache, Transformer, lm_head_weight
+from delta_jax.models.attention import accumulation_dtype
 from delta_jax.models.axes import constrain, logical_to_mesh
 from delta_jax.models.transformer import KEY_CACHE_AXES, VALUE_CACHE_AXES
 from delta_jax.sampling.buckets import Buckets, RequestArrays, prepare_request
@@ -209,8 +210,11 @@ def _program(
     prompt_lengths = jnp.sum(rep(prompt_mask, axis=0), axis=-1, dtype=jnp.int32)
     h0 = rep(pre.hidden[:, -1], axis=0)  # left padding: the last column is the last real token
 
+    # Logits and log-probs in float32, or float64 for a float64 model (x64 numerics checks).
+    acc = accumulation_dtype(pre.hidden.dtype)
+
     def advance(s: _LoopState, h: Float[Array, "R H"]) -> _LoopState:
-        logits = jnp.einsum(head_spec, h, head, preferred_element_type=jnp.float32)
+        logits = jnp.einsum(head_spec, h, head, preferred_element_type=acc)
         out = strategy(logits, jax.random.fold_in(key, s.step))
         live = ~s.done
         token = jnp.where(live, out.token, pad_id)
@@ -253,8 +257,8 @@ def _program(
         cache=cache,
         last=jnp.zeros((rows,), jnp.int32),
         tokens=jnp.full((rows, gen_len), pad_id, jnp.int32),
-        logprobs=jnp.zeros((rows, gen_len), jnp.float32),
-        untruncated=jnp.zeros((rows, gen_len), jnp.float32),
+        logprobs=jnp.zeros((rows, gen_len), acc),
+        untruncated=jnp.zeros((rows, gen_len), acc),
         hidden=(jnp.zeros((rows, gen_len, h0.shape[-1]), hidden_dtype) if return_hidden else None),
         lengths=jnp.zeros((rows,), jnp.int32),
         done=max_new <= 0,  # padding rows
@@ -276,7 +280,9 @@ def _platform(mesh: Mesh | None) -> str:
     return (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
 
 
-def _default_cache_dtype(mesh: Mesh | None) -> Any:
+def _default_cache_dtype(mesh: Mesh | None, compute_dtype: Any) -> Any:
+    if jnp.dtype(compute_dtype) == jnp.float64:  # x64 numerics checks: float64 end to end
+        return jnp.float64
     return jnp.float32 if _platform(mesh) == "cpu" else jnp.bfloat16
 
 
@@ -487,7 +493,7 @@ class Sampler:
 
     def resolved_cache_dtype(self) -> Any:
         """The KV-cache dtype in use (the default depends on the platform)."""
-        return self.cache_dtype or _default_cache_dtype(self.mesh)
+        return self.cache_dtype or _default_cache_dtype(self.mesh, self.model.dtype)
 
     def _default_stops(self) -> tuple[int, ...]:
         if self.stop_token_ids is not None:
@@ -534,7 +540,7 @@ class Sampler:
         compiled = self._programs.get(key)
         if compiled is not None:
             return compiled
-        cache_dtype = self.cache_dtype or _default_cache_dtype(self.mesh)
+        cache_dtype = self.resolved_cache_dtype()
         fn = jax.jit(
             functools.partial(
                 _program,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -85,15 +85,30 @@ def top_k_mask(z: Float[Array, "B V"], k: int) -> tuple[jax.Array, Float[Array, 
     return z >= jnp.min(top, axis=-1, keepdims=True), top
 
 
+def _wide(logits: Float[Array, ...]) -> Float[Array, ...]:
+    """float32, or float64 logits kept as they are (x64 numerics checks)."""
+    return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+
+
+def _uint(dtype) -> Any:
+    """The unsigned integer of a float's width: uint32 for float32, uint64 for float64."""
+    return jnp.uint64 if jnp.dtype(dtype).itemsize == 8 else jnp.uint32
+
+
 def _sortable(x: Float[Array, ...]) -> jax.Array:
-    """Maps float32 to uint32 with the same order (an involution up to the bit flips)."""
-    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    return jnp.where((u >> 31) == 1, ~u, u | jnp.uint32(0x80000000))
+    """Maps float32 (float64) to uint32 (uint64) with the same order (an involution up to the
+    bit flips)."""
+    ut = _uint(x.dtype)
+    top = jnp.dtype(ut).itemsize * 8 - 1
+    u = jax.lax.bitcast_convert_type(x, ut)
+    return jnp.where((u >> top) == 1, ~u, u | (ut(1) << top))
 
 
-def _unsortable(k: jax.Array) -> Float[Array, ...]:
-    u = jnp.where((k >> 31) == 1, k & jnp.uint32(0x7FFFFFFF), ~k)
-    return jax.lax.bitcast_convert_type(u, jnp.float32)
+def _unsortable(k: jax.Array, dtype) -> Float[Array, ...]:
+    ut = k.dtype.type
+    top = k.dtype.itemsize * 8 - 1
+    u = jnp.where((k >> top) == 1, k & ~(ut(1) << top), ~k)
+    return jax.lax.bitcast_convert_type(u, dtype)
 
 
 def top_p_mask(
@@ -109,7 +124,7 @@ def top_p_mask(
     With ``sorted_z`` (the top-k survivors, descending) the cut-off is read off their cumulative
     sum. Without it a full sort of ``V`` entries per row would be slow on CPU, so the cut-off
     ``t* = min{t : mass(z > t) < p}``, which is one of the ``z`` values, is found exactly by a
-    32-step bisection over the order-preserving integer image of float32.
+    32-step bisection over the order-preserving integer image of float32 (64 steps for float64).
 
     Args:
       z: ``[B, V]`` scaled logits.
@@ -143,13 +158,13 @@ def top_p_mask(
     def bisect(_, bounds):
         lo, hi = bounds
         mid = lo + (hi - lo) // 2
-        below = mass_above(_unsortable(mid)) < top_p
+        below = mass_above(_unsortable(mid, z.dtype)) < top_p
         return jnp.where(below, lo, mid), jnp.where(below, mid, hi)
 
     # Invariant: mass_above(hi) < p and (mass_above(lo) >= p or lo is the minimum).
-    lo, hi = jax.lax.fori_loop(0, 32, bisect, (lo, hi))
-    keep_all = mass_above(_unsortable(lo)) < top_p
-    return z >= jnp.where(keep_all, _unsortable(lo), _unsortable(hi))
+    lo, hi = jax.lax.fori_loop(0, 8 * z.dtype.itemsize, bisect, (lo, hi))
+    keep_all = mass_above(_unsortable(lo, z.dtype)) < top_p
+    return z >= jnp.where(keep_all, _unsortable(lo, z.dtype), _unsortable(hi, z.dtype))
 
 
 def min_p_mask(z: Float[Array, "B V"], min_p: Float[Array, ""]) -> jax.Array:
@@ -195,7 +210,7 @@ def sample_categorical(
     nb = -(-V // block)
     w = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
     w = jnp.pad(w, ((0, 0), (0, nb * block - V))).reshape(B, nb, block)
-    u = jax.random.uniform(key, (2, B, 1), jnp.float32)
+    u = jax.random.uniform(key, (2, B, 1), w.dtype)
 
     def invert(weights: Float[Array, "B M"], u: Float[Array, "B 1"]) -> jax.Array:
         cdf = jnp.cumsum(weights, axis=-1)
@@ -220,7 +235,7 @@ class Greedy:
 
     def __call__(self, logits: Float[Array, "B V"], key: PRNGKeyArray) -> SampleResult:
         del key
-        logits = logits.astype(jnp.float32)
+        logits = _wide(logits)
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         logp = _pick(jax.nn.log_softmax(logits, axis=-1), token)
         return SampleResult(token, logp, logp)
@@ -255,7 +270,7 @@ class Categorical:
     top_k: int = struct.field(pytree_node=False, default=0)
 
     def __call__(self, logits: Float[Array, "B V"], key: PRNGKeyArray) -> SampleResult:
-        z = logits.astype(jnp.float32) / self.temperature
+        z = _wide(logits) / self.temperature
         keep = None
         sorted_z = None  # after top-k the nucleus only needs the k survivors, already sorted
         if self.top_k:
