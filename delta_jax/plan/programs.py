@@ -60,7 +60,7 @@ class Planner:
         self.state = jax.eval_shape(lambda p: init_train_state(p, self.optimizer), self.params)
         self.state_shardings = sh.state_shardings(self.state, mesh)
         self.param_shardings = sh.param_shardings(self.params, mesh)
-        # The rollout's layout (rl.loop): tensor-parallel regrouping, compute-dtype weights.
+        # The rollout's layout (rl.trainer): tensor-parallel regrouping, compute-dtype weights.
         self.sample_mesh = sh.sampling_mesh(mesh, model_config.num_kv_heads)
         self.sample_shardings = sh.param_shardings(self.params, self.sample_mesh, sh.SAMPLE_RULES)
         self.sample_dtypes = [
