@@ -8,7 +8,7 @@ penalty lives with the advantages (:func:`delta_jax.losses.advantages.overlong_p
 """
 
 from delta_jax.rewards.batch import FlippedRewards, RewardBatch, RewardScorer
-from delta_jax.rewards.code import CodeResult, extract_code, run_code
+from delta_jax.rewards.code import CodeResult, ExecResult, execute, extract_code, run_code
 from delta_jax.rewards.custom import load_reward_fn
 from delta_jax.rewards.format import format_reward, score_format
 from delta_jax.rewards.functions import RewardSet, reward_name
@@ -16,10 +16,12 @@ from delta_jax.rewards.math import extract_last_boxed, math_reward, score_math
 
 __all__ = [
     "CodeResult",
+    "ExecResult",
     "FlippedRewards",
     "RewardBatch",
     "RewardScorer",
     "RewardSet",
+    "execute",
     "extract_code",
     "extract_last_boxed",
     "format_reward",
