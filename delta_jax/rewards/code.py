@@ -278,6 +278,7 @@ def _sandboxed(program: str, cases: list[dict[str, Any]], limits: dict[str, Any]
             "isolation": {**no_isolation, "notes": []},
         }
     out["wall_s"] = wall_s
+    out["workdir"] = workdir
     iso = out["isolation"]
     if not iso["fs_isolated"] and uid is not None:
         escaped = _remove_files_of(uid)
@@ -375,7 +376,8 @@ class ExecResult:
 
     Attributes:
       stdout: the program's stdout; when longer than the window, its head and tail joined by
-        :data:`OUTPUT_CUT`.
+        :data:`OUTPUT_CUT`. The sandbox's temp dir (the working directory, whose name is
+        random) is written ``.``, so that the same code gives the same output.
       stderr: the same for stderr (a traceback ends up here).
       exit_code: the program's exit status; negative for a signal (``-9`` when killed at the
         deadline), ``None`` when the program never ran to an exit the sandbox could see.
@@ -400,11 +402,16 @@ class ExecResult:
 OUTPUT_CUT = "\n[... output truncated ...]\n"
 
 
-def _join_window(parts: str | list[str]) -> str:
+def _join_window(parts: str | list[str], workdir: str | None) -> str:
     # The bootstrap gives [text], or [head, tail] when the output was longer than its window.
-    if isinstance(parts, str):
-        return parts
-    return OUTPUT_CUT.join(parts)
+    text = parts if isinstance(parts, str) else OUTPUT_CUT.join(parts)
+    if workdir is None:
+        return text
+    # The temp dir's name is random; relative to the program's working directory, the same
+    # code gives the same output (a traceback's "File ./solution.py") on every run.
+    for path in sorted({workdir, os.path.realpath(workdir)}, key=len, reverse=True):
+        text = text.replace(path + "/", "./").replace(path, ".")
+    return text
 
 
 def execute(
@@ -450,8 +457,8 @@ def execute(
     iso = out["isolation"]
     verdict = out["verdict"]
     return ExecResult(
-        stdout=_join_window(out.get("stdout", "")),
-        stderr=_join_window(out.get("stderr", "")),
+        stdout=_join_window(out.get("stdout", ""), out.get("workdir")),
+        stderr=_join_window(out.get("stderr", ""), out.get("workdir")),
         exit_code=out.get("exit_code"),
         reason="ok" if verdict == "passed" else verdict,
         wall_s=out["wall_s"],
