@@ -3,7 +3,8 @@
 :class:`RewardSet` sums several named functions with weights (callables in the batched TRL /
 Tunix convention included); :class:`RewardScorer` scores a whole rollout batch in a process pool
 with per-item deadlines and crash isolation; the functions below are the per-item rewards it
-runs. The DAPO overlong
+runs. :func:`execute` runs code once in the code sandbox for a tool call
+(:class:`delta_jax.envs.PythonTool`). The DAPO overlong
 penalty lives with the advantages (:func:`delta_jax.losses.advantages.overlong_penalty`).
 """
 
