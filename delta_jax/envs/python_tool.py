@@ -91,6 +91,8 @@ def parse_tool_call(turn: str, name: str = "python") -> ToolCall | None:
             arguments = json.loads(arguments, strict=False)
     except json.JSONDecodeError as e:
         return ToolCall(None, "bad_json", f"Error: the tool call is not valid JSON ({e.msg}).")
+    except RecursionError:
+        return ToolCall(None, "bad_json", "Error: the tool call is not valid JSON (too deep).")
     if not isinstance(call, dict) or call.get("name") != name:
         got = call.get("name") if isinstance(call, dict) else None
         return ToolCall(

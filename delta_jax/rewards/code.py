@@ -241,7 +241,9 @@ def _sandboxed(program: str, cases: list[dict[str, Any]], limits: dict[str, Any]
     workdir = tempfile.mkdtemp(prefix=f"{_WORKDIR_PREFIX}{os.getpid()}-")
     try:
         program_path = os.path.join(workdir, "solution.py")
-        Path(program_path).write_text(program)
+        # A lone surrogate (valid in a JSON string) is written as is; Python then reports the
+        # invalid source as a syntax error of the program's own.
+        Path(program_path).write_bytes(program.encode("utf-8", "surrogatepass"))
         os.chmod(program_path, 0o644)
         if uid is not None:
             os.chown(workdir, uid, uid)

@@ -52,6 +52,7 @@ def test_parse_tool_call_accepts_the_qwen3_forms():
         ('<tool_call>{"name": "python"}</tool_call>', "missing_code", "argument 'code'"),
         ('<tool_call>{"name": "python", "arguments": {"code": 3}}</tool_call>', "missing_code", ""),
         ('<tool_call>{"name": "python", "arguments": {"code": "x"}}', "unclosed", "not closed"),
+        ("<tool_call>" + "[" * 100_000 + "</tool_call>", "bad_json", "not valid JSON"),
     ],
 )
 def test_parse_tool_call_errors(turn, error, message):
@@ -161,6 +162,11 @@ def _cases(port):
         "network": ({}, call(NETWORK.format(port=port))),
         "hang": ({"timeout_s": 1}, call("print('started', flush=True)\nwhile True:\n    pass")),
         "memory": ({"memory_mb": 256}, call("x = bytearray(2 * 1024 ** 3)")),
+        # A lone surrogate is valid in a JSON string but not in a source file.
+        "surrogate": (
+            {},
+            '<tool_call>{"name": "python", "arguments": {"code": "\\ud800"}}</tool_call>',
+        ),
         "long_chars": ({"max_observation_tokens": 200}, call(f"print({LINES!r})")),
         "long_tokens": (
             {"max_observation_tokens": 24, "tokenizer": word_tokenizer()},
@@ -226,6 +232,8 @@ def test_failures_are_observations(episodes):
     text, info = observation(episodes, "memory")
     assert text.endswith("MemoryError\n[memory limit of 256 MB exceeded]")
     assert info["error"] == "memory_limit"
+    text, info = observation(episodes, "surrogate")
+    assert "SyntaxError" in text and info["error"] == "syntax_error"
 
 
 def test_no_secrets_and_no_network(episodes):
