@@ -5,6 +5,7 @@ checked against the exact observation a lone run gives: episodes stepped concurr
 see each other's output, and the tool's errors must be observations.
 """
 
+import json
 import os
 import secrets
 import socket
@@ -18,8 +19,6 @@ from tests.envs.helpers import word_tokenizer
 
 
 def call(code, name="python"):
-    import json
-
     body = json.dumps({"name": name, "arguments": {"code": code}})
     return f"<tool_call>\n{body}\n</tool_call>"
 
