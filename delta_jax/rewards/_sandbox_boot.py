@@ -228,6 +228,19 @@ def _read_back(fd, cap):
     return os.read(fd, cap).decode("utf-8", "replace")
 
 
+def _read_window(fd, head, tail):
+    """[whole text], or [its first `head` bytes, its last `tail` bytes] when longer.
+
+    The tail is read from the end of the file, however long the program's output was.
+    """
+    size = os.fstat(fd).st_size
+    if size <= head + tail:
+        return [_read_back(fd, size)]
+    first = os.pread(fd, head, 0).decode("utf-8", "ignore")
+    last = os.pread(fd, tail, size - tail).decode("utf-8", "ignore")
+    return [first, last]
+
+
 def _same_token(a, b, tol):
     if a == b:
         return True
@@ -294,9 +307,15 @@ def _run_cases(job, flags):
             rc = proc.wait()
         _reap()
         stdout, stderr = _read_back(fds[1], _OUTPUT_CAP), _read_back(fds[2], _OUTPUT_CAP)
+        window = job.get("output_window")  # [head, tail] bytes: execute() reports both ends.
+        if window is not None:
+            result["stdout"] = _read_window(fds[1], *window)
+            result["stderr"] = _read_window(fds[2], *window)
+        else:
+            result["stdout"], result["stderr"] = stdout[-2000:], stderr[-2000:]
         for fd in fds:
             os.close(fd)
-        result["stdout"], result["stderr"] = stdout[-2000:], stderr[-2000:]
+        result["exit_code"] = rc
         if timed_out or rc != 0:
             result["verdict"] = _classify(rc, timed_out, stderr)
             return result

@@ -1,5 +1,7 @@
 """Code rewards: run a response's program against an item's tests in a sandboxed subprocess.
 
+:func:`run_code` runs a program against tests (a reward); :func:`execute` runs it once and
+returns its output (a tool call, :class:`delta_jax.envs.PythonTool`). Both use one sandbox.
 The sandbox (``_sandbox_boot.py``, which documents each step) is a fresh Python process in its
 own session with
 
@@ -219,6 +221,101 @@ def _warn_once(key: str, message: str) -> None:
     logger.warning(message)
 
 
+def _check_limits(timeout_s: float, memory_mb: int) -> None:
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if memory_mb < 64:
+        raise ValueError(f"memory_mb must be >= 64 (Python needs it to start), got {memory_mb}")
+
+
+def _sandboxed(program: str, cases: list[dict[str, Any]], limits: dict[str, Any]) -> dict:
+    """Runs `program` on `cases` in the sandbox: the bootstrap's result, with ``wall_s``.
+
+    The verdict is ``"timeout"`` past the parent's deadline, ``"sandbox_error"`` when the
+    bootstrap failed, and ``"wrote_outside_sandbox"`` when files of the program were found
+    outside its temp dir.
+    """
+    start = time.monotonic()
+    is_root = os.geteuid() == 0
+    uid = _next_uid() if is_root else None
+    workdir = tempfile.mkdtemp(prefix=f"{_WORKDIR_PREFIX}{os.getpid()}-")
+    try:
+        program_path = os.path.join(workdir, "solution.py")
+        # A lone surrogate (valid in a JSON string) is written as is; Python then reports the
+        # invalid source as a syntax error of the program's own.
+        Path(program_path).write_bytes(program.encode("utf-8", "surrogatepass"))
+        os.chmod(program_path, 0o644)
+        if uid is not None:
+            os.chown(workdir, uid, uid)
+        os.chmod(workdir, 0o700)
+        job = {
+            "program": program_path,
+            "cases": cases,
+            **limits,
+            "uid": uid,
+            "python_prefix": sys.base_prefix,
+        }
+        raw = _run_boot(json.dumps(job), workdir, limits["timeout_s"] + _SETUP_GRACE_S, uid)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    wall_s = time.monotonic() - start
+    no_isolation = {"network_isolated": False, "fs_isolated": False, "pid_isolated": False}
+    if raw is None:
+        if uid is not None:
+            _remove_files_of(uid)  # Isolation status unknown: clean up as if there was none.
+        return {
+            "verdict": "timeout",
+            "num_passed": 0,
+            "wall_s": wall_s,
+            "isolation": {**no_isolation, "notes": []},
+        }
+    try:
+        out = json.loads(raw)
+    except json.JSONDecodeError:
+        return {
+            "verdict": "sandbox_error",
+            "num_passed": 0,
+            "stderr": raw[-2000:],
+            "wall_s": wall_s,
+            "isolation": {**no_isolation, "notes": []},
+        }
+    out["wall_s"] = wall_s
+    out["workdir"] = workdir
+    iso = out["isolation"]
+    if not iso["fs_isolated"] and uid is not None:
+        escaped = _remove_files_of(uid)
+        if escaped:
+            out["verdict"] = "wrote_outside_sandbox"
+            iso["notes"].append("removed files written outside the temp dir: " + ", ".join(escaped))
+    missing = [k for k in ("network_isolated", "fs_isolated", "pid_isolated") if not iso[k]]
+    if missing:
+        _warn_once(
+            ",".join(missing),
+            f"code sandbox: the OS refused {', '.join(missing)}; untrusted code runs with "
+            f"less isolation ({'; '.join(iso['notes'])})",
+        )
+    return out
+
+
+def _limits(
+    timeout_s: float,
+    memory_mb: int,
+    file_size_mb: int,
+    max_procs: int,
+    max_files: int,
+    namespaces: bool,
+) -> dict[str, Any]:
+    _check_limits(timeout_s, memory_mb)
+    return {
+        "timeout_s": float(timeout_s),
+        "memory_mb": int(memory_mb),
+        "file_size_mb": int(file_size_mb),
+        "max_procs": int(max_procs),
+        "max_files": int(max_files),
+        "namespaces": bool(namespaces),
+    }
+
+
 def run_code(
     code: str,
     tests: str | Mapping[str, Any],
@@ -256,60 +353,16 @@ def run_code(
       >>> run_code("print(int(input()) * 2)", '{"inputs": ["3"], "outputs": ["6"]}').passed
       True
     """
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    if memory_mb < 64:
-        raise ValueError(f"memory_mb must be >= 64 (Python needs it to start), got {memory_mb}")
+    limits = _limits(timeout_s, memory_mb, file_size_mb, max_procs, max_files, namespaces)
     program, cases = _parse_tests(code, tests)
-    start = time.monotonic()
-    is_root = os.geteuid() == 0
-    uid = _next_uid() if is_root else None
-    workdir = tempfile.mkdtemp(prefix=f"{_WORKDIR_PREFIX}{os.getpid()}-")
-    try:
-        program_path = os.path.join(workdir, "solution.py")
-        Path(program_path).write_text(program)
-        os.chmod(program_path, 0o644)
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-        os.chmod(workdir, 0o700)
-        job = {
-            "program": program_path,
-            "cases": cases,
-            "timeout_s": float(timeout_s),
-            "memory_mb": int(memory_mb),
-            "file_size_mb": int(file_size_mb),
-            "max_procs": int(max_procs),
-            "max_files": int(max_files),
-            "float_tol": float(float_tol),
-            "uid": uid,
-            "python_prefix": sys.base_prefix,
-            "namespaces": bool(namespaces),
-        }
-        raw = _run_boot(json.dumps(job), workdir, timeout_s + _SETUP_GRACE_S, uid)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    wall_s = time.monotonic() - start
-    if raw is None:
-        if uid is not None:
-            _remove_files_of(uid)  # Isolation status unknown: clean up as if there was none.
-        return CodeResult(False, "timeout", len(cases), 0, wall_s)
-    try:
-        out = json.loads(raw)
-    except json.JSONDecodeError:
-        return CodeResult(False, "sandbox_error", len(cases), 0, wall_s, stderr=raw[-2000:])
+    out = _sandboxed(program, cases, {**limits, "float_tol": float(float_tol)})
     iso = out["isolation"]
-    verdict = out["verdict"]
-    if not iso["fs_isolated"] and uid is not None:
-        escaped = _remove_files_of(uid)
-        if escaped:
-            verdict = "wrote_outside_sandbox"
-            iso["notes"].append("removed files written outside the temp dir: " + ", ".join(escaped))
-    result = CodeResult(
-        passed=verdict == "passed",
-        reason=verdict,
+    return CodeResult(
+        passed=out["verdict"] == "passed",
+        reason=out["verdict"],
         num_tests=len(cases),
         num_passed=out["num_passed"],
-        wall_s=wall_s,
+        wall_s=out["wall_s"],
         stdout=out.get("stdout", ""),
         stderr=out.get("stderr", ""),
         network_isolated=iso["network_isolated"],
@@ -317,14 +370,105 @@ def run_code(
         pid_isolated=iso["pid_isolated"],
         notes=tuple(iso["notes"]),
     )
-    missing = [k for k in ("network_isolated", "fs_isolated", "pid_isolated") if not iso[k]]
-    if missing:
-        _warn_once(
-            ",".join(missing),
-            f"run_code sandbox: the OS refused {', '.join(missing)}; untrusted code runs with "
-            f"less isolation ({'; '.join(iso['notes'])})",
-        )
-    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecResult:
+    """Outcome of :func:`execute`.
+
+    Attributes:
+      stdout: the program's stdout; when longer than the window, its head and tail joined by
+        :data:`OUTPUT_CUT`. The sandbox's temp dir (the working directory, whose name is
+        random) is written ``.``, so that the same code gives the same output.
+      stderr: the same for stderr (a traceback ends up here).
+      exit_code: the program's exit status; negative for a signal (``-9`` when killed at the
+        deadline), ``None`` when the program never ran to an exit the sandbox could see.
+      reason: ``"ok"`` (exit 0), ``"runtime_error"``, ``"syntax_error"``, ``"timeout"``,
+        ``"memory_limit"``, ``"output_limit"``, ``"wrote_outside_sandbox"`` or
+        ``"sandbox_error"``.
+      wall_s: wall-clock seconds of the whole run, sandbox set-up included.
+      network_isolated, fs_isolated, pid_isolated, notes: as in :class:`CodeResult`.
+    """
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    reason: str
+    wall_s: float = 0.0
+    network_isolated: bool = False
+    fs_isolated: bool = False
+    pid_isolated: bool = False
+    notes: tuple[str, ...] = ()
+
+
+OUTPUT_CUT = "\n[... output truncated ...]\n"
+
+
+def _join_window(parts: str | list[str], workdir: str | None) -> str:
+    # The bootstrap gives [text], or [head, tail] when the output was longer than its window.
+    text = parts if isinstance(parts, str) else OUTPUT_CUT.join(parts)
+    if workdir is None:
+        return text
+    # The temp dir's name is random; relative to the program's working directory, the same
+    # code gives the same output (a traceback's "File ./solution.py") on every run.
+    for path in sorted({workdir, os.path.realpath(workdir)}, key=len, reverse=True):
+        text = text.replace(path + "/", "./").replace(path, ".")
+    return text
+
+
+def execute(
+    code: str,
+    *,
+    stdin: str = "",
+    timeout_s: float = 10.0,
+    memory_mb: int = 1024,
+    file_size_mb: int = 16,
+    max_procs: int = 32,
+    max_files: int = 64,
+    output_window_bytes: int = 65536,
+    namespaces: bool = True,
+) -> ExecResult:
+    """Runs `code` once in the sandbox of :func:`run_code`; its stdout, stderr and exit code.
+
+    The same isolation as :func:`run_code` (temp dir, scrubbed environment, no network,
+    read-only filesystem, resource limits, wall-clock deadline); what a tool call runs. Never
+    raises for anything the program does. Safe to call from many threads at once.
+
+    Args:
+      code: Python source.
+      stdin: text fed on the program's stdin.
+      timeout_s, memory_mb, file_size_mb, max_procs, max_files, namespaces: as in
+        :func:`run_code`.
+      output_window_bytes: at most this many bytes of each stream come back: the first and
+        the last half, joined by :data:`OUTPUT_CUT`, when the output was longer.
+
+    Returns:
+      An :class:`ExecResult`.
+
+    Example:
+      >>> execute("print(6 * 7)").stdout
+      '42\\n'
+    """
+    if output_window_bytes < 2:
+        raise ValueError(f"output_window_bytes must be >= 2, got {output_window_bytes}")
+    limits = _limits(timeout_s, memory_mb, file_size_mb, max_procs, max_files, namespaces)
+    head = output_window_bytes // 2
+    window = [head, output_window_bytes - head]
+    case = {"stdin": stdin, "expected": None}
+    out = _sandboxed(code, [case], {**limits, "float_tol": 0.0, "output_window": window})
+    iso = out["isolation"]
+    verdict = out["verdict"]
+    return ExecResult(
+        stdout=_join_window(out.get("stdout", ""), out.get("workdir")),
+        stderr=_join_window(out.get("stderr", ""), out.get("workdir")),
+        exit_code=out.get("exit_code"),
+        reason="ok" if verdict == "passed" else verdict,
+        wall_s=out["wall_s"],
+        network_isolated=iso["network_isolated"],
+        fs_isolated=iso["fs_isolated"],
+        pid_isolated=iso["pid_isolated"],
+        notes=tuple(iso["notes"]),
+    )
 
 
 def _run_boot(job: str, workdir: str, deadline_s: float, uid: int | None) -> str | None:

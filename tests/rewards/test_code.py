@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from delta_jax.rewards import CodeResult, extract_code, run_code
-from delta_jax.rewards.code import _BOOT
+from delta_jax.rewards import CodeResult, ExecResult, execute, extract_code, run_code
+from delta_jax.rewards.code import _BOOT, OUTPUT_CUT
 from tests.rewards.helpers import sandbox_processes
 
 DOUBLE = json.dumps({"inputs": ["3\n", "5"], "outputs": ["6", "10\n"]})
@@ -297,3 +297,19 @@ def test_planted_symlinks_do_not_redirect_the_sandbox_files():
         os.unlink(target)
     # os.symlink fails on the second case (the links exist): the run fails, nothing escapes.
     assert not result.passed
+
+
+def test_execute_reports_both_ends_of_a_long_output():
+    # 3 MB on stdout, past the 1 MiB the bootstrap reads for the tests: the tail comes from the
+    # end of the file. stdin reaches the program; the exit code and stderr come back.
+    code = (
+        "import sys\nsys.stdout.write(input() + 'x' * 3_000_000 + 'END')\n"
+        "sys.stderr.write('warn')\nsys.exit(2)\n"
+    )
+    result = execute(code, stdin="START\n", output_window_bytes=16, timeout_s=10)
+    assert isinstance(result, ExecResult)
+    assert result.stdout == "START" + "xxx" + OUTPUT_CUT + "xxxxxEND"
+    assert (result.stderr, result.exit_code, result.reason) == ("warn", 2, "runtime_error")
+    assert execute("print('ok')").stdout == "ok\n"
+    with pytest.raises(ValueError, match="output_window_bytes"):
+        execute("pass", output_window_bytes=1)
