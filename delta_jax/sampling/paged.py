@@ -13,7 +13,11 @@ writes their K/V into the pages those positions fall in, and attends over the se
   attended to on its own and merged per sequence with the flash-attention rescaling, so the
   work grows with the sum of the actual lengths, not with the longest one or the pool; used on
   CPU and GPU, and for prefill everywhere;
-* ``pallas``: JAX's ``ragged_paged_attention`` TPU kernel (one query per sequence, decode).
+* ``pallas``: JAX's ``ragged_paged_attention`` TPU kernel (one query per sequence, decode);
+* ``dense``: the CPU path (XLA:CPU, where per-op overheads dominate small decode steps): every
+  sequence's page-table pages gathered into one contiguous view and attended to at once with
+  the static sampler's attention, a handful of ops per layer instead of a loop over page
+  blocks (decode).
 
 On a mesh the pool is split like the sequences: the page axis over the row (data) axes, so each
 data group of the sampling mesh holds its own share of the pages next to its own slots, and the
@@ -37,7 +41,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from delta_jax.models import Transformer
 from delta_jax.models import axes as ax
-from delta_jax.models.transformer import _rms_norm, _rope, _rope_tables
+from delta_jax.models.transformer import _attend_cache, _rms_norm, _rope, _rope_tables
 
 __all__ = [
     "PAGE_AXES",
@@ -62,7 +66,7 @@ PALLAS_QUERIES_PER_BLOCK = 32
 # XLA path: pages gathered and attended to at once (about 1 MiB of float32 K/V for small heads).
 XLA_PAGES_PER_BLOCK = 64
 
-Attention = Literal["xla", "pallas"]
+Attention = Literal["xla", "pallas", "dense"]
 
 
 @flax.struct.dataclass
@@ -238,6 +242,25 @@ def _segment_sum(x, segments, num):
     return jax.ops.segment_sum(x, segments, num_segments=num, indices_are_sorted=True)
 
 
+def _dense_attention(q, kv, positions, page_table):
+    """The CPU path: q [B,T,N,D] over each sequence's table pages, gathered contiguously.
+
+    One gather per layer builds the ``[B, NB * page_size]`` key and value views (unused table
+    entries point at the scratch page and are masked like positions past the query), then the
+    static sampler's attention (:func:`~delta_jax.models.transformer._attend_cache`) runs on
+    them: a few ops per layer, where the ``xla`` path's block loop costs a dozen small ops per
+    block, which dominate a decode step on XLA:CPU.
+    """
+    B, T, N, D = q.shape
+    _, page_size, C, _ = kv.shape
+    K, L = C // 2, page_table.shape[1] * page_size
+    ctx = jnp.take(kv, page_table, axis=0, mode="clip").reshape(B, L, K, 2, D)
+    k = jnp.transpose(ctx[..., 0, :], (0, 2, 3, 1)).astype(q.dtype)  # [B, K, D, L]
+    v = jnp.swapaxes(ctx[..., 1, :], 1, 2).astype(q.dtype)  # [B, K, L, D]
+    visible = jnp.arange(L)[None, None, :] <= positions[:, :, None]  # [B, T, L]
+    return _attend_cache(q, k, v, visible)
+
+
 def _pallas_attention(q, kv, positions, valid, page_table):
     """Decode attention (T = 1) with JAX's ragged paged attention TPU kernel (one group)."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
@@ -360,11 +383,12 @@ def paged_forward(
     """
     cfg, dtype = model.config, model.dtype
     pallas = attention == "pallas"
-    table, table_spec = (page_table, "R-") if pallas else (pages, "R")
+    by_table = attention in ("pallas", "dense")
+    table, table_spec = (page_table, "R-") if by_table else (pages, "R")
     K, page_size = cfg.num_kv_heads, pool.page_size
 
     def where(positions, valid, table):
-        kw = dict(page_table=table) if pallas else dict(pages=table)
+        kw = dict(page_table=table) if by_table else dict(pages=table)
         return write_slots(positions, valid, page_size, **kw)
 
     write_at = per_group(where, mesh, K, ("R-", "R-", table_spec), ("R-", "R-"))(
@@ -375,6 +399,8 @@ def paged_forward(
         kv = _write_pages(kv, new, page, offset)
         if pallas:
             return _pallas_attention(q, kv, positions, valid, table), kv
+        if attention == "dense":
+            return _dense_attention(q, kv, positions, table), kv
         return _xla_attention(q, kv, positions, table), kv
 
     specs = ("R-H-", "R-H-", "R-H-", "R-", "R-", "R-", "R-", table_spec)

@@ -310,7 +310,8 @@ class Sampler:
       decode_chunk: decode steps per device call between two host scheduling rounds.
       prefill_chunk: longest prompt chunk prefilled in one call.
       attention: paged attention: ``"auto"`` (the Pallas ragged paged attention kernel on TPU,
-        else ``"xla"``), ``"xla"`` or ``"pallas"``.
+        the ``"dense"`` CPU path on CPU, else ``"xla"``), ``"xla"``, ``"pallas"`` or
+        ``"dense"`` (see :mod:`delta_jax.sampling.paged`).
 
     Example:
       >>> from delta_jax.models import ModelConfig
@@ -435,8 +436,10 @@ class Sampler:
     def __post_init__(self):
         if self.engine not in ("static", "continuous"):
             raise ValueError(f"engine must be 'static' or 'continuous', got {self.engine!r}")
-        if self.attention not in ("auto", "xla", "pallas"):
-            raise ValueError(f"attention must be 'auto', 'xla' or 'pallas', got {self.attention!r}")
+        if self.attention not in ("auto", "xla", "pallas", "dense"):
+            raise ValueError(
+                f"attention must be 'auto', 'xla', 'pallas' or 'dense', got {self.attention!r}"
+            )
         for name in ("decode_slots", "page_size", "decode_chunk", "prefill_chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -458,17 +461,33 @@ class Sampler:
 
         # Data groups: the mesh's row shards, each with its own slots and share of the pool.
         groups = self._row_multiple()
-        group_slots = -(-self.decode_slots // groups)
+        prompts = request.num_rows // n
+        # No idle slots: a group never runs more sequences than the request's rows it can hold
+        # (its prompts, spread evenly, times n).
+        group_slots = min(-(-self.decode_slots // groups), -(-prompts // groups) * n)
+        ps = self.page_size
         # The longest sequence: the prompt bucket plus the largest token budget (not the
         # generation bucket, which rounds it up: the pool holds real positions only).
-        longest_tokens = request.prompt_ids.shape[1] + int(request.max_new.max())
-        longest = pages_for(longest_tokens, self.page_size)
-        group_pages = -(-self.num_pages // groups) if self.num_pages else group_slots * longest + 1
+        budget = int(request.max_new.max())
+        longest_tokens = request.prompt_ids.shape[1] + budget
+        longest = pages_for(longest_tokens, ps)
+        if self.num_pages:
+            group_pages = -(-self.num_pages // groups)
+        else:
+            # What running sequences really hold: a resident prompt's pages (all but its last
+            # token, shared by its samples; at most one resident prompt per running slot, idle
+            # ones are freed first) and each sequence's own pages (from the prompt's partial
+            # last page on, wherever the prompt ends in a page). The default never preempts.
+            prompt_pages = pages_for(request.prompt_ids.shape[1] - 1, ps)
+            own_pages = pages_for(budget + ps - 1, ps)
+            resident = min(group_slots, prompts)
+            group_pages = group_slots * own_pages + resident * prompt_pages + 1
         # A new prompt needs a free slot: about slots / n prompts join a group at a time.
         at_once = 1 << (-(-group_slots // n) - 1).bit_length()
         attention = self.attention
         if attention == "auto":
-            attention = "pallas" if _platform(self.mesh) == "tpu" else "xla"
+            platform = _platform(self.mesh)
+            attention = {"tpu": "pallas", "cpu": "dense"}.get(platform, "xla")
         return EngineSpec(
             slots=groups * group_slots,
             steps=self.decode_chunk,
