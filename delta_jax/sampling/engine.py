@@ -65,6 +65,7 @@ from delta_jax.sampling.paged import (
     PageList,
     PagePool,
     copy_pages,
+    dense_views,
     init_pool,
     paged_forward,
     per_group,
@@ -262,9 +263,12 @@ def decode_chunk(
         i, _, s, _ = carry
         return (i < limit) & jnp.any(s.active)
 
+    if attention == "dense":
+        pool = dense_views(pool, slots.page_table, mesh, K)
     _, pool, slots, out = jax.lax.while_loop(
         cond, body, (jnp.zeros((), jnp.int32), pool, slots, out)
     )
+    pool = pool.replace(views=None)
     status = jnp.stack([getattr(slots, f).astype(jnp.int32) for f in _STATUS_FIELDS], axis=1)
     return dict(pool=pool, out=out, status=status)
 

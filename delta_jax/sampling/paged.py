@@ -49,6 +49,7 @@ __all__ = [
     "PageList",
     "PagePool",
     "copy_pages",
+    "dense_views",
     "init_pool",
     "paged_forward",
     "per_group",
@@ -71,9 +72,16 @@ Attention = Literal["xla", "pallas", "dense"]
 
 @flax.struct.dataclass
 class PagePool:
-    """K/V pages of every layer: a tuple of L arrays ``[pages, page_size, 2K, D]``."""
+    """K/V pages of every layer: a tuple of L arrays ``[pages, page_size, 2K, D]``.
+
+    ``views``: the ``dense`` CPU path's per-sequence contiguous copies of the pages, one
+    ``(keys [B, K, D, NB * page_size], values [B, K, NB * page_size, D])`` pair per layer,
+    built once per decode chunk (:func:`dense_views`) and written alongside the pages; None
+    outside a decode chunk.
+    """
 
     kv: tuple[Float[Array, "P S C D"], ...]
+    views: tuple | None = None
 
     @property
     def page_size(self) -> int:
@@ -242,23 +250,45 @@ def _segment_sum(x, segments, num):
     return jax.ops.segment_sum(x, segments, num_segments=num, indices_are_sorted=True)
 
 
-def _dense_attention(q, kv, positions, page_table):
-    """The CPU path: q [B,T,N,D] over each sequence's table pages, gathered contiguously.
+def dense_views(pool: PagePool, page_table, mesh: Mesh | None, kv_heads: int) -> PagePool:
+    """The ``dense`` CPU path: ``pool`` with every sequence's table pages gathered once into
+    contiguous key and value views in the static sampler's cache layout.
 
-    One gather per layer builds the ``[B, NB * page_size]`` key and value views (unused table
-    entries point at the scratch page and are masked like positions past the query), then the
-    static sampler's attention (:func:`~delta_jax.models.transformer._attend_cache`) runs on
-    them: a few ops per layer, where the ``xla`` path's block loop costs a dozen small ops per
-    block, which dominate a decode step on XLA:CPU.
+    XLA:CPU runs a decode step of a small batch as a few dozen small ops, and gathering the
+    pages at every step (plus transposing them to batch-leading layouts for the dots) costs
+    more than the attention itself; gathered once per chunk, a step only writes its new K/V
+    into the views and attends with the static sampler's attention. Unused table entries point
+    at the scratch page and are masked like positions past the query.
     """
+
+    def gather(kv, table):
+        B, NB = table.shape
+        _, page_size, C, D = kv.shape
+        ctx = jnp.take(kv, table, axis=0, mode="clip").reshape(B, NB * page_size, C // 2, 2, D)
+        keys = jnp.transpose(ctx[..., 0, :], (0, 2, 3, 1))  # [B, K, D, L]
+        return keys, jnp.swapaxes(ctx[..., 1, :], 1, 2)  # [B, K, L, D]
+
+    gather = per_group(gather, mesh, kv_heads, ("R-H-", "R-"), ("RH--", "RH--"))
+    return pool.replace(views=tuple(gather(kv, page_table) for kv in pool.kv))
+
+
+def _dense_attention(q, keys, values, positions):
+    """Decode attention (T = 1) over the contiguous views: writes the step's K/V first."""
     B, T, N, D = q.shape
-    _, page_size, C, _ = kv.shape
-    K, L = C // 2, page_table.shape[1] * page_size
-    ctx = jnp.take(kv, page_table, axis=0, mode="clip").reshape(B, L, K, 2, D)
-    k = jnp.transpose(ctx[..., 0, :], (0, 2, 3, 1)).astype(q.dtype)  # [B, K, D, L]
-    v = jnp.swapaxes(ctx[..., 1, :], 1, 2).astype(q.dtype)  # [B, K, L, D]
+    L = keys.shape[-1]
     visible = jnp.arange(L)[None, None, :] <= positions[:, :, None]  # [B, T, L]
-    return _attend_cache(q, k, v, visible)
+    return _attend_cache(q, keys.astype(q.dtype), values.astype(q.dtype), visible)
+
+
+def _write_views(keys, values, new, positions):
+    """Writes each sequence's new combined K/V [B, 1, 2K, D] at its position of the views
+    (an idle slot's stale position past the views is dropped)."""
+    B, _, C, D = new.shape
+    new = new.reshape(B, C // 2, 2, D).astype(keys.dtype)
+    rows, pos = jnp.arange(B), positions[:, 0]
+    keys = keys.at[rows, :, :, pos].set(new[:, :, 0], mode="drop")
+    values = values.at[rows, :, pos].set(new[:, :, 1], mode="drop")
+    return keys, values
 
 
 def _pallas_attention(q, kv, positions, valid, page_table):
@@ -399,22 +429,42 @@ def paged_forward(
         kv = _write_pages(kv, new, page, offset)
         if pallas:
             return _pallas_attention(q, kv, positions, valid, table), kv
-        if attention == "dense":
-            return _dense_attention(q, kv, positions, table), kv
         return _xla_attention(q, kv, positions, table), kv
 
-    specs = ("R-H-", "R-H-", "R-H-", "R-", "R-", "R-", "R-", table_spec)
-    group_layer = per_group(write_and_attend, mesh, K, specs, ("R-H-", "R-H-"))
+    def write_and_attend_dense(kv, keys, values, new, q, positions, page, offset):
+        if q.shape[1] != 1:
+            raise ValueError(f"the dense paged attention path is for decode (T = 1), got {q.shape}")
+        kv = _write_pages(kv, new, page, offset)
+        keys, values = _write_views(keys, values, new, positions)
+        return _dense_attention(q, keys, values, positions), (kv, keys, values)
 
-    def layer_kv(kv, new, q):
-        return group_layer(kv, new, q, positions, valid, *write_at, table)
+    if attention == "dense":
+        specs = ("R-H-", "RH--", "RH--", "R-H-", "R-H-", "R-", "R-", "R-")
+        outs = ("R-H-", ("R-H-", "RH--", "RH--"))
+        group_dense = per_group(write_and_attend_dense, mesh, K, specs, outs)
+
+        def layer_kv(kv, new, q):
+            return group_dense(*kv, new, q, positions, *write_at)
+
+        layer_state = list(zip(pool.kv, *zip(*pool.views), strict=True))
+    else:
+        specs = ("R-H-", "R-H-", "R-H-", "R-", "R-", "R-", "R-", table_spec)
+        group_layer = per_group(write_and_attend, mesh, K, specs, ("R-H-", "R-H-"))
+
+        def layer_kv(kv, new, q):
+            return group_layer(kv, new, q, positions, valid, *write_at, table)
+
+        layer_state = list(pool.kv)
 
     x = jnp.take(model.embed[...], ids, axis=0).astype(dtype)
     x = ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
     cos, sin = _rope_tables(cfg, positions, dtype)
     new = []
-    for layer, kv in enumerate(pool.kv):
-        x, kv = _paged_block(cfg, dtype, layers[layer], x, cos, sin, kv, layer_kv)
-        new.append(ax.constrain(kv, PAGE_AXES))
+    for layer, state in enumerate(layer_state):
+        x, state = _paged_block(cfg, dtype, layers[layer], x, cos, sin, state, layer_kv)
+        new.append(state)
     hidden = _rms_norm(x, model.final_norm[...], cfg.rms_norm_eps, dtype)
-    return hidden, PagePool(kv=tuple(new))
+    if attention == "dense":
+        kv = tuple(ax.constrain(kv, PAGE_AXES) for kv, _, _ in new)
+        return hidden, PagePool(kv=kv, views=tuple((k, v) for _, k, v in new))
+    return hidden, PagePool(kv=tuple(ax.constrain(kv, PAGE_AXES) for kv in new))
