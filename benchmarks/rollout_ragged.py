@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp

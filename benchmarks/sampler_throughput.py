@@ -257,8 +257,10 @@ def main() -> None:
     names = args.configs.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     if args.engines:
-        print(f"backend {jax.default_backend()}, prompt {args.prompt_len}, new tokens "
-              f"{args.new_tokens}, greedy, median of {args.repeats} interleaved calls")
+        print(
+            f"backend {jax.default_backend()}, prompt {args.prompt_len}, new tokens "
+            f"{args.new_tokens}, greedy, median of {args.repeats} interleaved calls"
+        )
         header = (
             f"{'config':6} {'batch':>5} | {'static':>10} {'continuous':>10} | {'ratio':>7} | "
             f"{'chunks':>6} {'occupancy':>9} {'preempt':>5}"

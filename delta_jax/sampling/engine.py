@@ -13,8 +13,12 @@ This engine keeps ``decode_slots`` sequences running instead:
    no sample ever writes into a shared page;
 3. the *decode program* runs ``k`` steps on device (``lax.while_loop``): every live slot feeds its
    last token (first the prompt's last token), writes its K/V into its pages and draws the next
-   token. The host then reads which slots ended (stop token or their own ``max_new_tokens``),
-   frees their pages, refills the slots and allocates pages for the next ``k`` steps;
+   token, written with its log-probs (and hidden state) straight into the request's output
+   buffers on device, at the sequence's row and token index. The host then reads back only the
+   slots' status (one small array: which ended, stop token or their own ``max_new_tokens``),
+   frees their pages, refills the slots and allocates pages for the next ``k`` steps. Once
+   every queue is empty (no slot can be refilled), the next chunk runs all that is left
+   (the chunk length is a traced value); the buffers are read once, at the end;
 4. when the pool runs out, the youngest running sequence is preempted (pages freed, put back at
    the front of the queue, recomputed later) instead of failing.
 
@@ -28,10 +32,12 @@ device call still serves every group at once, so the host rounds stay in step.
 
 Every sequence draws token ``t`` with the key ``fold_in(fold_in(fold_in(key(seed), prompt),
 sample), t)``, so its tokens do not depend on the slot count, the slot order or preemptions.
-Programs have fixed shapes: slots, chunk ``k`` and the pool are fixed per sampler; the XLA
+Programs have fixed shapes: slots (``decode_slots`` capped at the request's rows), the output
+buffers and the pool are fixed per request bucket, the chunk length is traced; the XLA
 path's flat page list has one length per request bucket (it stops reading at the last real
-entry, so attention work follows the actual lengths), the Pallas path's page-table width is a
-power of two of pages (the longest live sequence) and prefill shapes are power-of-two buckets;
+entry, so attention work follows the actual lengths), the Pallas and dense (CPU) paths'
+page-table width is a power of two of pages (the longest live sequence; the dense path's at
+most the longest sequence) and prefill shapes are power-of-two buckets;
 each program compiles once.
 """
 
@@ -273,11 +279,19 @@ def decode_chunk(
     return dict(pool=pool, out=out, status=status)
 
 
-def decode_program(params, rest, pool, out, packed, pages, limit, seed, strategy, *, stop_width,
-                   **kw):
+def decode_program(
+    params, rest, pool, out, packed, pages, limit, seed, strategy, *, stop_width, **kw
+):
     """:func:`decode_chunk` on the packed slot matrix and page list the host sends."""
     return decode_chunk(
-        params, rest, pool, out, unpack_slots(packed, pages, stop_width), limit, seed, strategy,
+        params,
+        rest,
+        pool,
+        out,
+        unpack_slots(packed, pages, stop_width),
+        limit,
+        seed,
+        strategy,
         **kw,
     )
 
@@ -734,9 +748,7 @@ def run_engine(
     rows, _ = output_rows(owner, n, spec.groups)
     records = [_Prompt(ids=p, group=owner[i], left=n) for i, p in enumerate(prompts)]
     seqs = [
-        _Seq(
-            prompt=r // n, sample=r % n, max_new=int(max_new[r]), stops=stop_ids[r], row=rows[r]
-        )
+        _Seq(prompt=r // n, sample=r % n, max_new=int(max_new[r]), stops=stop_ids[r], row=rows[r])
         for r in range(len(prompts) * n)
     ]
     # Longest budget first: a long sequence admitted last would run on alone while the other
@@ -910,8 +922,16 @@ def generate_continuous(
     owner = assign_groups(prompts, n, request.max_new, spec.groups)
     local, block = output_rows(owner, n, spec.groups)
     call, results = engine_programs(
-        sampler, spec, graphdef, params, rest, strategy, seed, width,
-        spec.groups * block, request.gen_len,
+        sampler,
+        spec,
+        graphdef,
+        params,
+        rest,
+        strategy,
+        seed,
+        width,
+        spec.groups * block,
+        request.gen_len,
     )
     seqs, stats = run_engine(spec, prompts, n, request.max_new, request.stop_ids, call)
 

@@ -446,7 +446,8 @@ def paged_forward(
         def layer_kv(kv, new, q):
             return group_dense(*kv, new, q, positions, *write_at)
 
-        layer_state = list(zip(pool.kv, *zip(*pool.views), strict=True))
+        keys, values = zip(*pool.views, strict=True)
+        layer_state = list(zip(pool.kv, keys, values, strict=True))
     else:
         specs = ("R-H-", "R-H-", "R-H-", "R-", "R-", "R-", "R-", table_spec)
         group_layer = per_group(write_and_attend, mesh, K, specs, ("R-H-", "R-H-"))

@@ -297,7 +297,8 @@ class Sampler:
       engine: ``"static"`` (one batch, prefill plus a decode loop until the longest row ends) or
         ``"continuous"`` (:mod:`delta_jax.sampling.engine`: ``decode_slots`` slots refilled as
         rows end, over a paged KV cache). Rows then have exactly ``len(prompts) * n`` entries.
-      decode_slots: sequences decoded at once by the continuous engine, in total over the mesh.
+      decode_slots: sequences decoded at once by the continuous engine, in total over the mesh,
+        capped at the request's rows (no slot idles for want of a sequence).
         On a mesh they split evenly over its data groups (the row shards of the ``batch`` rule,
         rounded up to a multiple of them); each group runs its own slots over its own share of
         the pool, and a prompt's ``n`` samples run in one group, so ``n`` must not exceed one
@@ -305,9 +306,12 @@ class Sampler:
       page_size: tokens per KV page (continuous engine).
       num_pages: pages in the pool in total over the mesh, one scratch page per data group
         included (rounded up to a multiple of the groups, split evenly); None sizes each
-        group's share for its slots' sequences of the request's prompt bucket + largest
-        ``max_new_tokens``.
-      decode_chunk: decode steps per device call between two host scheduling rounds.
+        group's share for what its running sequences can hold at once, so that it never runs
+        short: every slot's own pages for the largest ``max_new_tokens`` (from its prompt's
+        partial last page on) plus one resident prompt (the prompt bucket) per slot, at most
+        one per prompt.
+      decode_chunk: decode steps per device call between two host scheduling rounds (once no
+        slot can be refilled, one call runs all that is left).
       prefill_chunk: longest prompt chunk prefilled in one call.
       attention: paged attention: ``"auto"`` (the Pallas ragged paged attention kernel on TPU,
         the ``"dense"`` CPU path on CPU, else ``"xla"``), ``"xla"``, ``"pallas"`` or
