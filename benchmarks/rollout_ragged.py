@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -190,7 +189,7 @@ def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int
     idle slot), and the number of sequences that joined (one page copied each). ``slots``
     counts every data group's.
     """
-    from delta_jax.sampling.engine import EngineSpec, pages_for, run_engine
+    from delta_jax.sampling.engine import _SLOT_FIELDS, EngineSpec, pages_for, run_engine
 
     longest = pages_for(max(map(len, prompts)) + max(budgets), page)
     spec = EngineSpec(
@@ -213,17 +212,16 @@ def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int
     def call(kind, *arrays):
         if kind == "prefill":
             return None
-        st = arrays[0]
-        count, pos, active = st["count"].copy(), st["pos"].copy(), st["active"].copy()
+        packed, steps_left = arrays[0], arrays[2]
+        st = {name: packed[:, i] for i, name in enumerate(_SLOT_FIELDS)}
+        count, pos, active = st["count"].copy(), st["pos"].copy(), st["active"] > 0
         steps = 0
-        while steps < chunk and active.any():
+        while steps < steps_left and active.any():
             lengths.append(np.where(active, pos + 1, 0))
             count, pos = count + active, pos + active
             active &= count < st["max_new"]
             steps += 1
-        out = SimpleNamespace(last=st["last"], pos=pos, count=count, active=active)
-        empty = np.zeros((slots, chunk))
-        return dict(slots=out, steps=steps, tokens=empty, logprobs=empty, untruncated=empty)
+        return np.stack([st["last"], pos, count, active.astype(np.int32)], axis=1)
 
     arrays = [np.asarray(p, np.int32) for p in prompts]
     stops = np.full((len(budgets), 1), -1, np.int32)

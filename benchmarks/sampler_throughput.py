@@ -22,9 +22,16 @@ Two ceilings put each row in context, both measured on this machine:
   ceiling of "% matmul" at that batch; at tiny sizes per-op overheads dominate instead and it
   is no bound.
 
+``--engines`` instead compares our two engines in one run: the static ``Sampler`` and
+``Sampler(engine="continuous", decode_slots=batch)``, same float32 weights and prompts, greedy,
+exactly ``--new-tokens`` per row (equal lengths), tokens checked identical; the two engines'
+calls are interleaved (static, continuous, static, ...) so that load on a shared machine hits
+both alike, and each figure is the median of ``--repeats`` calls after a first (compiling) one.
+
 Usage::
 
     python benchmarks/sampler_throughput.py                 # the full table
+    python benchmarks/sampler_throughput.py --engines --repeats 5   # static vs continuous
     python benchmarks/sampler_throughput.py --quick         # reduced: tiny only, batch 1 / 8,
                                                             # 32 new tokens, 1 repeat
     python benchmarks/sampler_throughput.py --configs small --batches 64 --skip-hf
@@ -165,6 +172,41 @@ def bench_ours(name, batches, prompt_len, new_tokens, repeats):
     return rows
 
 
+def bench_engines(name, batches, prompt_len, new_tokens, repeats):
+    """Static vs continuous engine, interleaved; prints one row per batch (medians)."""
+    cfg = ModelConfig.from_hf(hf_config(name).to_dict())
+    model = Transformer(cfg)
+    kw = dict(stop_token_ids=(), buckets=Buckets(prompt=(prompt_len,), generation=(new_tokens,)))
+    rng = np.random.default_rng(0)
+    for batch in batches:
+        engines = {
+            "static": Sampler(model, **kw),
+            "continuous": Sampler(model, engine="continuous", decode_slots=batch, **kw),
+        }
+        prompts = rng.integers(1, cfg.vocab_size, (batch, prompt_len)).tolist()
+
+        def run(sampler, prompts=prompts):
+            out = sampler.generate(prompts, max_new_tokens=new_tokens, temperature=0.0)
+            out.token_array.block_until_ready()
+            return out
+
+        first = {k: run(s) for k, s in engines.items()}
+        static, cont = (np.asarray(first[k].token_array)[:batch] for k in engines)
+        assert (static == cont).all(), "the engines' greedy tokens differ"
+        stats = first["continuous"].engine_stats
+        times = {k: [] for k in engines}
+        for _ in range(repeats):
+            for k, s in engines.items():
+                times[k].append(_timed(lambda s=s: run(s)))
+        tps = {k: batch * new_tokens / float(np.median(v)) for k, v in times.items()}
+        print(
+            f"{name:6} {batch:5d} | {tps['static']:10.1f} {tps['continuous']:10.1f} | "
+            f"{tps['continuous'] / tps['static']:6.2f}x | {stats.chunks:6d} "
+            f"{stats.occupancy:9.2f} {stats.preemptions:5d}",
+            flush=True,
+        )
+
+
 def bench_hf(name, batches, prompt_len, new_tokens, repeats):
     import torch
     import transformers
@@ -208,11 +250,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-hf", action="store_true", help="only time delta_jax")
     parser.add_argument("--quick", action="store_true", help="tiny, batch 1/8, 32 tokens, 1 rep")
+    parser.add_argument("--engines", action="store_true", help="static vs continuous engine")
     args = parser.parse_args()
     if args.quick:
         args.configs, args.batches, args.new_tokens, args.repeats = "tiny", "1,8", 32, 1
     names = args.configs.split(",")
     batches = [int(b) for b in args.batches.split(",")]
+    if args.engines:
+        print(
+            f"backend {jax.default_backend()}, prompt {args.prompt_len}, new tokens "
+            f"{args.new_tokens}, greedy, median of {args.repeats} interleaved calls"
+        )
+        header = (
+            f"{'config':6} {'batch':>5} | {'static':>10} {'continuous':>10} | {'ratio':>7} | "
+            f"{'chunks':>6} {'occupancy':>9} {'preempt':>5}"
+        )
+        print(header + "\n" + "-" * len(header))
+        for name in names:
+            bench_engines(name, batches, args.prompt_len, args.new_tokens, args.repeats)
+        return
 
     gflops = matmul_gflops()
     bandwidth = read_bandwidth()

@@ -100,11 +100,13 @@ def test_qwen3_06b_on_v5e_1(qwen06_report):
     assert r.params_bytes == 4 * total  # float32 master weights on one chip
     # AdamW: two float32 moments per parameter plus a few scalar counters.
     assert 0 <= r.opt_state_bytes - 2 * r.params_bytes <= 64
-    # The continuous engine (rollout's default), 64 decode slots (config default): a sequence of
-    # prompt 16 + generation 16 tokens takes 2 pages of 16, so the pool holds 64 x 2 + scratch.
-    assert (r.engine, r.cache_slots, r.num_pages, r.page_size) == ("continuous", 64, 129, 16)
+    # The continuous engine (rollout's default): its 64 decode slots (config default) capped at
+    # the 4 x 4 rows of a step; each sequence's own 16 new tokens take up to 2 pages of 16
+    # (wherever its prompt ends in a page), each of the 4 prompts 1 shared page (its 15 prefix
+    # tokens), so the pool holds 16 x 2 + 4 x 1 + scratch.
+    assert (r.engine, r.cache_slots, r.num_pages, r.page_size) == ("continuous", 16, 37, 16)
     L, K, D = mc.num_layers, mc.num_kv_heads, mc.head_dim
-    assert r.kv_cache_bytes == L * 129 * 16 * 2 * K * D * 2  # k and v pages, bfloat16
+    assert r.kv_cache_bytes == L * 37 * 16 * 2 * K * D * 2  # k and v pages, bfloat16
     assert r.sampler_params_bytes == 2 * total  # the sampling copy in the compute dtype
     assert r.shared_params_bytes == 0  # every float32 leaf moves: no buffer read in place
     # The donated train state is both an argument and (aliased) an output of the step.
@@ -166,13 +168,14 @@ def test_tiny_plan_on_mesh_matches_real_placement():
     assert report.params_bytes == on_device0
     mc = model.config
     # Sampling: the same 8 devices as data=4 x tensor=2 (K = 2 kv heads). The 64 decode slots
-    # split into 4 data groups of 16, each with its own pool share of 16 x 2 pages + its scratch
-    # page; a device holds its group's share, one KV head of it. The demo's cache dtype "auto"
-    # is planned as bfloat16, the sampler's default on TPU.
+    # split into 4 data groups, each capped at the 4 rows of its one prompt (4 x 4 rows over
+    # 4 groups), each with its own pool share of 4 x 2 own pages + 4 x 1 prompt page + its
+    # scratch page; a device holds its group's share, one KV head of it. The demo's cache
+    # dtype "auto" is planned as bfloat16, the sampler's default on TPU.
     assert report.sample_mesh == {"data": 4, "fsdp": 1, "tensor": 2}
-    assert (report.data_groups, report.cache_slots, report.num_pages) == (4, 64, 4 * 33)
-    assert report.kv_cache_bytes == mc.num_layers * 33 * 16 * 2 * 1 * mc.head_dim * 2
-    assert "4 data groups x (16 decode slots, 33 pages of 16 tokens" in report.table()
+    assert (report.data_groups, report.cache_slots, report.num_pages) == (4, 16, 4 * 13)
+    assert report.kv_cache_bytes == mc.num_layers * 13 * 16 * 2 * 1 * mc.head_dim * 2
+    assert "4 data groups x (4 decode slots, 13 pages of 16 tokens" in report.table()
     # FSDP-sharded training weights -> tensor-parallel sampling ones: collectives move them.
     assert report.reshard_collective_bytes > 0
     # The tiny model fits easily: the searches reach their limits (the whole update, and as
@@ -247,5 +250,6 @@ def test_engine_pool_follows_the_config():
         sized[pages] = (spec.num_pages, planner.pool_bytes(spec))
     mc = plan_lib.resolve_model_config(load_config(DEMO))
     page = mc.num_layers * 16 * 2 * mc.num_kv_heads * mc.head_dim * 2  # bfloat16 K and V
-    # 8 slots x (16 prompt + 40 new tokens = 4 pages of 16) + the scratch page.
-    assert sized == {0: (33, 33 * page), 50: (50, 50 * page)}
+    # 8 slots x (40 new tokens, wherever the prompt ends: up to 4 own pages of 16) + 8 running
+    # prompts x (15 prefix tokens: 1 shared page) + the scratch page.
+    assert sized == {0: (41, 41 * page), 50: (50, 50 * page)}

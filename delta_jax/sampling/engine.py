@@ -13,8 +13,12 @@ This engine keeps ``decode_slots`` sequences running instead:
    no sample ever writes into a shared page;
 3. the *decode program* runs ``k`` steps on device (``lax.while_loop``): every live slot feeds its
    last token (first the prompt's last token), writes its K/V into its pages and draws the next
-   token. The host then reads which slots ended (stop token or their own ``max_new_tokens``),
-   frees their pages, refills the slots and allocates pages for the next ``k`` steps;
+   token, written with its log-probs (and hidden state) straight into the request's output
+   buffers on device, at the sequence's row and token index. The host then reads back only the
+   slots' status (one small array: which ended, stop token or their own ``max_new_tokens``),
+   frees their pages, refills the slots and allocates pages for the next ``k`` steps. Once
+   every queue is empty (no slot can be refilled), the next chunk runs all that is left
+   (the chunk length is a traced value); the buffers are read once, at the end;
 4. when the pool runs out, the youngest running sequence is preempted (pages freed, put back at
    the front of the queue, recomputed later) instead of failing.
 
@@ -28,10 +32,12 @@ device call still serves every group at once, so the host rounds stay in step.
 
 Every sequence draws token ``t`` with the key ``fold_in(fold_in(fold_in(key(seed), prompt),
 sample), t)``, so its tokens do not depend on the slot count, the slot order or preemptions.
-Programs have fixed shapes: slots, chunk ``k`` and the pool are fixed per sampler; the XLA
+Programs have fixed shapes: slots (``decode_slots`` capped at the request's rows), the output
+buffers and the pool are fixed per request bucket, the chunk length is traced; the XLA
 path's flat page list has one length per request bucket (it stops reading at the last real
-entry, so attention work follows the actual lengths), the Pallas path's page-table width is a
-power of two of pages (the longest live sequence) and prefill shapes are power-of-two buckets;
+entry, so attention work follows the actual lengths), the Pallas and dense (CPU) paths'
+page-table width is a power of two of pages (the longest live sequence; the dense path's at
+most the longest sequence) and prefill shapes are power-of-two buckets;
 each program compiles once.
 """
 
@@ -55,6 +61,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Int
 
 from delta_jax.models import Transformer, lm_head_weight
+from delta_jax.models import axes as ax
 from delta_jax.models.attention import accumulation_dtype
 from delta_jax.models.axes import logical_to_mesh
 from delta_jax.sampling.paged import (
@@ -65,8 +72,10 @@ from delta_jax.sampling.paged import (
     PageList,
     PagePool,
     copy_pages,
+    dense_views,
     init_pool,
     paged_forward,
+    per_group,
 )
 from delta_jax.sampling.strategies import Categorical, Greedy, strategy_signature
 
@@ -106,9 +115,11 @@ class SlotState:
       max_new: the sequence's token budget.
       prompt: prompt index of the sequence (RNG stream).
       sample: sample index of the sequence (RNG stream).
+      row: the sequence's row of the output buffers (group-local; out of range for an idle
+        slot, whose writes are dropped).
       stops: stop ids of the sequence, padded with -1.
       page_table: the sequence's pages from position 0 on (0 = scratch), for the ``pallas``
-        path (one column otherwise).
+        and ``dense`` paths (one column otherwise).
       pages: every live sequence's pages as one flat list, for the ``xla`` path (one padding
         entry otherwise).
       copy_src: page to copy into ``copy_dst`` before decoding (the prompt's partial last page
@@ -123,6 +134,7 @@ class SlotState:
     max_new: Int[Array, " S"]
     prompt: Int[Array, " S"]
     sample: Int[Array, " S"]
+    row: Int[Array, " S"]
     stops: Int[Array, "S W"]
     page_table: Int[Array, "S NB"]
     pages: PageList
@@ -137,23 +149,67 @@ def _row_keys(seed, prompt, sample, count):
     return jax.vmap(one)(prompt, sample, count)
 
 
+# Per-slot integer fields of SlotState, packed with the stop ids and the page table into one
+# [S, F] matrix: one host-to-device copy per chunk instead of one per field.
+_SLOT_FIELDS = ("last", "pos", "count", "active", "max_new", "prompt", "sample", "row")
+_SLOT_FIELDS += ("copy_src", "copy_dst")
+# What the host reads back after a chunk, one [S, 4] matrix.
+_STATUS_FIELDS = ("last", "pos", "count", "active")
+
+
+def unpack_slots(packed: Int[Array, "S F"], pages: Int[Array, "U 3"], stop_width: int):
+    """The :class:`SlotState` of a packed ``[S, fields + stops + table]`` matrix and a
+    ``[U, 3]`` (page, seq, index) page list."""
+    cols = {name: packed[:, i] for i, name in enumerate(_SLOT_FIELDS)}
+    cols["active"] = cols["active"] > 0
+    F = len(_SLOT_FIELDS)
+    return SlotState(
+        **cols,
+        stops=packed[:, F : F + stop_width],
+        page_table=packed[:, F + stop_width :],
+        pages=PageList(page=pages[:, 0], seq=pages[:, 1], index=pages[:, 2]),
+    )
+
+
+def _write_rows(out, row, count, cols, mesh, kv_heads):
+    """Writes each live slot's column value at (its row, its token index) of the output
+    buffers; idle slots' rows are out of range and dropped. Per data group on a mesh (rows
+    group-local, each group's block of the buffers)."""
+
+    def write(buf, row, count, col):
+        return buf.at[row, count].set(col.astype(buf.dtype), mode="drop")
+
+    new = {}
+    for name, col in cols.items():
+        spec = "R" + "-" * (out[name].ndim - 1)
+        fn = per_group(write, mesh, kv_heads, (spec, "R", "R", "R" + "-" * (col.ndim - 1)), spec)
+        new[name] = fn(out[name], row, count, col)
+    return new
+
+
 def decode_chunk(
     params: nnx.State,
     rest: nnx.State,
     pool: PagePool,
+    out: dict[str, Array],
     slots: SlotState,
+    limit: Int[Array, ""],
     seed: Int[Array, ""],
     strategy: Greedy | Categorical,
     *,
     graphdef: nnx.GraphDef,
-    steps: int,
     return_hidden: bool,
     pad_id: int,
     attention: Attention,
     mesh: Mesh | None,
     hoist_layers: bool,
 ) -> dict[str, Any]:
-    """Up to ``steps`` decode steps of every live slot (exits early when none is live).
+    """Up to ``limit`` decode steps of every live slot (exits early when none is live).
+
+    Each step's token, log-probs and hidden state go straight into the request's output
+    buffers ``out`` (``[rows, gen_len]``, carried on device from chunk to chunk and read once
+    at the end) at the sequence's row and token index, so a chunk returns only the slots' new
+    state and its length is a traced value (no recompilation for a longer chunk).
 
     ``hoist_layers`` (the CPU path) slices the per-layer weights once before the loop, as the
     static sampler does; on accelerators the slices fuse into the matmuls inside the loop, where
@@ -161,12 +217,12 @@ def decode_chunk(
     """
     model: Transformer = nnx.merge(graphdef, params, rest)
     hoisted = model.layer_params() if hoist_layers else None
-    pool = copy_pages(pool, slots.copy_src, slots.copy_dst, mesh, model.config.num_kv_heads)
+    K = model.config.num_kv_heads
+    pool = copy_pages(pool, slots.copy_src, slots.copy_dst, mesh, K)
     tied = model.config.tie_word_embeddings
     head = (model.embed[...] if tied else lm_head_weight(model)).astype(model.dtype)
     head_spec = "SH,VH->SV" if tied else "SH,HV->SV"
     key = jax.random.key(seed)
-    S = slots.last.shape[0]
     acc = accumulation_dtype(model.dtype)  # float32; float64 for a float64 model (x64 checks)
 
     def draw(logits, keys):
@@ -191,19 +247,17 @@ def decode_chunk(
         res = draw(logits, _row_keys(key, s.prompt, s.sample, s.count))
         live = s.active
         token = jnp.where(live, res.token[:, 0], pad_id)
-        count = s.count + live
-        stopped = jnp.any(token[:, None] == s.stops, axis=-1) | (count >= s.max_new)
         cols = dict(
             tokens=token,
-            logprobs=jnp.where(live, res.logprob[:, 0], 0.0),
-            untruncated=jnp.where(live, res.untruncated_logprob[:, 0], 0.0),
+            logprobs=res.logprob[:, 0],
+            untruncated=res.untruncated_logprob[:, 0],
         )
         if return_hidden:
-            cols["hidden"] = jnp.where(live[:, None], h, 0)
-        out = {
-            name: jax.lax.dynamic_update_index_in_dim(out[name], col.astype(out[name].dtype), i, 1)
-            for name, col in cols.items()
-        }
+            cols["hidden"] = h
+        rows = jnp.where(live, s.row, out["tokens"].shape[0])  # idle: out of range, dropped
+        out = _write_rows(out, rows, s.count, cols, mesh, K)
+        count = s.count + live
+        stopped = jnp.any(token[:, None] == s.stops, axis=-1) | (count >= s.max_new)
         s = dataclasses.replace(
             s,
             last=jnp.where(live, token, s.last),
@@ -215,19 +269,47 @@ def decode_chunk(
 
     def cond(carry):
         i, _, s, _ = carry
-        return (i < steps) & jnp.any(s.active)
+        return (i < limit) & jnp.any(s.active)
 
-    out = dict(
-        tokens=jnp.full((S, steps), pad_id, jnp.int32),
-        logprobs=jnp.zeros((S, steps), acc),
-        untruncated=jnp.zeros((S, steps), acc),
-    )
-    if return_hidden:
-        out["hidden"] = jnp.zeros((S, steps, model.config.hidden_size), model.dtype)
-    i, pool, slots, out = jax.lax.while_loop(
+    if attention == "dense":
+        pool = dense_views(pool, slots.page_table, mesh, K)
+    _, pool, slots, out = jax.lax.while_loop(
         cond, body, (jnp.zeros((), jnp.int32), pool, slots, out)
     )
-    return dict(pool=pool, slots=slots, steps=i, **out)
+    pool = pool.replace(views=None)
+    status = jnp.stack([getattr(slots, f).astype(jnp.int32) for f in _STATUS_FIELDS], axis=1)
+    return dict(pool=pool, out=out, status=status)
+
+
+def decode_program(
+    params, rest, pool, out, packed, pages, limit, seed, strategy, *, stop_width, **kw
+):
+    """:func:`decode_chunk` on the packed slot matrix and page list the host sends."""
+    return decode_chunk(
+        params,
+        rest,
+        pool,
+        out,
+        unpack_slots(packed, pages, stop_width),
+        limit,
+        seed,
+        strategy,
+        **kw,
+    )
+
+
+def init_outputs(rows: int, gen_len: int, hidden: int | None, dtype, pad_id: int):
+    """The output buffers of one request (call inside ``jit``: created sharded by rows)."""
+    names = (ax.BATCH, None)
+    out = dict(
+        tokens=ax.constrain(jnp.full((rows, gen_len), pad_id, jnp.int32), names),
+        # float32; float64 for a float64 model (x64 numerics checks)
+        logprobs=ax.constrain(jnp.zeros((rows, gen_len), accumulation_dtype(dtype)), names),
+        untruncated=ax.constrain(jnp.zeros((rows, gen_len), accumulation_dtype(dtype)), names),
+    )
+    if hidden is not None:
+        out["hidden"] = ax.constrain(jnp.zeros((rows, gen_len, hidden), dtype), (*names, None))
+    return out
 
 
 def prefill_chunk(
@@ -258,9 +340,9 @@ class _Seq:
     max_new: int
     stops: np.ndarray
     order: int = 0  # admission counter: the largest is the youngest
+    row: int = 0  # row of its group's block of the output buffers
     pages: list[int] = dataclasses.field(default_factory=list)  # own pages
     table: list[int] = dataclasses.field(default_factory=list)  # all pages from position 0
-    out: dict[str, list] = dataclasses.field(default_factory=dict)
     length: int = 0
 
 
@@ -365,37 +447,49 @@ class _Scheduler:
         """Last position the sequence writes K/V at (its last token is never fed back)."""
         return self.prompts[seq.prompt].prefix + seq.max_new - 1
 
-    def _chunk_pages(self, seq: _Seq, pos: int) -> int:
-        return min(pos + self.spec.steps - 1, self._end_pos(seq)) // self.spec.page_size + 1
+    def _chunk_pages(self, seq: _Seq, pos: int, steps: int | None = None) -> int:
+        steps = self.spec.steps if steps is None else steps
+        return min(pos + steps - 1, self._end_pos(seq)) // self.spec.page_size + 1
 
     def _release(self, group: _Group, seq: _Seq) -> None:
         group.alloc.free(seq.pages)
         seq.pages, seq.table = [], []
         self.prompts[seq.prompt].running -= 1
 
-    def _preempt_youngest(self, group: _Group, keep: _Seq | None) -> bool:
-        """Frees the group's youngest running sequence (back to its queue front) or idle
-        prompt pages."""
-        running = [(s.order, i) for i, s in enumerate(group.slots) if s not in (None, keep)]
-        if running:
-            _, i = max(running)
-            seq = group.slots[i]
-            self._release(group, seq)
-            seq.out, seq.length = {}, 0
-            group.slots[i] = None
-            group.queue.appendleft(seq)
-            self.stats.preemptions += 1
-            return True
+    def _free_idle_prompts(self, group: _Group, keep: int = -1) -> bool:
+        """Frees the pages of the group's resident prompts with no running sample (but prompt
+        ``keep``): cheaper to prefill again than preempting a running sequence."""
         g = self.groups.index(group)
-        idle = [p for p in self.prompts if p.group == g and p.pages and p.running == 0]
+        idle = [
+            p
+            for i, p in enumerate(self.prompts)
+            if p.group == g and p.pages and p.running == 0 and i != keep
+        ]
         for p in idle:
             group.alloc.free(p.pages)
             p.pages = None
         return bool(idle)
 
-    def _grow(self, group: _Group, seq: _Seq, pos: int) -> bool:
+    def _preempt_youngest(self, group: _Group, keep: _Seq | None) -> bool:
+        """Frees idle prompt pages or else the group's youngest running sequence (back to its
+        queue front)."""
+        if self._free_idle_prompts(group):
+            return True
+        running = [(s.order, i) for i, s in enumerate(group.slots) if s not in (None, keep)]
+        if not running:
+            return False
+        _, i = max(running)
+        seq = group.slots[i]
+        self._release(group, seq)
+        seq.length = 0  # its rows of the output buffers are written again from the start
+        group.slots[i] = None
+        group.queue.appendleft(seq)
+        self.stats.preemptions += 1
+        return True
+
+    def _grow(self, group: _Group, seq: _Seq, pos: int, steps: int | None = None) -> bool:
         """Pages for the next chunk of ``seq``, preempting younger sequences if needed."""
-        need = self._chunk_pages(seq, pos) - len(seq.table)
+        need = self._chunk_pages(seq, pos, steps) - len(seq.table)
         while need > 0:
             got = group.alloc.alloc(need)
             if got is not None:
@@ -421,6 +515,8 @@ class _Scheduler:
             fresh = prompt.pages is None and seq.prompt not in new_prompts
             need = pages_for(prompt.prefix, ps) if fresh else 0
             need += self._chunk_pages(seq, prompt.prefix) - prompt.prefix // ps
+            if need > group.alloc.num_free and self._free_idle_prompts(group, seq.prompt):
+                continue
             if need > group.alloc.num_free:
                 if any(s is not None for s in group.slots) or joined:
                     break  # wait for running sequences to end
@@ -453,6 +549,7 @@ class _Scheduler:
         state["max_new"][slot] = seq.max_new
         state["prompt"][slot] = seq.prompt
         state["sample"][slot] = seq.sample
+        state["row"][slot] = seq.row
         state["stops"][slot] = seq.stops
         if prompt.prefix % ps:  # the partial last prompt page becomes the sample's own copy
             state["copy_src"][slot] = prompt.pages[full]
@@ -496,27 +593,20 @@ class _Scheduler:
         spec = self.spec
         S = spec.slots
         width = next(g.queue[0] for g in self.groups if g.queue).stops.size
-        state = dict(
-            last=np.zeros(S, np.int32),
-            pos=np.zeros(S, np.int32),
-            count=np.zeros(S, np.int32),
-            active=np.zeros(S, bool),
-            max_new=np.zeros(S, np.int32),
-            prompt=np.zeros(S, np.int32),
-            sample=np.zeros(S, np.int32),
-            stops=np.full((S, width), -1, np.int32),
-        )
+        state = {name: np.zeros(S, np.int32) for name in _SLOT_FIELDS}
+        state["stops"] = np.full((S, width), -1, np.int32)
         while any(g.queue or g.running for g in self.groups):
-            state["copy_src"] = np.full(S, SCRATCH_PAGE, np.int32)
-            state["copy_dst"] = np.full(S, SCRATCH_PAGE, np.int32)
+            state["copy_src"][:] = SCRATCH_PAGE
+            state["copy_dst"][:] = SCRATCH_PAGE
             new = [self._admit(g, state) for g in self.groups]
             if any(new):
                 self._prefill(new)
+            steps = self._tail_steps(state)
             for group in self.groups:
                 for slot, seq in group.running:
                     if group.slots[slot - group.base] is not seq:
                         continue  # preempted while an older sequence grew
-                    if not self._grow(group, seq, int(state["pos"][slot])):
+                    if not self._grow(group, seq, int(state["pos"][slot]), steps):
                         raise RuntimeError("page pool exhausted by a single sequence")
                 for i, s in enumerate(group.slots):
                     if s is None:  # idle, or joined then preempted: no copy, no step
@@ -525,18 +615,38 @@ class _Scheduler:
                         state["copy_dst"][group.base + i] = SCRATCH_PAGE
             if not any(g.running for g in self.groups):
                 raise RuntimeError("no sequence fits the page pool")  # validated up front
-            self._decode(state)
+            self._decode(state, steps)
         self.stats.high_water_pages = tuple(g.alloc.high_water for g in self.groups)
         self.stats.free_pages_after = tuple(g.alloc.num_free for g in self.groups)
         return self.done
 
-    def _decode(self, state: dict[str, np.ndarray]) -> None:
+    def _tail_steps(self, state: dict[str, np.ndarray]) -> int:
+        """Steps of the next chunk: ``spec.steps``, or, once every queue is empty (no slot can
+        be refilled), all that the running sequences have left in one chunk, when their pages
+        for it are free now (no host round trip that could not change anything)."""
+        if any(g.queue for g in self.groups):
+            return self.spec.steps
+        left = 0
+        for group in self.groups:
+            need = 0
+            for slot, seq in group.running:
+                pos = int(state["pos"][slot])
+                left = max(left, seq.max_new - int(state["count"][slot]))
+                need += self._chunk_pages(seq, pos, seq.max_new) - len(seq.table)
+            if need > group.alloc.num_free:
+                return self.spec.steps
+        return max(left, self.spec.steps)
+
+    def _decode(self, state: dict[str, np.ndarray], steps: int) -> None:
         spec = self.spec
         tables = [[[] if s is None else s.table for s in g.slots] for g in self.groups]
-        if spec.attention == "pallas":
+        if spec.attention in ("pallas", "dense"):
             floor = pages_for(spec.min_len, spec.page_size)
             widest = max(len(t) for group in tables for t in group)
             nb = min(spec.max_table, _pow2(max(widest, floor)))
+            if spec.attention == "dense":
+                # The CPU path gathers every table entry: never wider than the longest sequence.
+                nb = min(nb, spec.seq_pages)
             table = np.zeros((spec.slots, nb), np.int32)
             for row, t in enumerate(t for group in tables for t in group):
                 table[row, : len(t)] = t
@@ -548,23 +658,20 @@ class _Scheduler:
             size = spec.group_slots * spec.seq_pages
             pages = _page_lists(tables, spec.group_slots, size)
         before = state["count"].copy()
-        out = self.compile("decode", dict(state, page_table=table), pages)
+        fields = np.stack([state[name] for name in _SLOT_FIELDS], axis=1)
+        packed = np.concatenate([fields, state["stops"], table], axis=1)
+        status = self.compile("decode", packed, pages, steps)
         self.stats.chunks += 1
-        self.stats.decode_steps += int(out["steps"]) * spec.slots
-        for name in ("last", "pos", "count", "active"):
-            state[name] = np.array(getattr(out["slots"], name))
+        for i, name in enumerate(_STATUS_FIELDS):
+            state[name][:] = status[:, i]
+        new = state["count"] - before
+        self.stats.decode_steps += int(new.max()) * spec.slots
         for group in self.groups:
             for slot, seq in group.running:
-                self._collect(group, slot, seq, out, int(state["count"][slot] - before[slot]))
+                seq.length += int(new[slot])
+                self.stats.useful_steps += int(new[slot])
                 if not state["active"][slot]:
                     self._finish(group, slot, seq)
-
-    def _collect(self, group, slot, seq, out, new: int) -> None:
-        for name in ("tokens", "logprobs", "untruncated", "hidden"):
-            if name in out:
-                seq.out.setdefault(name, []).append(out[name][slot, :new])
-        seq.length += new
-        self.stats.useful_steps += new
 
     def _finish(self, group: _Group, slot: int, seq: _Seq) -> None:
         self._release(group, seq)
@@ -577,8 +684,9 @@ class _Scheduler:
         self.done.append(seq)
 
 
-def _page_lists(tables: list[list[list[int]]], rows: int, size: int) -> dict[str, np.ndarray]:
-    """Flat :class:`PageList` arrays, one list of ``size`` entries per data group, concatenated
+def _page_lists(tables: list[list[list[int]]], rows: int, size: int) -> np.ndarray:
+    """Flat :class:`PageList` entries ``[U, 3]`` (page, seq, index), one list of ``size``
+    entries per data group, concatenated
     (the list is split over the groups like the rows): group ``g``'s per-row page lists in
     group-local rows and pages, padded (row ``rows``: out of range) up to ``size``."""
     page = np.full((len(tables), size), SCRATCH_PAGE, np.int32)
@@ -591,7 +699,7 @@ def _page_lists(tables: list[list[list[int]]], rows: int, size: int) -> dict[str
             seq[g, at : at + len(table)] = row
             index[g, at : at + len(table)] = np.arange(len(table))
             at += len(table)
-    return dict(page=page.reshape(-1), seq=seq.reshape(-1), index=index.reshape(-1))
+    return np.stack([page.reshape(-1), seq.reshape(-1), index.reshape(-1)], axis=1)
 
 
 def assign_groups(prompts: list[np.ndarray], n: int, max_new: np.ndarray, groups: int):
@@ -611,6 +719,18 @@ def assign_groups(prompts: list[np.ndarray], n: int, max_new: np.ndarray, groups
     return owner
 
 
+def output_rows(owner: list[int], n: int, groups: int) -> tuple[np.ndarray, int]:
+    """Each request row's row in its data group's block of the output buffers, and the rows of
+    one block (the most rows any group runs); with one group, row ``r`` is row ``r``."""
+    rows = np.zeros(len(owner) * n, np.int64)
+    used = [0] * groups
+    for r in range(len(owner) * n):
+        g = owner[r // n]
+        rows[r] = used[g]
+        used[g] += 1
+    return rows, max(used)
+
+
 def run_engine(
     spec: EngineSpec,
     prompts: list[np.ndarray],
@@ -621,14 +741,17 @@ def run_engine(
 ) -> tuple[list[_Seq], EngineStats]:
     """Runs every (prompt, sample) sequence to its end; returns them in row order and stats.
 
-    ``call(kind, *arrays)`` runs the compiled ``"prefill"`` or ``"decode"`` program on the pool
-    (which it owns) and returns the decode outputs as NumPy.
+    ``call(kind, *arrays)`` runs the compiled program on the pool and the output buffers (which
+    it owns): ``"prefill"`` (ids, positions, valid, page list) returns nothing, ``"decode"``
+    (packed slot matrix, page list, steps) the slots' ``[S, 4]`` status (``_STATUS_FIELDS``)
+    as NumPy.
     """
     stats = EngineStats(group_pages=spec.group_pages)
     owner = assign_groups(prompts, n, max_new, spec.groups)
+    rows, _ = output_rows(owner, n, spec.groups)
     records = [_Prompt(ids=p, group=owner[i], left=n) for i, p in enumerate(prompts)]
     seqs = [
-        _Seq(prompt=r // n, sample=r % n, max_new=int(max_new[r]), stops=stop_ids[r])
+        _Seq(prompt=r // n, sample=r % n, max_new=int(max_new[r]), stops=stop_ids[r], row=rows[r])
         for r in range(len(prompts) * n)
     ]
     # Longest budget first: a long sequence admitted last would run on alone while the other
@@ -657,7 +780,8 @@ def validate_engine_request(
     share = "" if G == 1 else f" (one data group's share of {spec.num_pages} pages over {G})"
     for r, budget in enumerate(max_new[: len(prompts) * n]):
         prefix = prompts[r // n].size - 1
-        need = pages_for(prefix, ps) + pages_for(prefix + int(budget), ps)
+        # The prompt's pages plus the sequence's own ones (from the partial last page on).
+        need = pages_for(prefix, ps) + pages_for(prefix + int(budget), ps) - prefix // ps
         if need > usable:
             raise ValueError(
                 f"the page pool{share} ({usable} usable pages of {ps} tokens) is too small for "
@@ -668,11 +792,17 @@ def validate_engine_request(
         raise ValueError(f"a sequence of {longest} tokens exceeds the page-table width")
 
 
-def engine_programs(sampler, spec: EngineSpec, graphdef, params, rest, strategy, seed, width):
-    """Returns ``call`` for :func:`run_engine`, compiling each program once per key.
+def engine_programs(
+    sampler, spec: EngineSpec, graphdef, params, rest, strategy, seed, width, rows, gen_len
+):
+    """Returns ``call`` for :func:`run_engine` and ``results()``, compiling each program once
+    per key.
 
-    Compiled programs are cached on the sampler (``sampler._programs``). The pool lives in the
-    returned closure and is donated to every program, so XLA updates it in place.
+    Compiled programs are cached on the sampler (``sampler._programs``). The pool and the
+    ``rows x gen_len`` output buffers live in the returned closure and are donated to every
+    program, so XLA updates them in place; ``results()`` hands the buffers over at the end.
+    Per chunk the host sends one packed slot matrix and one page list and reads back the
+    slots' status, nothing else.
     """
     mesh, rules = sampler.mesh, sampler.rules
     cache_dtype = sampler.resolved_cache_dtype()
@@ -682,7 +812,6 @@ def engine_programs(sampler, spec: EngineSpec, graphdef, params, rest, strategy,
     base = (
         "engine",
         spec.slots,
-        spec.steps,
         spec.page_size,
         spec.num_pages,
         jnp.dtype(cache_dtype).name,
@@ -718,12 +847,15 @@ def engine_programs(sampler, spec: EngineSpec, graphdef, params, rest, strategy,
 
     model = nnx.merge(graphdef, params, rest)
     make_pool = functools.partial(init_pool, model, spec.num_pages, spec.page_size, cache_dtype)
+    hidden = model.config.hidden_size if spec.return_hidden else None
+    make_out = functools.partial(init_outputs, rows, gen_len, hidden, model.dtype, spec.pad_id)
     pool = [build(base + ("pool",), make_pool, ())()]
+    out = [build(base + ("outputs", rows, gen_len, hidden), make_out, ())()]
     platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
     decode = functools.partial(
-        decode_chunk,
+        decode_program,
+        stop_width=width,
         graphdef=graphdef,
-        steps=spec.steps,
         return_hidden=spec.return_hidden,
         pad_id=spec.pad_id,
         attention=spec.attention,
@@ -732,29 +864,47 @@ def engine_programs(sampler, spec: EngineSpec, graphdef, params, rest, strategy,
     )
     decode_key = (width, strategy_signature(strategy), spec.return_hidden, spec.attention)
 
-    def call(kind: str, *arrays: np.ndarray):
-        pages = PageList(**{k: place(v) for k, v in arrays[-1].items()})
+    def call(kind: str, *arrays):
         if kind == "prefill":
+            pages = PageList(*(place(arrays[-1][:, i]) for i in range(3)))
             ids, positions, valid = (place(a) for a in arrays[:3])
             key = base + ("prefill", ids.shape, pages.page.shape)
             fn = functools.partial(prefill_chunk, graphdef=graphdef, mesh=mesh)
             args = (params, rest, pool[0], ids, positions, valid, pages)
             pool[0] = build(key, fn, args, (2,))(*args)
             return None
-        slots = SlotState(**{k: place(v) for k, v in arrays[0].items()}, pages=pages)
-        key = base + ("decode", slots.page_table.shape, pages.page.shape, *decode_key)
-        args = (params, rest, pool[0], slots, seed, strategy)
-        out = build(key, decode, args, (2,))(*args)
-        pool[0] = out.pop("pool")
-        return jax.tree.map(_to_host, out)
+        packed, pages, steps = place(arrays[0]), place(arrays[1]), jnp.int32(arrays[2])
+        key = base + ("decode", packed.shape, pages.shape, rows, gen_len, *decode_key)
+        args = (params, rest, pool[0], out[0], packed, pages, steps, seed, strategy)
+        result = build(key, decode, args, (2, 3))(*args)
+        pool[0], out[0] = result["pool"], result["out"]
+        return _to_host(result["status"])
 
-    return call
+    def results():
+        buffers, out[0] = out[0], None
+        return buffers
+
+    return call, results
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
+
+
+@functools.partial(jax.jit, static_argnames="pad_id")
+def _assemble(buffers, index, lengths, *, pad_id):
+    """The request's rows of the output buffers in row order; positions at or after a row's
+    length hold ``pad_id`` / 0 (a preempted sequence's first run may have written there)."""
+    G = buffers["tokens"].shape[1]
+    valid = jnp.arange(G)[None, :] < lengths[:, None]
+    out = {}
+    for name, buf in buffers.items():
+        rows = jnp.take(buf, index, axis=0)
+        mask = valid.reshape(valid.shape + (1,) * (rows.ndim - 2))
+        out[name] = jnp.where(mask, rows, pad_id if name == "tokens" else 0)
+    return out
 
 
 def generate_continuous(
@@ -772,40 +922,40 @@ def generate_continuous(
     graphdef, own, rest = nnx.split(sampler.model, nnx.Param, ...)
     params = own if params is None else params
     width = request.stop_ids.shape[1]
-    call = engine_programs(sampler, spec, graphdef, params, rest, strategy, seed, width)
+    owner = assign_groups(prompts, n, request.max_new, spec.groups)
+    local, block = output_rows(owner, n, spec.groups)
+    call, results = engine_programs(
+        sampler,
+        spec,
+        graphdef,
+        params,
+        rest,
+        strategy,
+        seed,
+        width,
+        spec.groups * block,
+        request.gen_len,
+    )
     seqs, stats = run_engine(spec, prompts, n, request.max_new, request.stop_ids, call)
 
-    rows, G = len(seqs), request.gen_len
-    tokens = np.full((rows, G), spec.pad_id, np.int32)
-    # float32; float64 for a float64 model (x64 numerics checks)
-    lp_dtype = next((c.dtype for s in seqs for c in s.out["logprobs"]), np.float32)
-    logprobs = np.zeros((rows, G), lp_dtype)
-    untruncated = np.zeros((rows, G), lp_dtype)
-    hidden = None
-    if return_hidden:
-        H = sampler.model.config.hidden_size
-        hidden = np.zeros((rows, G, H), seqs[0].out["hidden"][0].dtype)
-    for r, seq in enumerate(seqs):
-        L = seq.length
-        tokens[r, :L] = np.concatenate(seq.out["tokens"])
-        logprobs[r, :L] = np.concatenate(seq.out["logprobs"])
-        untruncated[r, :L] = np.concatenate(seq.out["untruncated"])
-        if hidden is not None:
-            hidden[r, :L] = np.concatenate(seq.out["hidden"])
+    rows = len(seqs)
     lengths = np.array([s.length for s in seqs], np.int32)
+    # Global buffer row of each request row: its group's block, then its row in the block.
+    index = np.array([owner[r // n] * block + local[r] for r in range(rows)], np.int32)
+    out = _assemble(results(), index, lengths, pad_id=spec.pad_id)
     repeat = np.repeat(np.arange(len(prompts)), n)
-    out = SamplerOutput(
-        token_array=jnp.asarray(tokens),
-        logprob_array=jnp.asarray(logprobs),
-        untruncated_logprob_array=jnp.asarray(untruncated),
+    output = SamplerOutput(
+        token_array=out["tokens"],
+        logprob_array=out["logprobs"],
+        untruncated_logprob_array=out["untruncated"],
         length_array=jnp.asarray(lengths),
-        hidden_array=None if hidden is None else jnp.asarray(hidden),
+        hidden_array=out.get("hidden"),
         prompt_array=jnp.asarray(request.prompt_ids[repeat]),
         prompt_mask_array=jnp.asarray(request.prompt_mask[repeat]),
         num_steps=jnp.asarray(lengths.max(), jnp.int32),
         num_rows=rows,
     )
-    return out, stats
+    return output, stats
 
 
 def lower_decode(
@@ -823,6 +973,8 @@ def lower_decode(
     attention: Attention = "pallas",
     stop_width: int = 1,
     cache_dtype: Any = None,
+    rows: int | None = None,
+    gen_len: int | None = None,
 ) -> jax.stages.Lowered:
     """The decode program lowered for abstract inputs on ``mesh`` (no parameters materialised).
 
@@ -830,7 +982,9 @@ def lower_decode(
     through ``jax.experimental.topologies``): parameters in ``dtype`` placed by ``rules``.
     ``slots`` and ``num_pages`` count every data group's (the mesh's row shards); ``table_pages``
     is the page-table width (``pallas``), ``list_pages`` one group's flat page list length
-    (``xla``); the pool is in ``cache_dtype`` (default ``dtype``).
+    (``xla``); the pool is in ``cache_dtype`` (default ``dtype``). The output buffers hold
+    ``rows`` (default ``slots``) x ``gen_len`` (default ``steps``) tokens; the chunk's length
+    is a traced value (``steps`` is what a real call passes).
     """
     from delta_jax.sampling.strategies import make_strategy
     from delta_jax.sharding import batch_divisor, param_shardings
@@ -850,35 +1004,33 @@ def lower_decode(
     row = ("batch",)
     i32 = jnp.int32
     groups = batch_divisor(mesh, rules)
-    slot_state = SlotState(
-        **{k: spec((slots,), i32, row) for k in ("last", "pos", "count", "max_new", "prompt")},
-        sample=spec((slots,), i32, row),
-        active=spec((slots,), jnp.bool_, row),
-        stops=spec((slots, stop_width), i32, row + (None,)),
-        page_table=spec((slots, table_pages), i32, row + (None,)),
-        pages=PageList(
-            **{k: spec((groups * list_pages,), i32, row) for k in ("page", "seq", "index")}
-        ),
-        copy_src=spec((slots,), i32, row),
-        copy_dst=spec((slots,), i32, row),
-    )
+    packed = spec((slots, len(_SLOT_FIELDS) + stop_width + table_pages), i32, row + (None,))
+    pages = spec((groups * list_pages, 3), i32, row + (None,))
     c = config
     page = (num_pages, page_size, 2 * c.num_kv_heads, c.head_dim)
     pool_dtype = dtype if cache_dtype is None else cache_dtype
     pool = PagePool(kv=tuple(spec(page, pool_dtype, PAGE_AXES) for _ in range(c.num_layers)))
+    R, G = rows or slots, gen_len or steps
+    out = dict(
+        tokens=spec((R, G), i32, row + (None,)),
+        logprobs=spec((R, G), jnp.float32, row + (None,)),
+        untruncated=spec((R, G), jnp.float32, row + (None,)),
+    )
     fn = functools.partial(
-        decode_chunk,
+        decode_program,
+        stop_width=stop_width,
         graphdef=graphdef,
-        steps=steps,
         return_hidden=False,
         pad_id=0,
         attention=attention,
         mesh=mesh,
         hoist_layers=False,
     )
-    seed = jax.ShapeDtypeStruct((), jnp.uint32, sharding=NamedSharding(mesh, P()))
+    scalar = NamedSharding(mesh, P())
+    limit = jax.ShapeDtypeStruct((), i32, sharding=scalar)
+    seed = jax.ShapeDtypeStruct((), jnp.uint32, sharding=scalar)
     strategy = make_strategy(1.0)
     with jax.set_mesh(mesh), spmd.logical_axis_rules(rules):
-        return jax.jit(fn, donate_argnums=(2,)).lower(
-            params, rest, pool, slot_state, seed, strategy
+        return jax.jit(fn, donate_argnums=(2, 3)).lower(
+            params, rest, pool, out, packed, pages, limit, seed, strategy
         )

@@ -13,7 +13,11 @@ writes their K/V into the pages those positions fall in, and attends over the se
   attended to on its own and merged per sequence with the flash-attention rescaling, so the
   work grows with the sum of the actual lengths, not with the longest one or the pool; used on
   CPU and GPU, and for prefill everywhere;
-* ``pallas``: JAX's ``ragged_paged_attention`` TPU kernel (one query per sequence, decode).
+* ``pallas``: JAX's ``ragged_paged_attention`` TPU kernel (one query per sequence, decode);
+* ``dense``: the CPU path (XLA:CPU, where per-op overheads dominate small decode steps): every
+  sequence's page-table pages gathered into one contiguous view and attended to at once with
+  the static sampler's attention, a handful of ops per layer instead of a loop over page
+  blocks (decode).
 
 On a mesh the pool is split like the sequences: the page axis over the row (data) axes, so each
 data group of the sampling mesh holds its own share of the pages next to its own slots, and the
@@ -38,7 +42,7 @@ from jaxtyping import Array, Bool, Float, Int
 from delta_jax.models import Transformer
 from delta_jax.models import axes as ax
 from delta_jax.models.attention import accumulation_dtype
-from delta_jax.models.transformer import _rms_norm, _rope, _rope_tables
+from delta_jax.models.transformer import _attend_cache, _rms_norm, _rope, _rope_tables
 
 __all__ = [
     "PAGE_AXES",
@@ -46,6 +50,7 @@ __all__ = [
     "PageList",
     "PagePool",
     "copy_pages",
+    "dense_views",
     "init_pool",
     "paged_forward",
     "per_group",
@@ -63,14 +68,21 @@ PALLAS_QUERIES_PER_BLOCK = 32
 # XLA path: pages gathered and attended to at once (about 1 MiB of float32 K/V for small heads).
 XLA_PAGES_PER_BLOCK = 64
 
-Attention = Literal["xla", "pallas"]
+Attention = Literal["xla", "pallas", "dense"]
 
 
 @flax.struct.dataclass
 class PagePool:
-    """K/V pages of every layer: a tuple of L arrays ``[pages, page_size, 2K, D]``."""
+    """K/V pages of every layer: a tuple of L arrays ``[pages, page_size, 2K, D]``.
+
+    ``views``: the ``dense`` CPU path's per-sequence contiguous copies of the pages, one
+    ``(keys [B, K, D, NB * page_size], values [B, K, NB * page_size, D])`` pair per layer,
+    built once per decode chunk (:func:`dense_views`) and written alongside the pages; None
+    outside a decode chunk.
+    """
 
     kv: tuple[Float[Array, "P S C D"], ...]
+    views: tuple | None = None
 
     @property
     def page_size(self) -> int:
@@ -240,6 +252,47 @@ def _segment_sum(x, segments, num):
     return jax.ops.segment_sum(x, segments, num_segments=num, indices_are_sorted=True)
 
 
+def dense_views(pool: PagePool, page_table, mesh: Mesh | None, kv_heads: int) -> PagePool:
+    """The ``dense`` CPU path: ``pool`` with every sequence's table pages gathered once into
+    contiguous key and value views in the static sampler's cache layout.
+
+    XLA:CPU runs a decode step of a small batch as a few dozen small ops, and gathering the
+    pages at every step (plus transposing them to batch-leading layouts for the dots) costs
+    more than the attention itself; gathered once per chunk, a step only writes its new K/V
+    into the views and attends with the static sampler's attention. Unused table entries point
+    at the scratch page and are masked like positions past the query.
+    """
+
+    def gather(kv, table):
+        B, NB = table.shape
+        _, page_size, C, D = kv.shape
+        ctx = jnp.take(kv, table, axis=0, mode="clip").reshape(B, NB * page_size, C // 2, 2, D)
+        keys = jnp.transpose(ctx[..., 0, :], (0, 2, 3, 1))  # [B, K, D, L]
+        return keys, jnp.swapaxes(ctx[..., 1, :], 1, 2)  # [B, K, L, D]
+
+    gather = per_group(gather, mesh, kv_heads, ("R-H-", "R-"), ("RH--", "RH--"))
+    return pool.replace(views=tuple(gather(kv, page_table) for kv in pool.kv))
+
+
+def _dense_attention(q, keys, values, positions):
+    """Decode attention (T = 1) over the contiguous views: writes the step's K/V first."""
+    B, T, N, D = q.shape
+    L = keys.shape[-1]
+    visible = jnp.arange(L)[None, None, :] <= positions[:, :, None]  # [B, T, L]
+    return _attend_cache(q, keys.astype(q.dtype), values.astype(q.dtype), visible)
+
+
+def _write_views(keys, values, new, positions):
+    """Writes each sequence's new combined K/V [B, 1, 2K, D] at its position of the views
+    (an idle slot's stale position past the views is dropped)."""
+    B, _, C, D = new.shape
+    new = new.reshape(B, C // 2, 2, D).astype(keys.dtype)
+    rows, pos = jnp.arange(B), positions[:, 0]
+    keys = keys.at[rows, :, :, pos].set(new[:, :, 0], mode="drop")
+    values = values.at[rows, :, pos].set(new[:, :, 1], mode="drop")
+    return keys, values
+
+
 def _pallas_attention(q, kv, positions, valid, page_table):
     """Decode attention (T = 1) with JAX's ragged paged attention TPU kernel (one group)."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
@@ -362,11 +415,12 @@ def paged_forward(
     """
     cfg, dtype = model.config, model.dtype
     pallas = attention == "pallas"
-    table, table_spec = (page_table, "R-") if pallas else (pages, "R")
+    by_table = attention in ("pallas", "dense")
+    table, table_spec = (page_table, "R-") if by_table else (pages, "R")
     K, page_size = cfg.num_kv_heads, pool.page_size
 
     def where(positions, valid, table):
-        kw = dict(page_table=table) if pallas else dict(pages=table)
+        kw = dict(page_table=table) if by_table else dict(pages=table)
         return write_slots(positions, valid, page_size, **kw)
 
     write_at = per_group(where, mesh, K, ("R-", "R-", table_spec), ("R-", "R-"))(
@@ -379,18 +433,41 @@ def paged_forward(
             return _pallas_attention(q, kv, positions, valid, table), kv
         return _xla_attention(q, kv, positions, table), kv
 
-    specs = ("R-H-", "R-H-", "R-H-", "R-", "R-", "R-", "R-", table_spec)
-    group_layer = per_group(write_and_attend, mesh, K, specs, ("R-H-", "R-H-"))
+    def write_and_attend_dense(kv, keys, values, new, q, positions, page, offset):
+        if q.shape[1] != 1:
+            raise ValueError(f"the dense paged attention path is for decode (T = 1), got {q.shape}")
+        kv = _write_pages(kv, new, page, offset)
+        keys, values = _write_views(keys, values, new, positions)
+        return _dense_attention(q, keys, values, positions), (kv, keys, values)
 
-    def layer_kv(kv, new, q):
-        return group_layer(kv, new, q, positions, valid, *write_at, table)
+    if attention == "dense":
+        specs = ("R-H-", "RH--", "RH--", "R-H-", "R-H-", "R-", "R-", "R-")
+        outs = ("R-H-", ("R-H-", "RH--", "RH--"))
+        group_dense = per_group(write_and_attend_dense, mesh, K, specs, outs)
+
+        def layer_kv(kv, new, q):
+            return group_dense(*kv, new, q, positions, *write_at)
+
+        keys, values = zip(*pool.views, strict=True)
+        layer_state = list(zip(pool.kv, keys, values, strict=True))
+    else:
+        specs = ("R-H-", "R-H-", "R-H-", "R-", "R-", "R-", "R-", table_spec)
+        group_layer = per_group(write_and_attend, mesh, K, specs, ("R-H-", "R-H-"))
+
+        def layer_kv(kv, new, q):
+            return group_layer(kv, new, q, positions, valid, *write_at, table)
+
+        layer_state = list(pool.kv)
 
     x = jnp.take(model.embed[...], ids, axis=0).astype(dtype)
     x = ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
     cos, sin = _rope_tables(cfg, positions, dtype)
     new = []
-    for layer, kv in enumerate(pool.kv):
-        x, kv = _paged_block(cfg, dtype, layers[layer], x, cos, sin, kv, layer_kv)
-        new.append(ax.constrain(kv, PAGE_AXES))
+    for layer, state in enumerate(layer_state):
+        x, state = _paged_block(cfg, dtype, layers[layer], x, cos, sin, state, layer_kv)
+        new.append(state)
     hidden = _rms_norm(x, model.final_norm[...], cfg.rms_norm_eps, dtype)
-    return hidden, PagePool(kv=tuple(new))
+    if attention == "dense":
+        kv = tuple(ax.constrain(kv, PAGE_AXES) for kv, _, _ in new)
+        return hidden, PagePool(kv=kv, views=tuple((k, v) for _, k, v in new))
+    return hidden, PagePool(kv=tuple(ax.constrain(kv, PAGE_AXES) for kv in new))

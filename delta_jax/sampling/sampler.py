@@ -303,7 +303,8 @@ class Sampler:
       engine: ``"static"`` (one batch, prefill plus a decode loop until the longest row ends) or
         ``"continuous"`` (:mod:`delta_jax.sampling.engine`: ``decode_slots`` slots refilled as
         rows end, over a paged KV cache). Rows then have exactly ``len(prompts) * n`` entries.
-      decode_slots: sequences decoded at once by the continuous engine, in total over the mesh.
+      decode_slots: sequences decoded at once by the continuous engine, in total over the mesh,
+        capped at the request's rows (no slot idles for want of a sequence).
         On a mesh they split evenly over its data groups (the row shards of the ``batch`` rule,
         rounded up to a multiple of them); each group runs its own slots over its own share of
         the pool, and a prompt's ``n`` samples run in one group, so ``n`` must not exceed one
@@ -311,12 +312,16 @@ class Sampler:
       page_size: tokens per KV page (continuous engine).
       num_pages: pages in the pool in total over the mesh, one scratch page per data group
         included (rounded up to a multiple of the groups, split evenly); None sizes each
-        group's share for its slots' sequences of the request's prompt bucket + largest
-        ``max_new_tokens``.
-      decode_chunk: decode steps per device call between two host scheduling rounds.
+        group's share for what its running sequences can hold at once, so that it never runs
+        short: every slot's own pages for the largest ``max_new_tokens`` (from its prompt's
+        partial last page on) plus one resident prompt (the prompt bucket) per slot, at most
+        one per prompt.
+      decode_chunk: decode steps per device call between two host scheduling rounds (once no
+        slot can be refilled, one call runs all that is left).
       prefill_chunk: longest prompt chunk prefilled in one call.
       attention: paged attention: ``"auto"`` (the Pallas ragged paged attention kernel on TPU,
-        else ``"xla"``), ``"xla"`` or ``"pallas"``.
+        the ``"dense"`` CPU path on CPU, else ``"xla"``), ``"xla"``, ``"pallas"`` or
+        ``"dense"`` (see :mod:`delta_jax.sampling.paged`).
 
     Example:
       >>> from delta_jax.models import ModelConfig
@@ -441,8 +446,10 @@ class Sampler:
     def __post_init__(self):
         if self.engine not in ("static", "continuous"):
             raise ValueError(f"engine must be 'static' or 'continuous', got {self.engine!r}")
-        if self.attention not in ("auto", "xla", "pallas"):
-            raise ValueError(f"attention must be 'auto', 'xla' or 'pallas', got {self.attention!r}")
+        if self.attention not in ("auto", "xla", "pallas", "dense"):
+            raise ValueError(
+                f"attention must be 'auto', 'xla', 'pallas' or 'dense', got {self.attention!r}"
+            )
         for name in ("decode_slots", "page_size", "decode_chunk", "prefill_chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -464,17 +471,33 @@ class Sampler:
 
         # Data groups: the mesh's row shards, each with its own slots and share of the pool.
         groups = self._row_multiple()
-        group_slots = -(-self.decode_slots // groups)
+        prompts = request.num_rows // n
+        # No idle slots: a group never runs more sequences than the request's rows it can hold
+        # (its prompts, spread evenly, times n).
+        group_slots = min(-(-self.decode_slots // groups), -(-prompts // groups) * n)
+        ps = self.page_size
         # The longest sequence: the prompt bucket plus the largest token budget (not the
         # generation bucket, which rounds it up: the pool holds real positions only).
-        longest_tokens = request.prompt_ids.shape[1] + int(request.max_new.max())
-        longest = pages_for(longest_tokens, self.page_size)
-        group_pages = -(-self.num_pages // groups) if self.num_pages else group_slots * longest + 1
+        budget = int(request.max_new.max())
+        longest_tokens = request.prompt_ids.shape[1] + budget
+        longest = pages_for(longest_tokens, ps)
+        if self.num_pages:
+            group_pages = -(-self.num_pages // groups)
+        else:
+            # What running sequences really hold: a resident prompt's pages (all but its last
+            # token, shared by its samples; at most one resident prompt per running slot, idle
+            # ones are freed first) and each sequence's own pages (from the prompt's partial
+            # last page on, wherever the prompt ends in a page). The default never preempts.
+            prompt_pages = pages_for(request.prompt_ids.shape[1] - 1, ps)
+            own_pages = pages_for(budget + ps - 1, ps)
+            resident = min(group_slots, prompts)
+            group_pages = group_slots * own_pages + resident * prompt_pages + 1
         # A new prompt needs a free slot: about slots / n prompts join a group at a time.
         at_once = 1 << (-(-group_slots // n) - 1).bit_length()
         attention = self.attention
         if attention == "auto":
-            attention = "pallas" if _platform(self.mesh) == "tpu" else "xla"
+            platform = _platform(self.mesh)
+            attention = {"tpu": "pallas", "cpu": "dense"}.get(platform, "xla")
         return EngineSpec(
             slots=groups * group_slots,
             steps=self.decode_chunk,

@@ -263,3 +263,40 @@ def test_decode_compiles_for_tpu_with_ragged_paged_attention():
     pool = compiled.input_shardings[0][2].kv[0]
     assert pool.shard_shape((64, 16, 8, 128)) == (32, 16, 4, 128)
     assert compiled.memory_analysis().temp_size_in_bytes > 0
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 32])
+def test_trainer_defaults_run_without_idle_slots_or_preemption(model, n):
+    """A 32-row rollout with the trainer's default engine settings (64 decode slots, pages of
+    16, the default pool): the slots are capped at the 32 rows and the pool holds every
+    sequence, for any n. Equal budgets, prompts ending anywhere in a page."""
+    from delta_jax.config import RolloutConfigSection
+
+    r = RolloutConfigSection()
+    sampler = Sampler(
+        model,
+        stop_token_ids=(),
+        engine="continuous",
+        decode_slots=r.decode_slots,
+        page_size=r.page_size,
+        num_pages=r.num_pages or None,
+    )
+    rng = np.random.default_rng(n)
+    prompts = [rng.integers(1, 96, int(rng.integers(2, 40))).tolist() for _ in range(32 // n)]
+    out = sampler.generate(prompts, max_new_tokens=20, n=n, temperature=1.0, seed=n)
+    stats = out.engine_stats
+    assert out.lengths == [20] * 32
+    assert stats.preemptions == 0
+    assert stats.occupancy >= 0.95, stats
+    assert stats.useful_steps == 32 * 20
+    assert stats.free_pages_after == (stats.group_pages - 1,)
+
+
+def test_one_decode_slot_with_the_default_pool(model):
+    """One slot runs the sequences one after another; the default pool holds one sequence."""
+    got = engine(model, decode_slots=1).generate(PROMPTS, max_new_tokens=BUDGETS, temperature=0.0)
+    want = Sampler(model, stop_token_ids=()).generate(
+        PROMPTS, max_new_tokens=BUDGETS, temperature=0.0
+    )
+    assert got.tokens == want.tokens
+    assert got.engine_stats.preemptions == 0
