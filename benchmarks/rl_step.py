@@ -75,7 +75,7 @@ def main() -> None:
                 assert m["response_length_mean"] == args.new_tokens
                 row = dict(
                     rollout=m["time/rollout"],
-                    reward=m["time/reward"],
+                    reward=m["time/reward_tail"],
                     update=m["time/update"],
                     total=m["time/step"],
                 )

@@ -8,7 +8,7 @@ runs. :func:`execute` runs code once in the code sandbox for a tool call
 penalty lives with the advantages (:func:`delta_jax.losses.advantages.overlong_penalty`).
 """
 
-from delta_jax.rewards.batch import FlippedRewards, RewardBatch, RewardScorer
+from delta_jax.rewards.batch import FlippedRewards, RewardBatch, RewardScorer, concat_batches
 from delta_jax.rewards.code import CodeResult, ExecResult, execute, extract_code, run_code
 from delta_jax.rewards.custom import load_reward_fn
 from delta_jax.rewards.format import format_reward, score_format
@@ -31,5 +31,6 @@ __all__ = [
     "reward_name",
     "run_code",
     "score_format",
+    "concat_batches",
     "score_math",
 ]

@@ -215,6 +215,20 @@ class _Worker:
     deadline: float = math.inf
 
 
+def concat_batches(batches: Sequence[RewardBatch]) -> RewardBatch:
+    """One batch of the items of ``batches``, in order (counts summed, components joined)."""
+    counts: collections.Counter = collections.Counter()
+    for b in batches:
+        counts.update(b.counts)
+    names = batches[0].components if batches else {}
+    return RewardBatch(
+        np.concatenate([b.rewards for b in batches]).astype(np.float32),
+        [r for b in batches for r in b.reasons],
+        dict(counts),
+        {k: np.concatenate([b.components[k] for b in batches]) for k in names},
+    )
+
+
 class _Job:
     """One submitted batch: its tasks, the rewards and reasons filled in as tasks finish."""
 
@@ -415,6 +429,10 @@ class RewardScorer:
                 self._dispatcher.start()
             self._wakeup.notify()
         return job.future
+
+    def finish(self, batch: RewardBatch, prompts, responses) -> RewardBatch:
+        """What the scorer does to a whole batch once all of it is scored: nothing here."""
+        return batch
 
     def _dispatch(self) -> None:
         """The background thread: scores every job waiting, together, until the scorer closes."""

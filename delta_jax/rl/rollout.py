@@ -25,6 +25,7 @@ import numpy as np
 
 from delta_jax.data import PromptRecord
 from delta_jax.losses import advantages as adv_lib
+from delta_jax.rewards import concat_batches
 
 
 @dataclasses.dataclass
@@ -166,6 +167,19 @@ def _sample_and_score(
 ):
     """One sampler call and its rewards; returns the output and one dict per prompt group."""
     t0 = time.perf_counter()
+    records = [rec for _, rec in pairs for _ in range(n)]
+    items = [{"answer": r.answer, "tests": r.tests, **r.extra} for r in records]
+    prompts = [r.prompt for r in records]
+    texts: list[str] = [""] * len(records)
+    pending: list = [None] * len(pairs)
+
+    def score_group(i: int, tokens: list[list[int]]) -> None:
+        # Called as soon as prompt i's samples have all ended: its rewards are computed in the
+        # reward pool while the engine decodes the others (the host's only read of tokens).
+        rows = slice(i * n, (i + 1) * n)
+        texts[rows] = tokenizer.batch_decode(tokens, skip_special_tokens=True)
+        pending[i] = scorer.submit(prompts[rows], texts[rows], items[rows], group_size=n)
+
     out = sampler.generate(
         [ids for ids, _ in pairs],
         n=n,
@@ -173,15 +187,14 @@ def _sample_and_score(
         seed=seed,
         return_hidden=hidden,
         params=params,
+        on_prompt_done=score_group,
         **sampling,
     )
-    texts = tokenizer.batch_decode(out.tokens, skip_special_tokens=True)  # the host's only read
     t1 = time.perf_counter()
-    records = [rec for _, rec in pairs for _ in range(n)]
-    items = [{"answer": r.answer, "tests": r.tests, **r.extra} for r in records]
-    scored = scorer.score([r.prompt for r in records], texts, items, group_size=n)
+    scored = scorer.finish(concat_batches([p.result() for p in pending]), prompts, texts)
     stats["time/rollout"] += t1 - t0
-    stats["time/reward"] += time.perf_counter() - t1
+    # What the step waits for after the last token: the rewards not computed while decoding.
+    stats["time/reward_tail"] += time.perf_counter() - t1
     stats.update({f"reward_reason/{k}": v for k, v in scored.counts.items()})
     if out.engine_stats is not None:  # the continuous engine: how full its slots and pool were
         es = out.engine_stats

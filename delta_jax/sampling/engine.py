@@ -431,13 +431,16 @@ class _Scheduler:
     """Host side of one engine call: a queue, slots and pages per data group; one device call
     (prefill or decode) serves every group at once. The device programs are callbacks."""
 
-    def __init__(self, spec: EngineSpec, prompts, groups: list[list[_Seq]], compile_fn, stats):
+    def __init__(
+        self, spec: EngineSpec, prompts, groups: list[list[_Seq]], compile_fn, stats, on_done=None
+    ):
         self.spec = spec
         self.prompts = prompts
         Sg, Pg = spec.group_slots, spec.group_pages
         self.groups = [_Group(g * Sg, Sg, Pg, seqs) for g, seqs in enumerate(groups)]
         self.compile = compile_fn
         self.stats = stats
+        self.on_done = on_done  # on_done(p, its sequences) once all of prompt p's ended
         self.admitted = 0
         self.done: list[_Seq] = []
 
@@ -623,18 +626,26 @@ class _Scheduler:
     def _tail_steps(self, state: dict[str, np.ndarray]) -> int:
         """Steps of the next chunk: ``spec.steps``, or, once every queue is empty (no slot can
         be refilled), all that the running sequences have left in one chunk, when their pages
-        for it are free now (no host round trip that could not change anything)."""
+        for it are free now (no host round trip that could not change anything). When prompts
+        are handed over as they end (``on_done``), a chunk does not run past the next prompt's
+        end: up to its budget without stop ids, ``spec.steps`` with them."""
         if any(g.queue for g in self.groups):
             return self.spec.steps
-        left = 0
+        left, per_prompt = 0, {}
         for group in self.groups:
             need = 0
             for slot, seq in group.running:
-                pos = int(state["pos"][slot])
-                left = max(left, seq.max_new - int(state["count"][slot]))
+                if self.on_done is not None and (seq.stops >= 0).any():
+                    # Streaming: any step may end this prompt, whose rewards should start then.
+                    return self.spec.steps
+                pos, rest = int(state["pos"][slot]), seq.max_new - int(state["count"][slot])
+                left = max(left, rest)
+                per_prompt[seq.prompt] = max(per_prompt.get(seq.prompt, 0), rest)
                 need += self._chunk_pages(seq, pos, seq.max_new) - len(seq.table)
             if need > group.alloc.num_free:
                 return self.spec.steps
+        if self.on_done is not None:  # no stop ids: end the chunk where the next prompt ends
+            left = min(per_prompt.values(), default=0)
         return max(left, self.spec.steps)
 
     def _decode(self, state: dict[str, np.ndarray], steps: int) -> None:
@@ -677,11 +688,13 @@ class _Scheduler:
         self._release(group, seq)
         prompt = self.prompts[seq.prompt]
         prompt.left -= 1
+        group.slots[slot - group.base] = None
+        self.done.append(seq)
         if prompt.left == 0:
             group.alloc.free(prompt.pages or [])
             prompt.pages = None
-        group.slots[slot - group.base] = None
-        self.done.append(seq)
+            if self.on_done is not None:
+                self.on_done(seq.prompt, [s for s in self.done if s.prompt == seq.prompt])
 
 
 def _page_lists(tables: list[list[list[int]]], rows: int, size: int) -> np.ndarray:
@@ -738,8 +751,12 @@ def run_engine(
     max_new: np.ndarray,
     stop_ids: np.ndarray,
     call,
+    on_done=None,
 ) -> tuple[list[_Seq], EngineStats]:
     """Runs every (prompt, sample) sequence to its end; returns them in row order and stats.
+
+    ``on_done(p, seqs)``, when given, is called as soon as every sample of prompt ``p`` has
+    ended (``seqs``: them; their outputs are final), while the others are still being decoded.
 
     ``call(kind, *arrays)`` runs the compiled program on the pool and the output buffers (which
     it owns): ``"prefill"`` (ids, positions, valid, page list) returns nothing, ``"decode"``
@@ -758,7 +775,7 @@ def run_engine(
     # slots idle. The order changes no token (each sequence has its own RNG stream).
     seqs.sort(key=lambda s: -s.max_new)
     groups = [[s for s in seqs if owner[s.prompt] == g] for g in range(spec.groups)]
-    done = _Scheduler(spec, records, groups, call, stats).run()
+    done = _Scheduler(spec, records, groups, call, stats, on_done).run()
     done.sort(key=lambda s: (s.prompt, s.sample))
     return done, stats
 
@@ -884,7 +901,11 @@ def engine_programs(
         buffers, out[0] = out[0], None
         return buffers
 
-    return call, results
+    def peek(rows: np.ndarray) -> np.ndarray:
+        """Tokens ``[len(rows), G]`` of finished buffer rows, on the host."""
+        return _to_host(jnp.take(out[0]["tokens"], place(rows), axis=0))
+
+    return call, results, peek
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
@@ -908,9 +929,20 @@ def _assemble(buffers, index, lengths, *, pad_id):
 
 
 def generate_continuous(
-    sampler, request, prompts: list[np.ndarray], n: int, strategy, seed, return_hidden, params
+    sampler,
+    request,
+    prompts: list[np.ndarray],
+    n: int,
+    strategy,
+    seed,
+    return_hidden,
+    params,
+    on_prompt_done=None,
 ):
     """The engine behind ``Sampler(engine="continuous").generate``; same output as the static one.
+
+    ``on_prompt_done(p, tokens)`` gets prompt ``p``'s samples (token lists, sample order) as soon
+    as the last of them ends, while the others decode.
 
     Returns:
       ``(SamplerOutput, EngineStats)``.
@@ -924,7 +956,7 @@ def generate_continuous(
     width = request.stop_ids.shape[1]
     owner = assign_groups(prompts, n, request.max_new, spec.groups)
     local, block = output_rows(owner, n, spec.groups)
-    call, results = engine_programs(
+    call, results, peek = engine_programs(
         sampler,
         spec,
         graphdef,
@@ -936,7 +968,16 @@ def generate_continuous(
         spec.groups * block,
         request.gen_len,
     )
-    seqs, stats = run_engine(spec, prompts, n, request.max_new, request.stop_ids, call)
+    on_done = None
+    if on_prompt_done is not None:
+
+        def on_done(p: int, seqs: list[_Seq]) -> None:
+            mine = sorted(seqs, key=lambda s: s.sample)
+            rows = np.array([owner[p] * block + local[p * n + s.sample] for s in mine], np.int32)
+            tokens = peek(rows)
+            on_prompt_done(p, [tokens[i, : s.length].tolist() for i, s in enumerate(mine)])
+
+    seqs, stats = run_engine(spec, prompts, n, request.max_new, request.stop_ids, call, on_done)
 
     rows = len(seqs)
     lengths = np.array([s.length for s in seqs], np.int32)

@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -366,6 +367,7 @@ class Sampler:
         stop_token_ids: list[int] | list[list[int]] | None = None,
         return_hidden: bool = False,
         params: nnx.State | None = None,
+        on_prompt_done: Callable[[int, list[list[int]]], None] | None = None,
     ) -> SamplerOutput:
         """Samples ``n`` continuations of every prompt.
 
@@ -386,6 +388,10 @@ class Sampler:
           return_hidden: also return the final hidden state that produced each token.
           params: the ``nnx.Param`` state to sample with (e.g. the trainer's current one, used
             without a copy); None splits the model's current parameters.
+          on_prompt_done: called as ``on_prompt_done(i, tokens)`` with prompt ``i``'s samples
+            (generated ids, sample order) once they have all ended: by the continuous engine as
+            soon as that happens, while other rows still decode (so their rewards can be
+            computed meanwhile); by the static sampler for every prompt after the batch ends.
 
         Returns:
           A :class:`~delta_jax.sampling.output.SamplerOutput`.
@@ -412,7 +418,7 @@ class Sampler:
         strategy = make_strategy(temperature, top_p, top_k, min_p)
         if self.engine == "continuous":
             return self._generate_continuous(
-                prompts, request, n, strategy, seed, return_hidden, params
+                prompts, request, n, strategy, seed, return_hidden, params, on_prompt_done
             )
         graphdef, own_params, rest = nnx.split(self.model, nnx.Param, ...)
         params = own_params if params is None else params
@@ -431,7 +437,7 @@ class Sampler:
         gen_len = request.gen_len
         program = self._program(args, graphdef, n, gen_len, strategy, return_hidden)
         out = program(*args)
-        return SamplerOutput(
+        output = SamplerOutput(
             token_array=out["tokens"],
             logprob_array=out["logprobs"],
             untruncated_logprob_array=out["untruncated"],
@@ -442,6 +448,11 @@ class Sampler:
             num_steps=out["steps"],
             num_rows=request.num_rows,
         )
+        if on_prompt_done is not None:
+            tokens = output.tokens
+            for i in range(len(prompts)):
+                on_prompt_done(i, tokens[i * n : (i + 1) * n])
+        return output
 
     def __post_init__(self):
         if self.engine not in ("static", "continuous"):
@@ -455,13 +466,15 @@ class Sampler:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
-    def _generate_continuous(self, prompts, request, n, strategy, seed, return_hidden, params):
+    def _generate_continuous(
+        self, prompts, request, n, strategy, seed, return_hidden, params, on_prompt_done
+    ):
         from delta_jax.sampling import engine
 
         arrays = [np.asarray(p, np.int32) for p in prompts]
         seed = jnp.asarray(np.uint32(seed % 2**32))
         out, stats = engine.generate_continuous(
-            self, request, arrays, n, strategy, seed, return_hidden, params
+            self, request, arrays, n, strategy, seed, return_hidden, params, on_prompt_done
         )
         return dataclasses.replace(out, engine_stats=stats)
 

@@ -27,7 +27,7 @@ REQUIRED_KEYS = {
     "reward_mean",
     "loss",
     "time/rollout",
-    "time/reward",
+    "time/reward_tail",
     "time/update",
     "delta/gamma_pos",
     "delta/gamma_neg",

@@ -300,3 +300,27 @@ def test_one_decode_slot_with_the_default_pool(model):
     )
     assert got.tokens == want.tokens
     assert got.engine_stats.preemptions == 0
+
+
+def test_prompts_are_handed_over_as_soon_as_their_samples_end(model, small):
+    """on_prompt_done: the continuous engine reports each prompt when its last sample ends, while
+    the others decode (here all run at once: in budget order); the static sampler after the
+    batch, in prompt order; both with the tokens of the returned output."""
+    # One step per chunk, so that the hand-over order is the order in which prompts end.
+    runs = {
+        "continuous": engine(model, decode_slots=10, decode_chunk=1),
+        "static": Sampler(model, stop_token_ids=()),
+    }
+    for name, sampler in runs.items():
+        calls = []
+        out = sampler.generate(
+            PROMPTS,
+            n=2,
+            max_new_tokens=BUDGETS,
+            temperature=0.0,
+            on_prompt_done=lambda i, tokens, calls=calls: calls.append((i, tokens)),
+        )
+        for i, tokens in calls:
+            assert tokens == out.tokens[2 * i : 2 * i + 2]
+        order = np.argsort(BUDGETS) if name == "continuous" else np.arange(len(PROMPTS))
+        assert [i for i, _ in calls] == order.tolist(), name

@@ -1,0 +1,53 @@
+"""Streaming rewards: a group is scored as soon as its samples end; the result is exactly the
+rewards scored after the last token (same values, order, flips and advantages)."""
+
+import numpy as np
+import pytest
+
+from delta_jax.data import encode_prompts
+from delta_jax.demo import arithmetic_records
+from delta_jax.losses.advantages import grpo_advantages
+from delta_jax.models import from_pretrained, load_tokenizer
+from delta_jax.rewards import FlippedRewards, RewardSet
+from delta_jax.rl.rollout import collect_rollout
+from delta_jax.sampling import Sampler
+
+
+def brevity(prompts, completions, **columns):
+    """A batched reward the worker processes can import."""
+    return [1.0 / (1 + len(c)) for c in completions]
+
+
+@pytest.mark.parametrize("engine", ["continuous", "static"])
+def test_streamed_rewards_equal_rewards_scored_after_the_last_token(demo_model_dir, engine):
+    model, tok = from_pretrained(str(demo_model_dir)), load_tokenizer(str(demo_model_dir))
+    records = arithmetic_records(4, seed=3)
+    enc = encode_prompts(records, tok, max_prompt_length=16, template="{prompt}")
+    sampler = Sampler(model, pad_token_id=0, engine=engine, decode_slots=8, decode_chunk=2)
+    rewards = RewardSet(["math", brevity], [1.0, 0.5], num_workers=2)
+    scorer = FlippedRewards(rewards, 0.3, seed=1)
+    with rewards:
+        ro = collect_rollout(
+            sampler=sampler,
+            params=None,
+            scorer=scorer,
+            tokenizer=tok,
+            prompt_batches=iter([list(zip(enc.ids, enc.records, strict=True))]),
+            n=4,
+            prompt_len=16,
+            gen_len=24,
+            sampling=dict(temperature=1.0, top_p=1.0, top_k=0, stop_token_ids=(tok.eos_token_id,)),
+            seed=5,
+            advantage="grpo",
+            overlong=None,
+            dynamic_rounds=0,
+            return_hidden=False,
+        )
+        items = [{"answer": r.answer, "tests": r.tests, **r.extra} for r in ro.records]
+        want = scorer.score([r.prompt for r in ro.records], ro.responses, items, group_size=4)
+    assert len(set(ro.lengths.tolist())) > 1  # ragged: groups end at different steps
+    np.testing.assert_array_equal(ro.rewards, want.rewards)
+    np.testing.assert_array_equal(ro.advantages, np.asarray(grpo_advantages(want.rewards, 4)))
+    assert ro.stats["reward/brevity"] == pytest.approx(float(np.mean(want.components["brevity"])))
+    assert ro.stats["reward_reason/flipped"] == want.counts["flipped"]
+    assert ro.stats["time/reward_tail"] >= 0
