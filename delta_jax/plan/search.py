@@ -13,6 +13,7 @@ from delta_jax.plan.compiler import plan_mesh
 from delta_jax.plan.models import describe, resolve_model_config
 from delta_jax.plan.programs import Planner
 from delta_jax.plan.report import GiB, PlanReport, ProgramMemory
+from delta_jax.sampling import smem
 
 
 def compile_train_step(
@@ -41,13 +42,16 @@ def largest_fitting(
 ) -> int:
     """Largest multiple of ``unit`` in ``[unit, limit]`` with ``measure(x) <= budget`` (0: none).
 
+    ``measure`` may return None: the compiler refused that size for a memory no budget changes
+    (SMEM, VMEM): it does not fit, and bisection, not the secant, looks below it.
+
     Peak memory grows about linearly with the batch, so a secant through measured sizes lands
     on (or next to) the answer; bisection takes over when the secant leaves the bracket. Each
     ``measure`` is a compilation, at most ``max_measures`` of them; the result is the largest
     size seen to fit.
 
     Args:
-      measure: size -> bytes (non-decreasing in size).
+      measure: size -> bytes (non-decreasing in size), or None (refused).
       unit: sizes are multiples of it.
       budget: bytes available.
       start: a second size to measure besides ``unit`` (e.g. the configured one).
@@ -58,28 +62,33 @@ def largest_fitting(
       >>> largest_fitting(lambda x: 10 + 3 * x, 2, 40, start=4, limit=64)
       10
     """
-    seen: dict[int, int] = {}
+    seen: dict[int, int | None] = {}
 
-    def peak(x: int) -> int:
+    def peak(x: int) -> int | None:
         if x not in seen:
             seen[x] = measure(x)
         return seen[x]
 
+    def fits(x: int) -> bool:
+        return seen[x] is not None and seen[x] <= budget
+
     def down(x: float) -> int:
         return max(unit, min(limit, int(x) // unit * unit))
 
-    if peak(unit) > budget:
+    peak(unit)
+    if not fits(unit):
         return 0
     limit -= limit % unit
     if limit <= unit:
         return unit
     peak(down(max(2 * unit, start)))
     while len(seen) < max_measures:
-        good = max(x for x in seen if seen[x] <= budget)
-        bad = min((x for x in seen if seen[x] > budget), default=None)
+        good = max(x for x in seen if fits(x))
+        bad = min((x for x in seen if not fits(x)), default=None)
         if good >= limit or (bad is not None and bad - good <= unit):
             break
-        # Secant through the best fitting size and its nearest measured neighbour.
+        # Secant through the best fitting size and its nearest measured neighbour (a refused
+        # size has no figure: bisect towards it instead).
         other = (
             bad
             if bad is not None
@@ -87,8 +96,11 @@ def largest_fitting(
             if any(x < good for x in seen)
             else None
         )
-        slope = 0.0 if other is None else (seen[other] - seen[good]) / (other - good)
-        guess = limit if slope <= 0 else down(good + (budget - seen[good]) / slope)
+        if other is not None and seen[other] is None:
+            guess = down(good + (other - good) / 2)
+        else:
+            slope = 0.0 if other is None else (seen[other] - seen[good]) / (other - good)
+            guess = limit if slope <= 0 else down(good + (budget - seen[good]) / slope)
         upper = limit if bad is None else bad - unit
         if guess <= good:
             guess = good + unit
@@ -96,7 +108,18 @@ def largest_fitting(
             guess = down(good + (upper - good + unit) / 2)
             guess = guess if guess > good else good + unit
         peak(guess)
-    return max(x for x in seen if seen[x] <= budget)
+    return max(x for x in seen if fits(x))
+
+
+def _bound(found: int, measured: dict[int, ProgramMemory | None], budget: int, unit: str) -> str:
+    """The smallest measured size above ``found`` that does not fit, and why."""
+    over = sorted(x for x, m in measured.items() if x > found and m is not None)
+    if not over:
+        return ""
+    x, m = over[0], measured[over[0]]
+    if not m.fits_anywhere:
+        return f"{x} {unit}: {m.refusal()}"
+    return f"{x} {unit}: {m.peak / GiB:.2f} GiB > budget {budget / GiB:.2f} GiB"
 
 
 def plan(
@@ -187,22 +210,32 @@ def plan(
     if not search:
         return report
     budget = report.budget
-    cache = {micro_rows: train.peak}
+    # Every size measured: its program (a train step; the sampler's larger one, a refused one
+    # first), for the peaks and the bound reported.
+    trains = {micro_rows: train}
 
-    def train_peak(rows: int) -> int:
-        if rows not in cache:
+    def train_peak(rows: int) -> int | None:
+        if rows not in trains:
             log(f"  train step with {rows} rows per micro-batch")
-            cache[rows] = planner.train(rows).peak
-        return cache[rows]
+            trains[rows] = planner.train(rows)
+            if trains[rows].out_of_memory:
+                log(f"  {trains[rows].refusal()}")
+        return trains[rows].measured_peak()
 
     resident = report.sampling_peak - report.sampler_peak
-    sizes = {size: report.sampler_peak}
+    sizes = {size: _sampler_program(sampled)}
 
-    def sampling_peak(n: int) -> int:
+    def sampling_peak(n: int) -> int | None:
         if n not in sizes:
-            got = measure_sampler(planner, n, log)
-            sizes[n] = max(got["sampler"].peak, got["prefill"].peak if got["prefill"] else 0)
-        return resident + sizes[n]
+            sizes[n] = _sampler_program(measure_sampler(planner, n, log))
+            if sizes[n].out_of_memory:
+                log(f"  {sizes[n].refusal()}")
+        peak = sizes[n].measured_peak()
+        return None if peak is None else resident + peak
+
+    def sampling_memory(n: int) -> ProgramMemory:  # as the report counts it: + resident state
+        m = sizes[n]
+        return dataclasses.replace(m, temporaries=m.temporaries + resident) if m.peak else m
 
     max_rows = None
     if compile_train:
@@ -223,12 +256,39 @@ def plan(
         max_size = largest_fitting(
             sampling_peak, unit, budget, start=prompts, limit=max(prompts, unit)
         )
-    return dataclasses.replace(report, max_micro_batch_rows=max_rows, max_sampler_size=max_size)
+    slot_unit = "slots" if c.rollout.engine == "continuous" else "prompts"
+    return dataclasses.replace(
+        report,
+        max_micro_batch_rows=max_rows,
+        max_sampler_size=max_size,
+        micro_batch_bound=_bound(max_rows or 0, trains, budget, "rows") if compile_train else "",
+        sampler_bound=_bound(max_size, {n: sampling_memory(n) for n in sizes}, budget, slot_unit),
+    )
+
+
+def _sampler_program(measured: dict[str, Any]) -> ProgramMemory:
+    """The engine's larger program (decode or prefill chunk), a refused one first."""
+    programs = [measured["sampler"], *([measured["prefill"]] if measured["prefill"] else [])]
+    refused = [p for p in programs if not p.fits_anywhere]
+    return refused[0] if refused else max(programs, key=lambda p: p.peak)
 
 
 def _engine_measure(planner: Planner, slots: int, log) -> dict[str, Any]:
     """The engine with ``slots`` decode slots: its pool and its two programs compiled."""
     spec = planner.engine_spec(slots)
+    if spec.attention == "pallas" and smem.max_rows_per_call(spec.max_table) == 0:
+        # The engine refuses this before compiling: the page table fits no kernel call's SMEM.
+        log(f"  {smem.page_table_error(spec.max_table)}")
+        refused = ProgramMemory(0, 0, 0, 0, 0.0, out_of_memory=True, refused="SMEM")
+        return dict(
+            cache_slots=spec.slots,
+            num_pages=spec.num_pages,
+            page_size=spec.page_size,
+            kv_cache_bytes=planner.pool_bytes(spec),
+            sampler=refused,
+            prefill=refused,
+            data_groups=spec.groups,
+        )
     log(
         f"compiling the engine: {spec.groups} data groups x ({spec.group_slots} decode slots, "
         f"{spec.group_pages} pages of {spec.page_size} tokens), {spec.attention} attention"
