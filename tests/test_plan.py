@@ -249,3 +249,105 @@ def test_engine_pool_follows_the_config():
     page = mc.num_layers * 16 * 2 * mc.num_kv_heads * mc.head_dim * 2  # bfloat16 K and V
     # 8 slots x (16 prompt + 40 new tokens = 4 pages of 16) + the scratch page.
     assert sized == {0: (33, 33 * page), 50: (50, 50 * page)}
+
+
+# The TPU compiler's refusals as libtpu 0.0.42.1 words them (captured compile-only: Qwen3-8B's
+# engine at 214 slots per group, a 20 GiB program on v5e, the engine's decode over 121 slots in
+# one kernel call, a Pallas kernel with a 256 MiB VMEM window).
+REFUSALS = {
+    "SMEM": (
+        "RESOURCE_EXHAUSTED: Allocation (size=1769472) would exceed memory (size=1048576) :: "
+        "#allocation9 [shape = 'u8[1769472]{0}', space=smem, size = 0x1b0000, scoped, tag = "
+        "'prefetched SMEM operand 1'] :: ragged_paged_attention_kernel.1"
+    ),
+    "HBM": (
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+        "temporaries (32.00G) exceeds available HBM (15.75G)."
+    ),
+    "smem, in use": (
+        "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+        "smem. Used 1.00M of 1.00M smem. Exceeded smem capacity by 3.1K.\n\nProgram smem "
+        "requirement 1.00M:\n    scoped            1.00M"
+    ),
+    "VMEM": (
+        "RESOURCE_EXHAUSTED: Allocation (size=268435456) would exceed memory (size=134217728) :: "
+        "#allocation2 [shape = 'u8[268435456]{0}', space=vmem, size = 0x10000000, scoped, tag = "
+        "'input window allocation for operator input 0.'] :: _lambda_.1"
+    ),
+}
+
+
+def test_compiler_refusals_are_classified():
+    got = {k: plan_compiler.compiler_refusal(RuntimeError(v)) for k, v in REFUSALS.items()}
+    assert got == {
+        "SMEM": ("SMEM", 0),
+        "HBM": ("HBM", 32 * 2**30),
+        "smem, in use": ("SMEM", 0),
+        "VMEM": ("VMEM", 0),
+    }
+    old = "RESOURCE_EXHAUSTED: CompileTimeHbmOom: Program hbm requirement 9.08G"
+    assert plan_compiler.compiler_refusal(RuntimeError(old)) == ("HBM", int(9.08 * 2**30))
+    assert plan_compiler.compiler_refusal(RuntimeError("INVALID_ARGUMENT: bad shape")) is None
+
+
+def test_largest_fitting_bisects_below_refused_sizes():
+    # Sizes above 20 are refused (no figure): the search still lands on the largest that fits.
+    for cut in (6, 20, 50):
+        measure = lambda x, cut=cut: None if x > cut else 10 + x  # noqa: E731
+        got = plan_lib.largest_fitting(measure, 2, 10**6, start=4, limit=64)
+        assert got == cut // 2 * 2
+    assert plan_lib.largest_fitting(lambda x: None, 2, 100, start=4, limit=64) == 0
+
+
+def test_searches_report_refusals_as_does_not_fit(monkeypatch):
+    """Train steps over 8 rows refused for VMEM, engines over 4 slots for SMEM (real messages,
+    through ``compile_program``; the sizes that fit cost 1 MiB a row or slot, no compilation):
+    the plan finishes, with the largest sizes that fit and the refusals as its bounds."""
+    config = load_config(
+        DEMO,
+        [
+            "rollout.prompts_per_step=4",
+            "rollout.samples_per_prompt=4",
+            "data.max_prompt_length=16",
+            "rollout.max_new_tokens=16",
+            "rollout.decode_slots=4",
+            "algo.mini_batches=1",
+            "algo.micro_batches=4",
+        ],
+    )
+    MiB = 2**20
+
+    def program(size, refuse_above, message, mesh):
+        if size > refuse_above:
+            return plan_compiler.compile_program(lambda: _Refused(message), mesh, sh.TRAIN_RULES)
+        return plan_lib.ProgramMemory(size * MiB, 0, 0, size * MiB, 0.0)
+
+    monkeypatch.setattr(
+        Planner, "train", lambda self, rows: program(rows, 8, REFUSALS["VMEM"], self.mesh)
+    )
+    monkeypatch.setattr(
+        Planner,
+        "engine",
+        lambda self, spec: (program(spec.slots, 4, REFUSALS["SMEM"], self.mesh),) * 2,
+    )
+    report = plan_lib.plan(config, "v5e-1", search=True, compiler="cpu")
+    assert (report.max_micro_batch_rows, report.max_sampler_size) == (8, 4)
+    assert report.micro_batch_bound == "9 rows: TPU compiler: refused, out of VMEM"
+    # The decode-slot search stops after 4 measures: the smallest refused size it saw.
+    refused = int(report.sampler_bound.split()[0])
+    assert 4 < refused <= 16
+    assert report.sampler_bound == f"{refused} slots: TPU compiler: refused, out of SMEM"
+    table = report.table()
+    assert "largest micro-batch that fits: 8 rows; 9 rows: TPU compiler: refused" in table
+    assert "largest decode_slots that fits: 4 slots; " in table
+    assert report.fits
+
+
+class _Refused:
+    """A lowered program whose compilation the compiler refuses with ``message``."""
+
+    def __init__(self, message):
+        self.message = message
+
+    def compile(self):
+        raise jax.errors.JaxRuntimeError(self.message)
