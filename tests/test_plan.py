@@ -351,3 +351,70 @@ class _Refused:
 
     def compile(self):
         raise jax.errors.JaxRuntimeError(self.message)
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch, tmp_path):
+    """An empty local cache and a hub endpoint nothing listens on, HF_HUB_OFFLINE unset."""
+    import socket
+
+    import huggingface_hub.constants as hf
+
+    with socket.socket() as probe:  # a port that was free a moment ago: connections are refused
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setattr(hf, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(hf, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hf, "HF_HUB_CACHE", str(tmp_path))
+    return port
+
+
+def test_offline_bundled_model_is_one_line_and_no_retry(unreachable_hub, monkeypatch):
+    import socket
+    import time
+
+    connects = []
+    real = socket.create_connection
+    monkeypatch.setattr(
+        socket, "create_connection", lambda *a, **k: connects.append(a) or real(*a, **k)
+    )
+    lines = []
+    start = time.perf_counter()
+    mc = plan_lib.resolve_model_config(
+        load_config(DEMO, ["model.path=Qwen/Qwen3-8B-Base"]), lines.append
+    )
+    assert time.perf_counter() - start < 2 and connects == []  # the network is never asked
+    assert mc == plan_lib.known_model_config("Qwen3-8B", scan_layers=mc.scan_layers,
+                                             remat=mc.remat, attention=mc.attention,
+                                             attention_block=mc.attention_block)  # fmt: skip
+    assert len(lines) == 1 and "not in the local Hugging Face cache" in lines[0]
+
+
+def test_offline_unknown_model_is_one_line_error(unreachable_hub):
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError, match=f"hub \\(http://127.0.0.1:{unreachable_hub}\\)"):
+        plan_lib.resolve_model_config(load_config(DEMO, ["model.path=someone/unknown-8b"]))
+    assert time.perf_counter() - start < 5  # one refused connection, no retries
+
+
+def test_cached_config_is_read_before_the_bundled_shape(unreachable_hub, tmp_path):
+    import json
+
+    # A cached Qwen3-8B-Base config.json (the layout huggingface_hub writes), with one layer less
+    # than the bundled shape so the two sources can be told apart.
+    cfg = plan_lib.known_model_config("Qwen/Qwen3-8B-Base").replace(num_layers=35).to_hf()
+    repo = tmp_path / "models--Qwen--Qwen3-8B-Base"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc")
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    (repo / "snapshots" / "abc" / "config.json").write_text(json.dumps(cfg))
+    lines = []
+    mc = plan_lib.resolve_model_config(
+        load_config(DEMO, ["model.path=Qwen/Qwen3-8B-Base"]), lines.append
+    )
+    assert mc.num_layers == 35 and lines == []
+    # The bundled shape written as a config.json parses back to itself.
+    known = plan_lib.known_model_config("Qwen/Qwen3-8B-Base")
+    assert type(known).from_hf(known.to_hf()) == known

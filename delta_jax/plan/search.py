@@ -156,7 +156,7 @@ def plan(
     mesh, described = plan_mesh(config, topology_name, compiler)
     devices = list(mesh.devices.flat)
     log(f"compiler: {described}")
-    model_config = model_config or resolve_model_config(config)
+    model_config = model_config or resolve_model_config(config, log)
     planner = Planner(config, mesh, model_config)
     c = config
     rows_per_update = (
