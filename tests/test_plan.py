@@ -418,3 +418,51 @@ def test_cached_config_is_read_before_the_bundled_shape(unreachable_hub, tmp_pat
     # The bundled shape written as a config.json parses back to itself.
     known = plan_lib.known_model_config("Qwen/Qwen3-8B-Base")
     assert type(known).from_hf(known.to_hf()) == known
+
+
+def test_roofline_arithmetic_by_hand():
+    from delta_jax.models import ModelConfig
+    from delta_jax.plan import roofline
+
+    mc = ModelConfig.tiny("qwen3")  # L=2 H=64 F=128 N=4 K=2 D=16 V=256, tied
+    L, H, F, N, K, D, V = 2, 64, 128, 4, 2, 16, 256
+    assert (mc.num_layers, mc.hidden_size, mc.intermediate_size) == (L, H, F)
+    assert (mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.vocab_size) == (N, K, D, V)
+    # Matmul weights: the architecture's parameters less norms and embedding, plus the LM head.
+    total, body = _param_count(mc)
+    mm = body - L * (2 * H + 2 * D) - H + V * H
+    assert (
+        roofline.matmul_params(mc)
+        == mm
+        == 2 * (64 * 64 * 2 + 2 * 64 * 32 + 3 * 64 * 128) + 256 * 64
+    )
+    P = plan_lib.ProgramMemory
+    decode = P(0, 0, 0, 0, 0.0, flops=4e6, bytes_accessed=8e6)
+    prefill = P(0, 0, 0, 0, 0.0, flops=3e9, bytes_accessed=1e6)
+    one = P(0, 0, 0, 0, 0.0, flops=5e9, bytes_accessed=2e9)
+    two = P(0, 0, 0, 0, 0.0, flops=7e9, bytes_accessed=3e9)
+    st = roofline.estimate(
+        mc, chip_name="v5p-8", chips=4, devices=4, decode=decode, prefill=prefill,
+        prefill_tokens=2 * 64, train_one=one, train_two=two, micro_batches=3, mini_batches=2,
+        micro_rows=8, useful_tokens=48, sequences_per_group=20, group_slots=8,
+        prompts_per_group=5, prompt_len=16, mean_new=32, kv_heads=1, cache_itemsize=2,
+        weight_bytes=1_000_000, steps=10,
+    )  # fmt: skip
+    peak, bw = 459e12, 2765e9
+    kv = L * 2 * 1 * D * 2 * (16 + 32 / 2)  # K and V of 32 mean context positions, bf16
+    step_bytes = 8e6 + 8 * kv
+    assert st.decode_steps == 3 * 32  # ceil(20 / 8) rounds of 32 tokens
+    assert st.decode_s == pytest.approx(96 * max(4e6 / peak, step_bytes / bw))
+    assert st.prefill_s == pytest.approx(5 * 16 * max(3e9 / peak, 1e6 / bw) / 128)
+    flops, nbytes = 3 * (5e9 + 1 * 2e9), 3 * (2e9 + 1 * 1e9)  # 2 layers from 1 and 2
+    assert (st.train_flops, st.train_bytes) == (flops, nbytes)
+    assert st.update_s == pytest.approx(2 * max(flops / peak, nbytes / bw))
+    model = 24 * (6 * mm * 48 + 6 * L * N * D * 48**2) / 4  # 3 x 8 rows over 4 devices
+    assert st.mfu_bound == pytest.approx(model / flops)
+    assert st.bytes_per_token == pytest.approx(step_bytes / 8)
+    assert st.min_bytes_per_token == pytest.approx(1_000_000 / 8 + kv)
+    assert st.run_hours == pytest.approx(10 * (st.decode_s + st.prefill_s + st.update_s) / 3600)
+    text = "\n".join(st.lines())
+    assert "459 TFLOP/s bf16, 2765 GB/s HBM" in text and "chip-hours on 4 chips" in text
+    with pytest.raises(ValueError, match="no chip constants for 'v9'"):
+        roofline.chip("v9-8")

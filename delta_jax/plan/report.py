@@ -211,6 +211,7 @@ class PlanReport:
             "largest micro-batch that fits: "
             f"{_rows(self.max_micro_batch_rows, 'rows', self.micro_batch_bound)}",
             largest,
+            *(self.roofline.lines() if self.roofline is not None else []),
             f"compile time: train {self.train.compile_s:.1f}s, sampler "
             f"{self.sampler.compile_s + (self.prefill.compile_s if self.prefill else 0):.1f}s "
             f"({comp})",

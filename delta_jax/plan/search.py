@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from delta_jax import sharding as sh
+from delta_jax.plan import roofline as roofline_lib
 from delta_jax.plan.compiler import plan_mesh
 from delta_jax.plan.models import describe, resolve_model_config
 from delta_jax.plan.programs import Planner
@@ -131,6 +132,8 @@ def plan(
     search: bool = True,
     compiler: str = "auto",
     compile_train: bool = True,
+    roofline: bool = False,
+    mean_new_tokens: float | None = None,
     log: Callable[[str], None] | None = None,
 ) -> PlanReport:
     """Compiles the run's train step and sampler for ``topology_name`` and reports memory.
@@ -146,6 +149,10 @@ def plan(
       compiler: "tpu" (compile-only for the slice, needs libtpu), "cpu" (XLA:CPU estimate on
         stand-in devices) or "auto" (tpu when libtpu is importable).
       compile_train: False plans the sampler side only (train figures are then zero).
+      roofline: also bound the RL step's time (:mod:`.roofline`; two more train compiles, of 1
+        and 2 unrolled layers); needs the continuous engine and ``compile_train``.
+      mean_new_tokens: the workload's expected new tokens per sequence for the roofline
+        (default ``rollout.max_new_tokens``, the longest).
       log: progress messages (e.g. ``print``).
 
     Returns:
@@ -207,6 +214,11 @@ def plan(
         train_compiled=compile_train,
         **sampled,
     )
+    if roofline and compile_train and c.rollout.engine == "continuous":
+        mean_new = mean_new_tokens or c.rollout.max_new_tokens
+        report = dataclasses.replace(
+            report, roofline=_step_time(planner, report, size, mean_new, train, log)
+        )
     if not search:
         return report
     budget = report.budget
@@ -263,6 +275,45 @@ def plan(
         max_sampler_size=max_size,
         micro_batch_bound=_bound(max_rows or 0, trains, budget, "rows") if compile_train else "",
         sampler_bound=_bound(max_size, {n: sampling_memory(n) for n in sizes}, budget, slot_unit),
+    )
+
+
+def _step_time(planner: Planner, report: PlanReport, slots: int, mean_new, train, log):
+    """The step-time roofline (:mod:`.roofline`) from the programs the plan compiled."""
+    c, mc = planner.config, planner.model_config
+    spec = planner.engine_spec(slots)
+    layers = {}
+    for k in (1, 2):
+        log(f"compiling the train step with {k} unrolled layer(s) for its cost analysis")
+        shallow = Planner(c, planner.mesh, mc.replace(num_layers=k, scan_layers=False))
+        layers[k] = shallow.train(report.micro_batch_rows)
+    _, _, prompt_len, _ = planner._request(c.rollout.prompts_per_step)
+    chunk = min(spec.prefill_len, max(spec.min_len, 1 << max(0, (prompt_len - 1).bit_length())))
+    tensor = planner.sample_mesh.shape.get("tensor", 1)
+    G = spec.groups
+    return roofline_lib.estimate(
+        mc,
+        chip_name=report.topology,
+        chips=sh.topology(report.topology).chips,
+        devices=report.chips,
+        decode=report.sampler,
+        prefill=report.prefill,
+        prefill_tokens=spec.prefill_rows // G * chunk,
+        train_one=layers[1],
+        train_two=layers[2],
+        micro_batches=c.algo.micro_batches,
+        mini_batches=c.algo.mini_batches,
+        micro_rows=report.micro_batch_rows,
+        useful_tokens=c.data.max_prompt_length + mean_new,
+        sequences_per_group=c.rollout.prompts_per_step * c.rollout.samples_per_prompt // G,
+        group_slots=spec.group_slots,
+        prompts_per_group=c.rollout.prompts_per_step // G,
+        prompt_len=c.data.max_prompt_length,
+        mean_new=mean_new,
+        kv_heads=max(1, mc.num_kv_heads // tensor),
+        cache_itemsize=planner.cache_dtype().itemsize,
+        weight_bytes=planner.sampler_params_bytes() + planner.shared_params_bytes(),
+        steps=c.run.steps,
     )
 
 
