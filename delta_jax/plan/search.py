@@ -150,7 +150,7 @@ def plan(
         stand-in devices) or "auto" (tpu when libtpu is importable).
       compile_train: False plans the sampler side only (train figures are then zero).
       roofline: also bound the RL step's time (:mod:`.roofline`; two more train compiles, of 1
-        and 2 unrolled layers); needs the continuous engine and ``compile_train``.
+        and 2 unrolled layers, also with ``compile_train`` False); continuous engine only.
       mean_new_tokens: the workload's expected new tokens per sequence for the roofline
         (default ``rollout.max_new_tokens``, the longest).
       log: progress messages (e.g. ``print``).
@@ -214,10 +214,10 @@ def plan(
         train_compiled=compile_train,
         **sampled,
     )
-    if roofline and compile_train and c.rollout.engine == "continuous":
+    if roofline and c.rollout.engine == "continuous":
         mean_new = mean_new_tokens or c.rollout.max_new_tokens
         report = dataclasses.replace(
-            report, roofline=_step_time(planner, report, size, mean_new, train, log)
+            report, roofline=_step_time(planner, report, size, mean_new, log)
         )
     if not search:
         return report
@@ -278,7 +278,7 @@ def plan(
     )
 
 
-def _step_time(planner: Planner, report: PlanReport, slots: int, mean_new, train, log):
+def _step_time(planner: Planner, report: PlanReport, slots: int, mean_new, log):
     """The step-time roofline (:mod:`.roofline`) from the programs the plan compiled."""
     c, mc = planner.config, planner.model_config
     spec = planner.engine_spec(slots)
