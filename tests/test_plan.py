@@ -215,6 +215,9 @@ def test_main_prints_table(capsys):
     assert math.isfinite(float(out.split("fits: ")[1].split("(train ")[1].split("%")[0]))
     assert "compiler: XLA:CPU on 1 stand-in devices, an estimate (--compiler cpu)" in out
     assert "train temporaries" in out and "XLA:CPU estimate" in out.split("train temporaries")[1]
+    # The step-time roofline (on by default in the CLI) with v6e's constants, to the run's hours.
+    assert "step-time roofline (v6e: 918 TFLOP/s bf16, 1640 GB/s HBM per chip" in out
+    assert "model-FLOPs utilisation bound" in out and "100 steps >= " in out
 
 
 def test_without_libtpu_plan_says_it_used_the_cpu_estimate(monkeypatch):
