@@ -120,7 +120,8 @@ def _bound(found: int, measured: dict[int, ProgramMemory | None], budget: int, u
     x, m = over[0], measured[over[0]]
     if not m.fits_anywhere:
         return f"{x} {unit}: {m.refusal()}"
-    return f"{x} {unit}: {m.peak / GiB:.2f} GiB > budget {budget / GiB:.2f} GiB"
+    at_least = ">= " if m.out_of_memory else ""  # HBM refused: the need it states, a lower bound
+    return f"{x} {unit}: {at_least}{m.peak / GiB:.2f} GiB > budget {budget / GiB:.2f} GiB"
 
 
 def plan(
@@ -216,6 +217,11 @@ def plan(
     )
     if roofline and c.rollout.engine == "continuous":
         mean_new = mean_new_tokens or c.rollout.max_new_tokens
+        if not 0 < mean_new <= c.rollout.max_new_tokens:
+            raise ValueError(
+                f"--mean-new-tokens={mean_new} must be in (0, rollout.max_new_tokens="
+                f"{c.rollout.max_new_tokens}]"
+            )
         report = dataclasses.replace(
             report, roofline=_step_time(planner, report, size, mean_new, log)
         )
