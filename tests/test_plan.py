@@ -191,6 +191,8 @@ def test_plan_errors():
         plan_lib.plan(load_config(DEMO), "v5p-64", search=False, compiler="cpu")
     with pytest.raises(ValueError, match="--headroom=1.5"):
         plan_lib.main(["--topology", "v5e-1", "--headroom", "1.5"])
+    with pytest.raises(ValueError, match=r"--mean-new-tokens=0 must be in \(0, rollout"):
+        plan_lib.plan(load_config(DEMO), "v5e-1", mean_new_tokens=0, compiler="cpu")
 
 
 def test_main_prints_table(capsys):

@@ -178,6 +178,12 @@ def plan(
             f"algo.micro_batches={c.algo.micro_batches}) does not split over the {divisor} batch "
             f"shards of mesh {dict(mesh.shape)}"
         )
+    mean_new = c.rollout.max_new_tokens if mean_new_tokens is None else mean_new_tokens
+    if not 0 < mean_new <= c.rollout.max_new_tokens:
+        raise ValueError(
+            f"--mean-new-tokens={mean_new} must be in (0, rollout.max_new_tokens="
+            f"{c.rollout.max_new_tokens}]"
+        )
     train = ProgramMemory(0, 0, 0, 0, 0.0)
     if compile_train:
         log(f"compiling train step ({micro_rows} rows per micro-batch) on {len(devices)} devices")
@@ -216,12 +222,6 @@ def plan(
         **sampled,
     )
     if roofline and c.rollout.engine == "continuous":
-        mean_new = mean_new_tokens or c.rollout.max_new_tokens
-        if not 0 < mean_new <= c.rollout.max_new_tokens:
-            raise ValueError(
-                f"--mean-new-tokens={mean_new} must be in (0, rollout.max_new_tokens="
-                f"{c.rollout.max_new_tokens}]"
-            )
         report = dataclasses.replace(
             report, roofline=_step_time(planner, report, size, mean_new, log)
         )
