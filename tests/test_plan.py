@@ -461,8 +461,8 @@ def test_roofline_arithmetic_by_hand():
     assert st.prefill_s == pytest.approx(5 * 16 * max(3e9 / peak, 1e6 / bw) / 128)
     flops, nbytes = 3 * (5e9 + 1 * 2e9), 3 * (2e9 + 1 * 1e9)  # 2 layers from 1 and 2
     assert (st.train_flops, st.train_bytes) == (flops, nbytes)
-    assert st.update_s == pytest.approx(2 * max(flops / peak, nbytes / bw))
     model = 24 * (6 * mm * 48 + 6 * L * N * D * 48**2) / 4  # 3 x 8 rows over 4 devices
+    assert st.update_s == pytest.approx(2 * max(flops / peak, nbytes / bw, model / peak))
     assert st.mfu_bound == pytest.approx(model / flops)
     assert st.bytes_per_token == pytest.approx(step_bytes / 8)
     assert st.min_bytes_per_token == pytest.approx(1_000_000 / 8 + kv)

@@ -132,7 +132,12 @@ class StepTime:
             f"device; minimum {self.min_bytes_per_token / 2**20:,.2f} MiB "
             f"({self.bytes_per_token / self.min_bytes_per_token:.2f}x)",
             f"  update >= {self.update_s:,.1f} s ({self.train_flops / 1e12:,.1f} TFLOP per device "
-            f"per mini-batch; model-FLOPs utilisation bound {self.mfu_bound:.0%})",
+            f"per mini-batch compiled, {self.train_model_flops / 1e12:,.1f} the model's; "
+            + (
+                f"model-FLOPs utilisation bound {self.mfu_bound:.0%})"
+                if self.mfu_bound <= 1
+                else "compiled below the model's: the cost analysis misses work, no MFU bound)"
+            ),
             f"  step >= {self.step_s:,.1f} s; {self.steps} steps >= {h:,.1f} h = "
             f"{h * self.chips:,.0f} chip-hours on {self.chips} chips",
         ]
@@ -198,7 +203,8 @@ def estimate(
         train_flops=train_flops,
         train_bytes=train_bytes,
         train_model_flops=model,
-        update_s=mini_batches * bound(train_flops, train_bytes, peak, bandwidth),
+        # Never below the model's own FLOPs at peak (the cost analysis can miss a kernel's).
+        update_s=mini_batches * max(bound(train_flops, train_bytes, peak, bandwidth), model / peak),
         bytes_per_token=step_bytes / group_slots,
         min_bytes_per_token=weight_bytes / group_slots + kv,
         steps=steps,
