@@ -194,6 +194,8 @@ def test_plan_errors():
         plan_lib.plan(load_config(DEMO), "v5p-64", search=False, compiler="cpu")
     with pytest.raises(ValueError, match="--headroom=1.5"):
         plan_lib.main(["--topology", "v5e-1", "--headroom", "1.5"])
+    with pytest.raises(ValueError, match=r"--mean-new-tokens=0 must be in \(0, rollout"):
+        plan_lib.plan(load_config(DEMO), "v5e-1", mean_new_tokens=0, compiler="cpu")
 
 
 def test_main_prints_table(capsys):
@@ -218,6 +220,9 @@ def test_main_prints_table(capsys):
     assert math.isfinite(float(out.split("fits: ")[1].split("(train ")[1].split("%")[0]))
     assert "compiler: XLA:CPU on 1 stand-in devices, an estimate (--compiler cpu)" in out
     assert "train temporaries" in out and "XLA:CPU estimate" in out.split("train temporaries")[1]
+    # The step-time roofline (on by default in the CLI) with v6e's constants, to the run's hours.
+    assert "step-time roofline (v6e: 918 TFLOP/s bf16, 1640 GB/s HBM per chip" in out
+    assert "model-FLOPs utilisation bound" in out and "100 steps >= " in out
 
 
 def test_without_libtpu_plan_says_it_used_the_cpu_estimate(monkeypatch):
@@ -253,3 +258,220 @@ def test_engine_pool_follows_the_config():
     # 8 slots x (40 new tokens, wherever the prompt ends: up to 4 own pages of 16) + 8 running
     # prompts x (15 prefix tokens: 1 shared page) + the scratch page.
     assert sized == {0: (41, 41 * page), 50: (50, 50 * page)}
+
+
+# The TPU compiler's refusals as libtpu 0.0.42.1 words them (captured compile-only: Qwen3-8B's
+# engine at 214 slots per group, a 20 GiB program on v5e, the engine's decode over 121 slots in
+# one kernel call, a Pallas kernel with a 256 MiB VMEM window).
+REFUSALS = {
+    "SMEM": (
+        "RESOURCE_EXHAUSTED: Allocation (size=1769472) would exceed memory (size=1048576) :: "
+        "#allocation9 [shape = 'u8[1769472]{0}', space=smem, size = 0x1b0000, scoped, tag = "
+        "'prefetched SMEM operand 1'] :: ragged_paged_attention_kernel.1"
+    ),
+    "HBM": (
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+        "temporaries (32.00G) exceeds available HBM (15.75G)."
+    ),
+    "smem, in use": (
+        "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+        "smem. Used 1.00M of 1.00M smem. Exceeded smem capacity by 3.1K.\n\nProgram smem "
+        "requirement 1.00M:\n    scoped            1.00M"
+    ),
+    "VMEM": (
+        "RESOURCE_EXHAUSTED: Allocation (size=268435456) would exceed memory (size=134217728) :: "
+        "#allocation2 [shape = 'u8[268435456]{0}', space=vmem, size = 0x10000000, scoped, tag = "
+        "'input window allocation for operator input 0.'] :: _lambda_.1"
+    ),
+}
+
+
+def test_compiler_refusals_are_classified():
+    got = {k: plan_compiler.compiler_refusal(RuntimeError(v)) for k, v in REFUSALS.items()}
+    assert got == {
+        "SMEM": ("SMEM", 0),
+        "HBM": ("HBM", 32 * 2**30),
+        "smem, in use": ("SMEM", 0),
+        "VMEM": ("VMEM", 0),
+    }
+    old = "RESOURCE_EXHAUSTED: CompileTimeHbmOom: Program hbm requirement 9.08G"
+    assert plan_compiler.compiler_refusal(RuntimeError(old)) == ("HBM", int(9.08 * 2**30))
+    assert plan_compiler.compiler_refusal(RuntimeError("INVALID_ARGUMENT: bad shape")) is None
+
+
+def test_largest_fitting_bisects_below_refused_sizes():
+    # Sizes above 20 are refused (no figure): the search still lands on the largest that fits.
+    for cut in (6, 20, 50):
+        measure = lambda x, cut=cut: None if x > cut else 10 + x  # noqa: E731
+        got = plan_lib.largest_fitting(measure, 2, 10**6, start=4, limit=64)
+        assert got == cut // 2 * 2
+    assert plan_lib.largest_fitting(lambda x: None, 2, 100, start=4, limit=64) == 0
+
+
+def test_searches_report_refusals_as_does_not_fit(monkeypatch):
+    """Train steps over 8 rows refused for VMEM, engines over 4 slots for SMEM (real messages,
+    through ``compile_program``; the sizes that fit cost 1 MiB a row or slot, no compilation):
+    the plan finishes, with the largest sizes that fit and the refusals as its bounds."""
+    config = load_config(
+        DEMO,
+        [
+            "rollout.prompts_per_step=4",
+            "rollout.samples_per_prompt=4",
+            "data.max_prompt_length=16",
+            "rollout.max_new_tokens=16",
+            "rollout.decode_slots=4",
+            "algo.mini_batches=1",
+            "algo.micro_batches=4",
+        ],
+    )
+    MiB = 2**20
+
+    def program(size, refuse_above, message, mesh):
+        if size > refuse_above:
+            return plan_compiler.compile_program(lambda: _Refused(message), mesh, sh.TRAIN_RULES)
+        return plan_lib.ProgramMemory(size * MiB, 0, 0, size * MiB, 0.0)
+
+    monkeypatch.setattr(
+        Planner, "train", lambda self, rows: program(rows, 8, REFUSALS["VMEM"], self.mesh)
+    )
+    monkeypatch.setattr(
+        Planner,
+        "engine",
+        lambda self, spec: (program(spec.slots, 4, REFUSALS["SMEM"], self.mesh),) * 2,
+    )
+    report = plan_lib.plan(config, "v5e-1", search=True, compiler="cpu")
+    assert (report.max_micro_batch_rows, report.max_sampler_size) == (8, 4)
+    assert report.micro_batch_bound == "9 rows: TPU compiler: refused, out of VMEM"
+    # The decode-slot search stops after 4 measures: the smallest refused size it saw.
+    refused = int(report.sampler_bound.split()[0])
+    assert 4 < refused <= 16
+    assert report.sampler_bound == f"{refused} slots: TPU compiler: refused, out of SMEM"
+    table = report.table()
+    assert "largest micro-batch that fits: 8 rows; 9 rows: TPU compiler: refused" in table
+    assert "largest decode_slots that fits: 4 slots; " in table
+    assert report.fits
+
+
+class _Refused:
+    """A lowered program whose compilation the compiler refuses with ``message``."""
+
+    def __init__(self, message):
+        self.message = message
+
+    def compile(self):
+        raise jax.errors.JaxRuntimeError(self.message)
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch, tmp_path):
+    """An empty local cache and a hub endpoint nothing listens on, HF_HUB_OFFLINE unset."""
+    import socket
+
+    import huggingface_hub.constants as hf
+
+    with socket.socket() as probe:  # a port that was free a moment ago: connections are refused
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setattr(hf, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(hf, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hf, "HF_HUB_CACHE", str(tmp_path))
+    return port
+
+
+def test_offline_bundled_model_is_one_line_and_no_retry(unreachable_hub, monkeypatch):
+    import socket
+    import time
+
+    connects = []
+    real = socket.create_connection
+    monkeypatch.setattr(
+        socket, "create_connection", lambda *a, **k: connects.append(a) or real(*a, **k)
+    )
+    lines = []
+    start = time.perf_counter()
+    mc = plan_lib.resolve_model_config(
+        load_config(DEMO, ["model.path=Qwen/Qwen3-8B-Base"]), lines.append
+    )
+    assert time.perf_counter() - start < 2 and connects == []  # the network is never asked
+    assert mc == plan_lib.known_model_config("Qwen3-8B", scan_layers=mc.scan_layers,
+                                             remat=mc.remat, attention=mc.attention,
+                                             attention_block=mc.attention_block)  # fmt: skip
+    assert len(lines) == 1 and "not in the local Hugging Face cache" in lines[0]
+
+
+def test_offline_unknown_model_is_one_line_error(unreachable_hub):
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError, match=f"hub \\(http://127.0.0.1:{unreachable_hub}\\)"):
+        plan_lib.resolve_model_config(load_config(DEMO, ["model.path=someone/unknown-8b"]))
+    assert time.perf_counter() - start < 5  # one refused connection, no retries
+
+
+def test_cached_config_is_read_before_the_bundled_shape(unreachable_hub, tmp_path):
+    import json
+
+    # A cached Qwen3-8B-Base config.json (the layout huggingface_hub writes), with one layer less
+    # than the bundled shape so the two sources can be told apart.
+    cfg = plan_lib.known_model_config("Qwen/Qwen3-8B-Base").replace(num_layers=35).to_hf()
+    repo = tmp_path / "models--Qwen--Qwen3-8B-Base"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc")
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    (repo / "snapshots" / "abc" / "config.json").write_text(json.dumps(cfg))
+    lines = []
+    mc = plan_lib.resolve_model_config(
+        load_config(DEMO, ["model.path=Qwen/Qwen3-8B-Base"]), lines.append
+    )
+    assert mc.num_layers == 35 and lines == []
+    # The bundled shape written as a config.json parses back to itself.
+    known = plan_lib.known_model_config("Qwen/Qwen3-8B-Base")
+    assert type(known).from_hf(known.to_hf()) == known
+
+
+def test_roofline_arithmetic_by_hand():
+    from delta_jax.models import ModelConfig
+    from delta_jax.plan import roofline
+
+    mc = ModelConfig.tiny("qwen3")  # L=2 H=64 F=128 N=4 K=2 D=16 V=256, tied
+    L, H, F, N, K, D, V = 2, 64, 128, 4, 2, 16, 256
+    assert (mc.num_layers, mc.hidden_size, mc.intermediate_size) == (L, H, F)
+    assert (mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.vocab_size) == (N, K, D, V)
+    # Matmul weights: the architecture's parameters less norms and embedding, plus the LM head.
+    total, body = _param_count(mc)
+    mm = body - L * (2 * H + 2 * D) - H + V * H
+    assert (
+        roofline.matmul_params(mc)
+        == mm
+        == 2 * (64 * 64 * 2 + 2 * 64 * 32 + 3 * 64 * 128) + 256 * 64
+    )
+    P = plan_lib.ProgramMemory
+    decode = P(0, 0, 0, 0, 0.0, flops=4e6, bytes_accessed=8e6)
+    prefill = P(0, 0, 0, 0, 0.0, flops=3e9, bytes_accessed=1e6)
+    one = P(0, 0, 0, 0, 0.0, flops=5e9, bytes_accessed=2e9)
+    two = P(0, 0, 0, 0, 0.0, flops=7e9, bytes_accessed=3e9)
+    st = roofline.estimate(
+        mc, chip_name="v5p-8", chips=4, devices=4, decode=decode, prefill=prefill,
+        prefill_tokens=2 * 64, train_one=one, train_two=two, micro_batches=3, mini_batches=2,
+        micro_rows=8, useful_tokens=48, sequences_per_group=20, group_slots=8,
+        prompts_per_group=5, prompt_len=16, mean_new=32, kv_heads=1, cache_itemsize=2,
+        weight_bytes=1_000_000, steps=10,
+    )  # fmt: skip
+    peak, bw = 459e12, 2765e9
+    kv = L * 2 * 1 * D * 2 * (16 + 32 / 2)  # K and V of 32 mean context positions, bf16
+    step_bytes = 8e6 + 8 * kv
+    assert st.decode_steps == 3 * 32  # ceil(20 / 8) rounds of 32 tokens
+    assert st.decode_s == pytest.approx(96 * max(4e6 / peak, step_bytes / bw))
+    assert st.prefill_s == pytest.approx(5 * 16 * max(3e9 / peak, 1e6 / bw) / 128)
+    flops, nbytes = 3 * (5e9 + 1 * 2e9), 3 * (2e9 + 1 * 1e9)  # 2 layers from 1 and 2
+    assert (st.train_flops, st.train_bytes) == (flops, nbytes)
+    model = 24 * (6 * mm * 48 + 6 * L * N * D * 48**2) / 4  # 3 x 8 rows over 4 devices
+    assert st.update_s == pytest.approx(2 * max(flops / peak, nbytes / bw, model / peak))
+    assert st.mfu_bound == pytest.approx(model / flops)
+    assert st.bytes_per_token == pytest.approx(step_bytes / 8)
+    assert st.min_bytes_per_token == pytest.approx(1_000_000 / 8 + kv)
+    assert st.run_hours == pytest.approx(10 * (st.decode_s + st.prefill_s + st.update_s) / 3600)
+    text = "\n".join(st.lines())
+    assert "459 TFLOP/s bf16, 2765 GB/s HBM" in text and "chip-hours on 4 chips" in text
+    with pytest.raises(ValueError, match="no chip constants for 'v9'"):
+        roofline.chip("v9-8")

@@ -28,8 +28,9 @@ attention plans as ``chunked`` there).
 
 The package, in data-flow order: :mod:`.models` (which model), :mod:`.compiler` (which compiler
 and devices, one program compiled), :mod:`.programs` (the run's programs, built abstractly),
-:mod:`.search` (:func:`plan`: compile, report, search), :mod:`.report` (the figures and their
-table), :mod:`.cli` (``delta-jax plan``).
+:mod:`.search` (:func:`plan`: compile, report, search), :mod:`.roofline` (the RL step's time
+bounds from the compiler's cost analysis and the chip's peaks), :mod:`.report` (the figures and
+their table), :mod:`.cli` (``delta-jax plan``).
 """
 
 from delta_jax.plan.cli import build_parser, main, run

@@ -44,6 +44,17 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--skip-train", action="store_true", help="plan the sampler side only (no train step)"
     )
     parser.add_argument(
+        "--no-roofline",
+        action="store_true",
+        help="skip the step-time roofline (two more train compiles, of 1 and 2 layers)",
+    )
+    parser.add_argument(
+        "--mean-new-tokens",
+        type=float,
+        default=None,
+        help="expected new tokens per sequence for the roofline (default rollout.max_new_tokens)",
+    )
+    parser.add_argument(
         "--compiler",
         default="auto",
         choices=("auto", "tpu", "cpu"),
@@ -76,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         search=not args.no_search,
         compiler=kind,
         compile_train=not args.skip_train,
+        roofline=not args.no_roofline,
+        mean_new_tokens=args.mean_new_tokens,
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
     )
     print(report.table())

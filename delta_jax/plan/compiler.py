@@ -65,12 +65,29 @@ def tpu_topology_devices(topology_name: str) -> tuple[str, list]:
     return name, list(desc.devices)
 
 
-# The TPU compiler's refusals: "... required for HLO temporaries (334.10G) exceeds available
-# HBM", or "CompileTimeHbmOom ... Program hbm requirement 9.08G".
-_OOM = re.compile(
-    r"RESOURCE_EXHAUSTED: (?:.*?HLO temporaries \(|[\s\S]*?Program hbm requirement )"
-    r"([\d.]+)([KMGT])"
-)
+# The TPU compiler's refusals for lack of memory (RESOURCE_EXHAUSTED), as libtpu 0.0.42.1 words
+# them (tests/test_plan.py holds captured ones): HBM, "Ran out of memory on HBM, the total memory
+# required for HLO temporaries (47.68G) exceeds available HBM (15.75G)" or "CompileTimeHbmOom ...
+# Program hbm requirement 9.08G"; an on-core memory, "Allocation (size=1769472) would exceed
+# memory (size=1048576) :: ... space=smem ..." or "Ran out of memory in memory space vmem".
+_HBM_NEED = re.compile(r"(?:HLO temporaries \(|Program hbm requirement )([\d.]+)([KMGT])")
+_SPACE = re.compile(r"space=(\w+)|memory space (\w+)|on (HBM)")
+
+
+def compiler_refusal(err: BaseException) -> tuple[str, int] | None:
+    """``(memory, bytes needed)`` when ``err`` is the compiler refusing a program for lack of
+    memory (``"HBM"``, ``"SMEM"``, ``"VMEM"``; bytes: what the message states for HBM, else 0);
+    None for any other error.
+    """
+    text = str(err)
+    if "RESOURCE_EXHAUSTED" not in text:
+        return None
+    need = _HBM_NEED.search(text)
+    if need is not None:
+        return "HBM", int(float(need.group(1)) * 1024 ** ("KMGT".index(need.group(2)) + 1))
+    space = _SPACE.search(text)
+    name = next((g for g in space.groups() if g), "") if space else ""
+    return (name.upper() or "memory"), 0
 
 
 def plan_mesh(config, topology_name: str, compiler: str):
@@ -85,18 +102,20 @@ def plan_mesh(config, topology_name: str, compiler: str):
 
 
 def compile_program(lower: Callable, mesh, rules) -> ProgramMemory:
+    """Lowers and compiles one program; a refusal for lack of memory (any memory: HBM, SMEM,
+    VMEM) is a :class:`ProgramMemory` with ``refused`` set, never an exception."""
     start = time.perf_counter()
     with sh.use_mesh(mesh, rules):
         lowered = lower()
         try:
             compiled = lowered.compile()
         except jax.errors.JaxRuntimeError as err:
-            match = _OOM.search(str(err))
-            if match is None:
+            refusal = compiler_refusal(err)
+            if refusal is None:
                 raise
-            scale = 1024 ** "KMGT".index(match.group(2)) * 1024
-            need = int(float(match.group(1)) * scale)
-            return ProgramMemory(0, 0, 0, need, time.perf_counter() - start, out_of_memory=True)
+            space, need = refusal
+            elapsed = time.perf_counter() - start
+            return ProgramMemory(0, 0, 0, need, elapsed, out_of_memory=True, refused=space)
     return ProgramMemory.of(compiled, time.perf_counter() - start)
 
 

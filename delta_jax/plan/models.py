@@ -1,10 +1,21 @@
 """The model a plan is for: its ``ModelConfig`` from a local or cached ``config.json``, the demo
-model, or a known hub model's public shape (the planner never downloads weights)."""
+model, or a known hub model's published shape (the planner never downloads weights).
+
+A hub id resolves without the network when it can: the local Hugging Face cache first, then the
+bundled shapes below for the models the shipped configs name (Qwen3-0.6B ... 14B, base or not).
+Only another id is fetched (``config.json`` alone), after a short check that the hub answers:
+offline, that is one line, not a minute of retries.
+"""
 
 from __future__ import annotations
 
+import os
+import socket
+import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
+from delta_jax import hub
 from delta_jax.models import ModelConfig
 from delta_jax.models.hf import model_config_file
 
@@ -43,8 +54,8 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
 
 def known_model_config(name: str, **runtime):
     """``ModelConfig`` of a known model by hub id (``Qwen/Qwen3-8B-Base``) or short name."""
-    short = name.rstrip("/").split("/")[-1].removesuffix("-Base")
-    if short not in KNOWN_MODELS:
+    short = known_model(name)
+    if short is None:
         raise ValueError(
             f"model {name!r} is not a local directory or cached hub id, and not one "
             f"of the planner's known models {sorted(KNOWN_MODELS)}"
@@ -52,8 +63,41 @@ def known_model_config(name: str, **runtime):
     return ModelConfig(**KNOWN_MODELS[short], **runtime)
 
 
-def resolve_model_config(config):
-    """The run's ``ModelConfig``: local/cached ``config.json``, demo model, or a known model."""
+def known_model(name: str) -> str | None:
+    """The bundled shape's key for a hub id or short name (``Qwen/Qwen3-8B-Base``), or None."""
+    short = name.rstrip("/").split("/")[-1].removesuffix("-Base")
+    return short if short in KNOWN_MODELS else None
+
+
+def _cached_config(repo_id: str, revision: str | None) -> str | None:
+    """``config.json`` of ``repo_id`` in the local Hugging Face cache (no network), or None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+    return found if isinstance(found, str) else None
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub endpoint (``HF_ENDPOINT``) accepts a connection within ``timeout``."""
+    import huggingface_hub.constants
+
+    url = urllib.parse.urlsplit(huggingface_hub.constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def resolve_model_config(config, log: Callable[[str], None] | None = None):
+    """The run's ``ModelConfig``: the demo model, a local directory's or the cache's
+    ``config.json``, a bundled shape (one ``log`` line says so), or ``config.json`` from the hub.
+
+    Raises:
+      FileNotFoundError: (one line) an id neither cached nor bundled while the hub is
+        unreachable or ``HF_HUB_OFFLINE`` is set; a path that is no model directory.
+    """
     m = config.model
     runtime = dict(
         scan_layers=m.scan_layers,
@@ -63,10 +107,26 @@ def resolve_model_config(config):
     )
     if m.path == "demo:tiny":
         return ModelConfig.tiny("qwen3", **runtime)
-    try:  # config.json only: the planner never downloads weights
+    if os.path.isdir(m.path) or not hub.looks_like_hub_id(m.path):
         return ModelConfig.from_hf(model_config_file(m.path, revision=m.revision), **runtime)
-    except FileNotFoundError:
+    cached = _cached_config(m.path, m.revision)
+    if cached is not None:
+        return ModelConfig.from_hf(cached, **runtime)
+    if known_model(m.path):
+        (log or print)(
+            f"model: {m.path} config.json is not in the local Hugging Face cache; planning with "
+            "its published shape bundled in delta_jax.plan.models (no download)"
+        )
         return known_model_config(m.path, **runtime)
+    if not hub.offline() and not hub_reachable():
+        import huggingface_hub.constants
+
+        raise hub.HubError(
+            f"model {m.path!r}: config.json is not in the local cache and the hub "
+            f"({huggingface_hub.constants.ENDPOINT}) does not answer: check the network (or "
+            "HF_ENDPOINT), or give model.path a local model directory"
+        )
+    return ModelConfig.from_hf(model_config_file(m.path, revision=m.revision), **runtime)
 
 
 def describe(path: str, mc) -> str:

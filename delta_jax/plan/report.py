@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 GiB = 1024**3
 
 
 @dataclasses.dataclass(frozen=True)
 class ProgramMemory:
-    """Per-device bytes of one compiled program (XLA buffer assignment).
+    """Per-device bytes of one compiled program (XLA buffer assignment), and its cost analysis.
 
-    ``out_of_memory``: the TPU compiler refused the program (it does not fit the chip's HBM);
-    ``temporaries`` is then the requirement its error message states and the other fields are 0,
-    so ``peak`` is a lower bound.
+    ``out_of_memory``: the TPU compiler refused the program for lack of memory; ``refused`` says
+    which (``"HBM"``, ``"SMEM"``, ``"VMEM"``). For HBM ``temporaries`` is the requirement its
+    error message states and the other fields are 0, so ``peak`` is a lower bound; for an
+    on-core memory (SMEM, VMEM) no HBM figure exists and the program does not fit at any budget.
+
+    ``flops`` / ``bytes_accessed``: ``compiled.cost_analysis()`` per device (a loop body counts
+    once, whatever its trip count; see :mod:`.roofline`).
     """
 
     arguments: int
@@ -22,20 +27,46 @@ class ProgramMemory:
     temporaries: int
     compile_s: float
     out_of_memory: bool = False
+    refused: str = ""
+    flops: float = 0.0
+    bytes_accessed: float = 0.0
 
     @property
     def peak(self) -> int:
         return self.arguments + self.outputs - self.aliased + self.temporaries
 
+    @property
+    def fits_anywhere(self) -> bool:
+        """False when refused for an on-core memory (or an HBM refusal stating no figure)."""
+        return not self.out_of_memory or (self.refused == "HBM" and self.temporaries > 0)
+
+    def measured_peak(self) -> int | None:
+        """The peak for a search: None when no HBM budget makes the program fit."""
+        return self.peak if self.fits_anywhere else None
+
+    def refusal(self) -> str:
+        if not self.out_of_memory:
+            return ""
+        if self.refused == "HBM":
+            return "TPU compiler: out of memory, a lower bound"
+        return f"TPU compiler: refused, out of {self.refused or 'memory'}"
+
     @classmethod
     def of(cls, compiled, compile_s: float) -> ProgramMemory:
         stats = compiled.memory_analysis()
+        try:
+            cost = compiled.cost_analysis() or {}
+        except Exception:  # not every backend offers it
+            cost = {}
+        cost = cost[0] if isinstance(cost, list | tuple) else cost
         return cls(
             arguments=int(stats.argument_size_in_bytes),
             outputs=int(stats.output_size_in_bytes),
             aliased=int(stats.alias_size_in_bytes),
             temporaries=int(stats.temp_size_in_bytes),
             compile_s=compile_s,
+            flops=float(cost.get("flops", 0.0)),
+            bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         )
 
 
@@ -78,6 +109,10 @@ class PlanReport:
     max_sampler_size: int | None  # static: prompts per call; engine: decode slots
     train_compiled: bool = True  # False: --skip-train (train figures are zero)
     data_groups: int = 1  # engine: sampling-mesh row shards, each with its slots and pages
+    # The searches' bound: the smallest size measured not to fit, and why ("" when none was).
+    micro_batch_bound: str = ""
+    sampler_bound: str = ""
+    roofline: Any = None  # a roofline.StepTime when the plan computed one
 
     @property
     def budget(self) -> int:
@@ -101,7 +136,10 @@ class PlanReport:
 
     @property
     def fits(self) -> bool:
-        return max(self.train_peak, self.sampling_peak) <= self.budget
+        programs = [self.sampler, *([self.prefill] if self.prefill else [])]
+        programs += [self.train] if self.train_compiled else []
+        fit_somewhere = all(p.fits_anywhere for p in programs)
+        return fit_somewhere and max(self.train_peak, self.sampling_peak) <= self.budget
 
     @property
     def headroom_bytes(self) -> int:
@@ -114,10 +152,9 @@ class PlanReport:
         mesh = lambda m: " x ".join(f"{k}={v}" for k, v in m.items())
         exact, comp = "exact (shapes x shardings)", self.compiler_name
         row = lambda label, b, src: f"{label:<40}{g(b)}  {src}"
-        oom = " (TPU compiler: out of memory, a lower bound)"
-        train_src = comp + (oom if self.train.out_of_memory else "")
-        train_src = train_src if self.train_compiled else "not compiled (--skip-train)"
-        sampler_src = comp + (oom if self.sampler.out_of_memory else "")
+        src = lambda p: comp + (f" ({p.refusal()})" if p.out_of_memory else "")
+        train_src = src(self.train) if self.train_compiled else "not compiled (--skip-train)"
+        sampler_src = src(self.sampler)
         if self.engine == "continuous":
             G = self.data_groups
             slots, pages = self.cache_slots // G, self.num_pages // G
@@ -130,9 +167,13 @@ class PlanReport:
             cache = row("  KV page pool (group's share / chip)", self.kv_cache_bytes, exact)
             temps = [
                 row("  sampler temporaries (decode chunk)", self.sampler.temporaries, sampler_src),
-                row("  sampler temporaries (prefill chunk)", self.prefill.temporaries, comp),
-            ]
-            largest = f"largest decode_slots that fits: {_rows(self.max_sampler_size, 'slots')}"
+                row("  sampler temporaries (prefill chunk)", self.prefill.temporaries,
+                    src(self.prefill)),
+            ]  # fmt: skip
+            largest = (
+                "largest decode_slots that fits: "
+                f"{_rows(self.max_sampler_size, 'slots', self.sampler_bound)}"
+            )
         else:
             head = (
                 f"sampler: static, {self.sampler_prompts} prompts x {self.samples_per_prompt} "
@@ -141,7 +182,10 @@ class PlanReport:
             cache = row("  KV cache", self.kv_cache_bytes, exact)
             temps = [row("  sampler temporaries (incl. KV cache)", self.sampler.temporaries,
                          sampler_src)]  # fmt: skip
-            largest = f"largest sampler call that fits: {_rows(self.max_sampler_size, 'prompts')}"
+            largest = (
+                "largest sampler call that fits: "
+                f"{_rows(self.max_sampler_size, 'prompts', self.sampler_bound)}"
+            )
         lines = [
             f"{self.model} on {self.topology} ({self.chips} devices, {self.hbm_bytes / GiB:.0f} "
             f"GiB HBM each; budget {self.headroom:.0%} = {self.budget / GiB:.1f} GiB); train "
@@ -164,8 +208,10 @@ class PlanReport:
             f", sampling {self.sampling_peak / self.budget:.0%} of budget)",
             f"weights to the sampling layout, per update: {g(self.reshard_collective_bytes)} GiB "
             f"through collectives, {g(self.reshard.temporaries)} GiB temporaries ({comp})",
-            f"largest micro-batch that fits: {_rows(self.max_micro_batch_rows, 'rows')}",
+            "largest micro-batch that fits: "
+            f"{_rows(self.max_micro_batch_rows, 'rows', self.micro_batch_bound)}",
             largest,
+            *(self.roofline.lines() if self.roofline is not None else []),
             f"compile time: train {self.train.compile_s:.1f}s, sampler "
             f"{self.sampler.compile_s + (self.prefill.compile_s if self.prefill else 0):.1f}s "
             f"({comp})",
@@ -177,7 +223,8 @@ class PlanReport:
         return "TPU compiler" if self.compiler.startswith("TPU") else "XLA:CPU estimate"
 
 
-def _rows(value: int | None, unit: str) -> str:
+def _rows(value: int | None, unit: str, bound: str = "") -> str:
     if value is None:
         return "not searched"
-    return f"{value} {unit}" if value > 0 else "none (even the smallest does not fit)"
+    found = f"{value} {unit}" if value > 0 else "none (even the smallest does not fit)"
+    return f"{found}; {bound}" if bound else found

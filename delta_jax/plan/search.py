@@ -9,10 +9,12 @@ from collections.abc import Callable
 from typing import Any
 
 from delta_jax import sharding as sh
+from delta_jax.plan import roofline as roofline_lib
 from delta_jax.plan.compiler import plan_mesh
 from delta_jax.plan.models import describe, resolve_model_config
 from delta_jax.plan.programs import Planner
 from delta_jax.plan.report import GiB, PlanReport, ProgramMemory
+from delta_jax.sampling import smem
 
 
 def compile_train_step(
@@ -41,13 +43,16 @@ def largest_fitting(
 ) -> int:
     """Largest multiple of ``unit`` in ``[unit, limit]`` with ``measure(x) <= budget`` (0: none).
 
+    ``measure`` may return None: the compiler refused that size for a memory no budget changes
+    (SMEM, VMEM): it does not fit, and bisection, not the secant, looks below it.
+
     Peak memory grows about linearly with the batch, so a secant through measured sizes lands
     on (or next to) the answer; bisection takes over when the secant leaves the bracket. Each
     ``measure`` is a compilation, at most ``max_measures`` of them; the result is the largest
     size seen to fit.
 
     Args:
-      measure: size -> bytes (non-decreasing in size).
+      measure: size -> bytes (non-decreasing in size), or None (refused).
       unit: sizes are multiples of it.
       budget: bytes available.
       start: a second size to measure besides ``unit`` (e.g. the configured one).
@@ -58,28 +63,33 @@ def largest_fitting(
       >>> largest_fitting(lambda x: 10 + 3 * x, 2, 40, start=4, limit=64)
       10
     """
-    seen: dict[int, int] = {}
+    seen: dict[int, int | None] = {}
 
-    def peak(x: int) -> int:
+    def peak(x: int) -> int | None:
         if x not in seen:
             seen[x] = measure(x)
         return seen[x]
 
+    def fits(x: int) -> bool:
+        return seen[x] is not None and seen[x] <= budget
+
     def down(x: float) -> int:
         return max(unit, min(limit, int(x) // unit * unit))
 
-    if peak(unit) > budget:
+    peak(unit)
+    if not fits(unit):
         return 0
     limit -= limit % unit
     if limit <= unit:
         return unit
     peak(down(max(2 * unit, start)))
     while len(seen) < max_measures:
-        good = max(x for x in seen if seen[x] <= budget)
-        bad = min((x for x in seen if seen[x] > budget), default=None)
+        good = max(x for x in seen if fits(x))
+        bad = min((x for x in seen if not fits(x)), default=None)
         if good >= limit or (bad is not None and bad - good <= unit):
             break
-        # Secant through the best fitting size and its nearest measured neighbour.
+        # Secant through the best fitting size and its nearest measured neighbour (a refused
+        # size has no figure: bisect towards it instead).
         other = (
             bad
             if bad is not None
@@ -87,8 +97,11 @@ def largest_fitting(
             if any(x < good for x in seen)
             else None
         )
-        slope = 0.0 if other is None else (seen[other] - seen[good]) / (other - good)
-        guess = limit if slope <= 0 else down(good + (budget - seen[good]) / slope)
+        if other is not None and seen[other] is None:
+            guess = down(good + (other - good) / 2)
+        else:
+            slope = 0.0 if other is None else (seen[other] - seen[good]) / (other - good)
+            guess = limit if slope <= 0 else down(good + (budget - seen[good]) / slope)
         upper = limit if bad is None else bad - unit
         if guess <= good:
             guess = good + unit
@@ -96,7 +109,19 @@ def largest_fitting(
             guess = down(good + (upper - good + unit) / 2)
             guess = guess if guess > good else good + unit
         peak(guess)
-    return max(x for x in seen if seen[x] <= budget)
+    return max(x for x in seen if fits(x))
+
+
+def _bound(found: int, measured: dict[int, ProgramMemory | None], budget: int, unit: str) -> str:
+    """The smallest measured size above ``found`` that does not fit, and why."""
+    over = sorted(x for x, m in measured.items() if x > found and m is not None)
+    if not over:
+        return ""
+    x, m = over[0], measured[over[0]]
+    if not m.fits_anywhere:
+        return f"{x} {unit}: {m.refusal()}"
+    at_least = ">= " if m.out_of_memory else ""  # HBM refused: the need it states, a lower bound
+    return f"{x} {unit}: {at_least}{m.peak / GiB:.2f} GiB > budget {budget / GiB:.2f} GiB"
 
 
 def plan(
@@ -108,6 +133,8 @@ def plan(
     search: bool = True,
     compiler: str = "auto",
     compile_train: bool = True,
+    roofline: bool = False,
+    mean_new_tokens: float | None = None,
     log: Callable[[str], None] | None = None,
 ) -> PlanReport:
     """Compiles the run's train step and sampler for ``topology_name`` and reports memory.
@@ -123,6 +150,10 @@ def plan(
       compiler: "tpu" (compile-only for the slice, needs libtpu), "cpu" (XLA:CPU estimate on
         stand-in devices) or "auto" (tpu when libtpu is importable).
       compile_train: False plans the sampler side only (train figures are then zero).
+      roofline: also bound the RL step's time (:mod:`.roofline`; two more train compiles, of 1
+        and 2 unrolled layers, also with ``compile_train`` False); continuous engine only.
+      mean_new_tokens: the workload's expected new tokens per sequence for the roofline
+        (default ``rollout.max_new_tokens``, the longest).
       log: progress messages (e.g. ``print``).
 
     Returns:
@@ -133,7 +164,7 @@ def plan(
     mesh, described = plan_mesh(config, topology_name, compiler)
     devices = list(mesh.devices.flat)
     log(f"compiler: {described}")
-    model_config = model_config or resolve_model_config(config)
+    model_config = model_config or resolve_model_config(config, log)
     planner = Planner(config, mesh, model_config)
     c = config
     rows_per_update = (
@@ -146,6 +177,12 @@ def plan(
             f"micro-batch of {micro_rows} rows (rollout {rows_per_update} rows per update / "
             f"algo.micro_batches={c.algo.micro_batches}) does not split over the {divisor} batch "
             f"shards of mesh {dict(mesh.shape)}"
+        )
+    mean_new = c.rollout.max_new_tokens if mean_new_tokens is None else mean_new_tokens
+    if not 0 < mean_new <= c.rollout.max_new_tokens:
+        raise ValueError(
+            f"--mean-new-tokens={mean_new} must be in (0, rollout.max_new_tokens="
+            f"{c.rollout.max_new_tokens}]"
         )
     train = ProgramMemory(0, 0, 0, 0, 0.0)
     if compile_train:
@@ -184,25 +221,39 @@ def plan(
         train_compiled=compile_train,
         **sampled,
     )
+    if roofline and c.rollout.engine == "continuous":
+        report = dataclasses.replace(
+            report, roofline=_step_time(planner, report, size, mean_new, log)
+        )
     if not search:
         return report
     budget = report.budget
-    cache = {micro_rows: train.peak}
+    # Every size measured: its program (a train step; the sampler's larger one, a refused one
+    # first), for the peaks and the bound reported.
+    trains = {micro_rows: train}
 
-    def train_peak(rows: int) -> int:
-        if rows not in cache:
+    def train_peak(rows: int) -> int | None:
+        if rows not in trains:
             log(f"  train step with {rows} rows per micro-batch")
-            cache[rows] = planner.train(rows).peak
-        return cache[rows]
+            trains[rows] = planner.train(rows)
+            if trains[rows].out_of_memory:
+                log(f"  {trains[rows].refusal()}")
+        return trains[rows].measured_peak()
 
     resident = report.sampling_peak - report.sampler_peak
-    sizes = {size: report.sampler_peak}
+    sizes = {size: _sampler_program(sampled)}
 
-    def sampling_peak(n: int) -> int:
+    def sampling_peak(n: int) -> int | None:
         if n not in sizes:
-            got = measure_sampler(planner, n, log)
-            sizes[n] = max(got["sampler"].peak, got["prefill"].peak if got["prefill"] else 0)
-        return resident + sizes[n]
+            sizes[n] = _sampler_program(measure_sampler(planner, n, log))
+            if sizes[n].out_of_memory:
+                log(f"  {sizes[n].refusal()}")
+        peak = sizes[n].measured_peak()
+        return None if peak is None else resident + peak
+
+    def sampling_memory(n: int) -> ProgramMemory:  # as the report counts it: + resident state
+        m = sizes[n]
+        return dataclasses.replace(m, temporaries=m.temporaries + resident) if m.peak else m
 
     max_rows = None
     if compile_train:
@@ -223,12 +274,78 @@ def plan(
         max_size = largest_fitting(
             sampling_peak, unit, budget, start=prompts, limit=max(prompts, unit)
         )
-    return dataclasses.replace(report, max_micro_batch_rows=max_rows, max_sampler_size=max_size)
+    slot_unit = "slots" if c.rollout.engine == "continuous" else "prompts"
+    return dataclasses.replace(
+        report,
+        max_micro_batch_rows=max_rows,
+        max_sampler_size=max_size,
+        micro_batch_bound=_bound(max_rows or 0, trains, budget, "rows") if compile_train else "",
+        sampler_bound=_bound(max_size, {n: sampling_memory(n) for n in sizes}, budget, slot_unit),
+    )
+
+
+def _step_time(planner: Planner, report: PlanReport, slots: int, mean_new, log):
+    """The step-time roofline (:mod:`.roofline`) from the programs the plan compiled."""
+    c, mc = planner.config, planner.model_config
+    spec = planner.engine_spec(slots)
+    layers = {}
+    for k in (1, 2):
+        log(f"compiling the train step with {k} unrolled layer(s) for its cost analysis")
+        shallow = Planner(c, planner.mesh, mc.replace(num_layers=k, scan_layers=False))
+        layers[k] = shallow.train(report.micro_batch_rows)
+    _, _, prompt_len, _ = planner._request(c.rollout.prompts_per_step)
+    chunk = min(spec.prefill_len, max(spec.min_len, 1 << max(0, (prompt_len - 1).bit_length())))
+    tensor = planner.sample_mesh.shape.get("tensor", 1)
+    G = spec.groups
+    return roofline_lib.estimate(
+        mc,
+        chip_name=report.topology,
+        chips=sh.topology(report.topology).chips,
+        devices=report.chips,
+        decode=report.sampler,
+        prefill=report.prefill,
+        prefill_tokens=spec.prefill_rows // G * chunk,
+        train_one=layers[1],
+        train_two=layers[2],
+        micro_batches=c.algo.micro_batches,
+        mini_batches=c.algo.mini_batches,
+        micro_rows=report.micro_batch_rows,
+        useful_tokens=c.data.max_prompt_length + mean_new,
+        sequences_per_group=c.rollout.prompts_per_step * c.rollout.samples_per_prompt // G,
+        group_slots=spec.group_slots,
+        prompts_per_group=c.rollout.prompts_per_step // G,
+        prompt_len=c.data.max_prompt_length,
+        mean_new=mean_new,
+        kv_heads=max(1, mc.num_kv_heads // tensor),
+        cache_itemsize=planner.cache_dtype().itemsize,
+        weight_bytes=planner.sampler_params_bytes() + planner.shared_params_bytes(),
+        steps=c.run.steps,
+    )
+
+
+def _sampler_program(measured: dict[str, Any]) -> ProgramMemory:
+    """The engine's larger program (decode or prefill chunk), a refused one first."""
+    programs = [measured["sampler"], *([measured["prefill"]] if measured["prefill"] else [])]
+    refused = [p for p in programs if not p.fits_anywhere]
+    return refused[0] if refused else max(programs, key=lambda p: p.peak)
 
 
 def _engine_measure(planner: Planner, slots: int, log) -> dict[str, Any]:
     """The engine with ``slots`` decode slots: its pool and its two programs compiled."""
     spec = planner.engine_spec(slots)
+    if spec.attention == "pallas" and smem.max_rows_per_call(spec.max_table) == 0:
+        # The engine refuses this before compiling: the page table fits no kernel call's SMEM.
+        log(f"  {smem.page_table_error(spec.max_table)}")
+        refused = ProgramMemory(0, 0, 0, 0, 0.0, out_of_memory=True, refused="SMEM")
+        return dict(
+            cache_slots=spec.slots,
+            num_pages=spec.num_pages,
+            page_size=spec.page_size,
+            kv_cache_bytes=planner.pool_bytes(spec),
+            sampler=refused,
+            prefill=refused,
+            data_groups=spec.groups,
+        )
     log(
         f"compiling the engine: {spec.groups} data groups x ({spec.group_slots} decode slots, "
         f"{spec.group_pages} pages of {spec.page_size} tokens), {spec.attention} attention"

@@ -64,6 +64,7 @@ from delta_jax.models import Transformer, lm_head_weight
 from delta_jax.models import axes as ax
 from delta_jax.models.attention import accumulation_dtype
 from delta_jax.models.axes import logical_to_mesh
+from delta_jax.sampling import smem
 from delta_jax.sampling.paged import (
     PAGE_AXES,
     SCRATCH_PAGE,
@@ -807,6 +808,8 @@ def validate_engine_request(
     longest = max(p.size for p in prompts) + int(max_new.max())
     if pages_for(longest, ps) > spec.max_table:
         raise ValueError(f"a sequence of {longest} tokens exceeds the page-table width")
+    if spec.attention == "pallas":  # the kernel's page table is a TPU scalar-memory operand
+        smem.check_page_table(spec.max_table)
 
 
 def engine_programs(

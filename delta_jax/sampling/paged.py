@@ -43,6 +43,7 @@ from delta_jax.models import Transformer
 from delta_jax.models import axes as ax
 from delta_jax.models.attention import accumulation_dtype
 from delta_jax.models.transformer import _attend_cache, _rms_norm, _rope, _rope_tables
+from delta_jax.sampling import smem
 
 __all__ = [
     "PAGE_AXES",
@@ -295,18 +296,32 @@ def _write_views(keys, values, new, positions):
 
 def _pallas_attention(q, kv, positions, valid, page_table):
     """Decode attention (T = 1) with JAX's ragged paged attention TPU kernel (one group)."""
-    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
-
     B, T, N, D = q.shape
     if T != 1:
         raise ValueError(f"the pallas paged attention path is for decode (T = 1), got T = {T}")
     # The kernel copies every sequence's pages up to its length: an idle slot gets length 1
     # (its scratch page) instead of the stale position it stopped at.
     kv_lens = jnp.where(valid[:, 0], positions[:, 0] + 1, 1).astype(jnp.int32)
+    q = q.reshape(B, N, D)
+    # The page table is a scalar-memory (SMEM) operand of 1 MiB at most: slots go through the
+    # kernel in calls that each fit (``smem``); every call reads the same pool in HBM.
+    outs = [
+        _ragged_call(q[s : s + n], kv, kv_lens[s : s + n], page_table[s : s + n])
+        for s, n in smem.row_chunks(B, page_table.shape[1])
+    ]
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+    return out.reshape(B, T, N, D)
+
+
+def _ragged_call(q, kv, kv_lens, page_table):
+    """One ragged paged attention kernel call: one query per row, ``q [B, N, D]``."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    B, _, D = q.shape
     # Block sizes given explicitly: the kernel's tuned table looks up jax.devices(), which is
     # not the target TPU when compiling ahead of time for a topology.
-    out = ragged_paged_attention(
-        q.reshape(B, N, D),
+    return ragged_paged_attention(
+        q,
         kv,
         kv_lens,
         page_table,
@@ -316,7 +331,6 @@ def _pallas_attention(q, kv, positions, valid, page_table):
         num_kv_pages_per_block=min(page_table.shape[1], PALLAS_KV_PAGES_PER_BLOCK),
         num_queries_per_block=PALLAS_QUERIES_PER_BLOCK,
     )
-    return out.reshape(B, T, N, D)
 
 
 def per_group(fn, mesh: Mesh | None, kv_heads: int, in_specs, out_specs):

@@ -1,0 +1,212 @@
+"""Step-time roofline of a plan: how long an RL step takes at best on the slice, from the TPU
+compiler's cost analysis and the chip's peak FLOP/s and HBM bandwidth.
+
+A program's time bound is ``max(flops / peak, bytes / bandwidth)`` per device. The figures per
+RL step:
+
+* rollout: the engine's decode steps (``ceil(sequences / slots)`` rounds of ``mean_new`` tokens
+  per data group: slots kept full) times the decode chunk's per-step bound, plus its prefill
+  (every prompt token at the prefill chunk's per-token cost);
+* update: ``algo.mini_batches`` train steps;
+* the run: ``run.steps`` of them, in hours and chip-hours.
+
+``compiled.cost_analysis()`` counts a loop body once, whatever its trip count (measured on
+libtpu 0.0.42.1: a ``fori_loop`` of 10 matmuls reports one), and a Pallas kernel's inside not at
+all. So: the decode chunk's figures are one step (its layers are unrolled, its step loop counts
+once); the train step is compiled twice more with 1 and 2 unrolled layers and extrapolated to
+``L`` (``layers_extrapolated``) and times its ``M`` micro-batches (the optimiser update, a few
+FLOPs per parameter, then counts ``M`` times: a small overcount); the ragged paged attention
+kernel's K/V reads (``kv_bytes_per_token``) are added to the decode's bytes.
+
+The model-FLOPs utilisation bound is the model's FLOPs (``6 N`` per token for the weight
+matmuls, ``N`` the matmul parameters, LM head included, plus causal attention's ``6 L Nq D T^2``
+per row of ``T`` tokens) over the compiled FLOPs: what remat and padding cost. The decode's HBM
+bytes per useful token are set against the minimum: the sampling weights read once per step for
+the group's active slots, plus the K/V each token reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+# Per chip, dense bfloat16 peak FLOP/s and HBM bandwidth (bytes/s), from Google Cloud's TPU
+# system-architecture pages (cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e), as of 2025.
+CHIPS: dict[str, tuple[float, float]] = {
+    "v4": (275e12, 1200e9),
+    "v5e": (197e12, 819e9),
+    "v5p": (459e12, 2765e9),
+    "v6e": (918e12, 1640e9),
+}
+CHIPS_SOURCE = "Google Cloud TPU docs (system architecture: v4, v5e, v5p, v6e), bf16 dense peak"
+
+
+def chip(topology_name: str) -> tuple[str, float, float]:
+    """``(generation, peak FLOP/s, HBM bytes/s)`` of one chip of ``topology_name``."""
+    gen = topology_name.strip().lower().split("-")[0].replace("v5litepod", "v5e")
+    if gen not in CHIPS:
+        raise ValueError(f"no chip constants for {gen!r}; known: {sorted(CHIPS)}")
+    return (gen, *CHIPS[gen])
+
+
+def matmul_params(mc) -> int:
+    """Weights a token multiplies through: attention and MLP projections, and the LM head."""
+    H, F, N, K, D = (
+        mc.hidden_size,
+        mc.intermediate_size,
+        mc.num_heads,
+        mc.num_kv_heads,
+        mc.head_dim,
+    )
+    return mc.num_layers * (2 * H * N * D + 2 * H * K * D + 3 * H * F) + mc.vocab_size * H
+
+
+def train_model_flops(mc, rows: int, tokens: int) -> float:
+    """Model FLOPs of forward + backward over ``rows`` causal rows of ``tokens`` tokens."""
+    attention = 6 * mc.num_layers * mc.num_heads * mc.head_dim * tokens**2
+    return rows * (6 * matmul_params(mc) * tokens + attention)
+
+
+def kv_bytes_per_token(mc, context: float, kv_heads: int, cache_itemsize: int) -> float:
+    """K/V bytes one decoded token reads on a device holding ``kv_heads`` KV heads."""
+    return mc.num_layers * 2 * kv_heads * mc.head_dim * cache_itemsize * context
+
+
+def layers_extrapolated(one: float, two: float, layers: int) -> float:
+    """A figure of an ``L``-layer program from its 1- and 2-layer compiles (linear in layers)."""
+    return one + (layers - 1) * (two - one)
+
+
+def bound(flops: float, nbytes: float, peak: float, bandwidth: float) -> float:
+    return max(flops / peak, nbytes / bandwidth)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Per-device time bounds of one RL step and the run, seconds unless named otherwise."""
+
+    chip: str
+    peak_flops: float
+    hbm_bandwidth: float
+    mean_new_tokens: float
+    decode_step_flops: float  # one decode step of a data group, per device
+    decode_step_bytes: float  # compiled + the kernel's K/V reads
+    decode_steps: int  # per data group and RL step
+    decode_s: float
+    prefill_s: float
+    train_flops: float  # one mini-batch (every micro-batch), per device
+    train_bytes: float
+    train_model_flops: float  # per device
+    update_s: float  # every mini-batch
+    bytes_per_token: float  # decode, per device and useful token
+    min_bytes_per_token: float
+    steps: int
+    chips: int
+
+    @property
+    def rollout_s(self) -> float:
+        return self.decode_s + self.prefill_s
+
+    @property
+    def step_s(self) -> float:
+        return self.rollout_s + self.update_s
+
+    @property
+    def mfu_bound(self) -> float:
+        return self.train_model_flops / self.train_flops if self.train_flops else math.nan
+
+    @property
+    def run_hours(self) -> float:
+        return self.steps * self.step_s / 3600
+
+    def lines(self) -> list[str]:
+        h = self.run_hours
+        return [
+            f"step-time roofline ({self.chip}: {self.peak_flops / 1e12:.0f} TFLOP/s bf16, "
+            f"{self.hbm_bandwidth / 1e9:.0f} GB/s HBM per chip; {CHIPS_SOURCE}), "
+            f"{self.mean_new_tokens:.0f} new tokens per sequence:",
+            f"  rollout >= {self.rollout_s:,.1f} s (decode {self.decode_steps:,} steps x "
+            f"{self.decode_s / max(self.decode_steps, 1) * 1e3:.2f} ms = {self.decode_s:,.1f} s; "
+            f"prefill {self.prefill_s:,.1f} s)",
+            f"  decode HBM bytes per useful token {self.bytes_per_token / 2**20:,.2f} MiB per "
+            f"device; minimum {self.min_bytes_per_token / 2**20:,.2f} MiB "
+            f"({self.bytes_per_token / self.min_bytes_per_token:.2f}x)",
+            f"  update >= {self.update_s:,.1f} s ({self.train_flops / 1e12:,.1f} TFLOP per device "
+            f"per mini-batch compiled, {self.train_model_flops / 1e12:,.1f} the model's; "
+            + (
+                f"model-FLOPs utilisation bound {self.mfu_bound:.0%})"
+                if self.mfu_bound <= 1
+                else "compiled below the model's: the cost analysis misses work, no MFU bound)"
+            ),
+            f"  step >= {self.step_s:,.1f} s; {self.steps} steps >= {h:,.1f} h = "
+            f"{h * self.chips:,.0f} chip-hours on {self.chips} chips",
+        ]
+
+
+def estimate(
+    mc,
+    *,
+    chip_name: str,
+    chips: int,
+    devices: int,
+    decode,
+    prefill,
+    prefill_tokens: int,
+    train_one,
+    train_two,
+    micro_batches: int,
+    mini_batches: int,
+    micro_rows: int,
+    useful_tokens: float,
+    sequences_per_group: int,
+    group_slots: int,
+    prompts_per_group: int,
+    prompt_len: int,
+    mean_new: float,
+    kv_heads: int,
+    cache_itemsize: int,
+    weight_bytes: int,
+    steps: int,
+) -> StepTime:
+    """The step's bounds from compiled programs (per device figures, see the module).
+
+    ``decode``/``prefill``/``train_one``/``train_two``: ``ProgramMemory`` with cost figures
+    (``train_one``/``train_two``: the train step with 1 and 2 unrolled layers); ``prefill_tokens``:
+    tokens one device's prefill program takes (its group's rows x chunk length); ``useful_tokens``:
+    a train row's tokens the model FLOPs count; ``kv_heads``: KV heads a sampling device holds;
+    ``weight_bytes``: the sampling weights one device reads per decode step.
+    """
+    gen, peak, bandwidth = chip(chip_name)
+    share = chips / devices  # v4: two devices (TensorCores) per chip
+    peak, bandwidth = peak * share, bandwidth * share
+    context = prompt_len + mean_new / 2  # mean context of a decoded token
+    kv = kv_bytes_per_token(mc, context, kv_heads, cache_itemsize)
+    step_bytes = decode.bytes_accessed + group_slots * kv
+    decode_steps = -(-sequences_per_group // group_slots) * math.ceil(mean_new)
+    per_token = bound(prefill.flops, prefill.bytes_accessed, peak, bandwidth) / prefill_tokens
+    L = mc.num_layers
+    train_flops = micro_batches * layers_extrapolated(train_one.flops, train_two.flops, L)
+    train_bytes = micro_batches * layers_extrapolated(
+        train_one.bytes_accessed, train_two.bytes_accessed, L
+    )
+    model = train_model_flops(mc, micro_batches * micro_rows, round(useful_tokens)) / devices
+    return StepTime(
+        chip=gen,
+        peak_flops=peak / share,
+        hbm_bandwidth=bandwidth / share,
+        mean_new_tokens=mean_new,
+        decode_step_flops=decode.flops,
+        decode_step_bytes=step_bytes,
+        decode_steps=decode_steps,
+        decode_s=decode_steps * bound(decode.flops, step_bytes, peak, bandwidth),
+        prefill_s=prompts_per_group * prompt_len * per_token,
+        train_flops=train_flops,
+        train_bytes=train_bytes,
+        train_model_flops=model,
+        # Never below the model's own FLOPs at peak (the cost analysis can miss a kernel's).
+        update_s=mini_batches * max(bound(train_flops, train_bytes, peak, bandwidth), model / peak),
+        bytes_per_token=step_bytes / group_slots,
+        min_bytes_per_token=weight_bytes / group_slots + kv,
+        steps=steps,
+        chips=chips,
+    )
