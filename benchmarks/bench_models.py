@@ -31,3 +31,11 @@ SIZES = {
 def bench_config(name: str) -> ModelConfig:
     """A Qwen3-style config of the named size with tied embeddings."""
     return ModelConfig.tiny("qwen3", tie_word_embeddings=True, **SIZES[name])
+
+
+def one_second_program(prompt: str, response: str, item) -> float:
+    """A reward whose sandboxed program runs for about 1 s, as a code reward's tests may: the
+    code sandbox (:func:`delta_jax.rewards.run_code`) with its usual limits."""
+    from delta_jax.rewards import run_code
+
+    return float(run_code("import time\ntime.sleep(1.0)", "assert True", timeout_s=5).passed)

@@ -75,10 +75,10 @@ def test_warm_up_stops_at_the_target_and_is_a_function_of_the_seed(tmp_path):
 
 def test_the_held_out_set_has_run_eval_prompts_problems(tok):
     from delta_jax.config import load_config
-    from delta_jax.rl.setup import _encoded_prompts
+    from delta_jax.rl.setup import prompt_sets
 
     config = load_config("configs/demo.yaml", ["run.eval_prompts=300", "run.seed=2"])
-    train, evals = _encoded_prompts(config, tok)
+    train, evals = prompt_sets(config, tok)
     assert len(train.ids) == 4096
     assert [r.prompt for r in evals.records] == [
         r.prompt for r in demo.arithmetic_records(300, seed=3)

@@ -227,7 +227,7 @@ def _object_records(config: Config, data, *, label: str, limit: int | None):
     return result.records
 
 
-def _prompts(config: Config, tokenizer, train_dataset, eval_dataset):
+def prompt_sets(config: Config, tokenizer, train_dataset=None, eval_dataset=None):
     """The training batches and the held-out prompts (None without an eval source)."""
     d, encode = config.data, _encoder(config, tokenizer)
     batch = config.rollout.prompts_per_step
@@ -317,7 +317,7 @@ def build_run_parts(
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_model(config, run_dir, model=model, tokenizer=tokenizer)
-    train, evals = _prompts(config, tokenizer, train_dataset, eval_dataset)
+    train, evals = prompt_sets(config, tokenizer, train_dataset, eval_dataset)
     pad_id, stop_ids = special_token_ids(tokenizer, model)
     cache_dtype = config.rollout.cache_dtype
     sampler = Sampler(
