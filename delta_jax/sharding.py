@@ -405,6 +405,7 @@ def resharder(shardings: tuple[NamedSharding, ...], dtypes: tuple[np.dtype, ...]
     """The jitted move of leaves into ``shardings`` cast to ``dtypes`` (what
     :func:`reshard_for_sampling` runs; the planner compiles it for its figures). One program per
     target layout, reused every RL step (no recompilation)."""
+
     def move(*xs):
         return tuple(x.astype(d) for x, d in zip(xs, dtypes, strict=True))
 

@@ -48,6 +48,7 @@ def token_logprobs(
     return_hidden: bool = False,
     chunk_size: int | None = None,
     score_from: int = 0,
+    score_positions: Int[Array, "B W"] | None = None,
 ) -> LogprobOutput:
     """Log-probabilities of ``targets`` under the model, chunked over tokens.
 
@@ -70,6 +71,10 @@ def token_logprobs(
       score_from: score only positions ``t >= score_from`` (e.g. a response after a prompt of
         that length): the LM head never runs on the others, and every output covers
         ``T - score_from`` positions.
+      score_positions: int[B, W] the positions to score, per row, instead of a suffix (e.g. the
+        response positions of rows packed with several sequences); a negative entry is a
+        padding slot (scored at position 0, meaningless). Every output covers these ``W``
+        slots; the LM head runs on nothing else.
 
     Returns:
       :class:`LogprobOutput`; values at padded positions are finite but meaningless.
@@ -86,6 +91,8 @@ def token_logprobs(
         raise ValueError(f"temperature must be positive, got {temperature}")
     if not 0 <= score_from < input_ids.shape[1]:
         raise ValueError(f"score_from={score_from} must be in [0, {input_ids.shape[1]})")
+    if score_positions is not None and score_from:
+        raise ValueError("give score_from or score_positions, not both")
     out = model(
         input_ids,
         attention_mask=attention_mask,
@@ -93,13 +100,17 @@ def token_logprobs(
         segment_ids=segment_ids,
         return_logits=False,
     )
-    hidden = out.hidden[:, score_from:]
+    hidden, targets = out.hidden[:, score_from:], targets[:, score_from:]
+    if score_positions is not None:
+        at = jnp.maximum(score_positions, 0)
+        hidden = jnp.take_along_axis(hidden, at[..., None], axis=1)
+        targets = jnp.take_along_axis(targets, at, axis=1)
     B, T, H = hidden.shape
     w = lm_head_weight(model).astype(model.dtype)
     lp, ent = chunked_logprobs(
         hidden.reshape(B * T, H),
         w,
-        targets[:, score_from:].reshape(B * T),
+        targets.reshape(B * T),
         temperature=temperature,
         return_entropy=return_entropy,
         chunk_size=chunk_size,

@@ -11,9 +11,13 @@ Packing (``algo.packing``): a sequence of prompt ``p`` and response ``g`` tokens
 ``p + g - 1`` positions (its last token predicts nothing); the sequences of a mini-batch go into
 rows of ``tokens_per_row`` positions, longest first, each into the first row with room
 (first-fit-decreasing), numbered 1, 2, ... in its row (``segment_ids``). Responses of no tokens
-carry no loss and are left out. A micro-batch is a token budget (:func:`micro_batch_shape`):
-packed rows need fewer micro-batches, and both counts are bucketed and shared by the
-mini-batches of a step, so a run compiles a bounded number of update programs.
+carry no loss and are left out. The LM head then runs only on the positions that predict a
+response token: each packed row lists them (``Layout.score``) in a window of ``W`` slots, ``W``
+bucketed from the fullest row of the step (:func:`score_width`); the padded layout's window is
+the row's last ``W`` positions, as the prompt ends at the same place in every row. A
+micro-batch is a token budget (:func:`micro_batch_shape`): packed rows need fewer
+micro-batches, and both counts are bucketed and shared by the mini-batches of a step, so a run
+compiles a bounded number of update programs.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class Layout:
     source: np.ndarray  # rollout sequence of the position (0 on padding)
     column: np.ndarray  # its column in the padded sequence prompt (P) ++ response (G)
     segment_ids: np.ndarray  # 1, 2, ... per sequence in the row; 0 = padding
+    score: np.ndarray | None = None  # packed: [..., rows, W] positions predicting a response
+    # token, in order; -1 = an empty slot. None: the padded layout's last W positions.
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -78,16 +84,30 @@ def row_groups(plan: UpdatePlan, seqs: np.ndarray, prompt_lens, resp_lens) -> li
     return [[kept[i] for i in row] for row in first_fit_decreasing(spans, plan.row_len)]
 
 
-def layout(plan: UpdatePlan, groups: list[list[int]], rows: int, prompt_lens, resp_lens) -> Layout:
-    """Index arrays ``[rows, T]`` of rows holding ``groups`` (padding rows after them)."""
+def score_width(plan: UpdatePlan, responses: int) -> int:
+    """W of packed rows whose fullest holds ``responses`` response tokens.
+
+    Bucketed (:func:`bucket_rows`) in units of about a sixteenth of a row (a multiple of 8), at
+    most the row: at most 9 window sizes per row count, so a run compiles few update programs.
+    """
+    unit = 8 * -(-plan.row_len // 128)
+    return bucket_rows(responses, unit, limit=plan.row_len)
+
+
+def layout(
+    plan: UpdatePlan, groups: list[list[int]], rows: int, prompt_lens, resp_lens, width: int = 0
+) -> Layout:
+    """Index arrays ``[rows, T]`` of rows holding ``groups`` (padding rows after them); packed
+    rows also list their response positions in ``width`` slots."""
     P, T = plan.prompt_len, plan.row_len
     source = np.zeros((rows, T), np.int32)
     column = np.zeros((rows, T), np.int32)
     segment_ids = np.zeros((rows, T), np.int32)
+    score = np.full((rows, width), -1, np.int32) if plan.packing else None
     for r, group in enumerate(groups):
         # The padded layout keeps each sequence where it is (prompt ending at P); packed rows
         # place them one after another from position 0.
-        at = 0
+        at, slots = 0, []
         for k, s in enumerate(group, start=1):
             first = P - int(prompt_lens[s])
             span = int(prompt_lens[s] + resp_lens[s]) - 1
@@ -95,8 +115,12 @@ def layout(plan: UpdatePlan, groups: list[list[int]], rows: int, prompt_lens, re
             source[r, start : start + span] = s
             column[r, start : start + span] = np.arange(first, first + span)
             segment_ids[r, start : start + span] = k
+            # From the prompt's last token on, each position predicts a response token.
+            slots.extend(range(start + int(prompt_lens[s]) - 1, start + span))
             at += span
-    return Layout(source, column, segment_ids)
+        if score is not None:
+            score[r, : len(slots)] = slots
+    return Layout(source, column, segment_ids, score)
 
 
 def micro_batch_shape(plan: UpdatePlan, rows: int, shards: int) -> tuple[int, int]:
@@ -130,16 +154,22 @@ def plan_rows(
     blocks = [order[m * per : (m + 1) * per] for m in range(plan.mini_batches)]
     groups = [row_groups(plan, b, prompt_lens, resp_lens) for b in blocks]
     micro, rows = micro_batch_shape(plan, max(map(len, groups)), shards)
-    parts = [layout(plan, g, micro * rows, prompt_lens, resp_lens) for g in groups]
+    fullest = max(int(sum(resp_lens[s] for s in row)) for g in groups for row in g or [[]])
+    width = score_width(plan, fullest) if plan.packing else 0
+    parts = [layout(plan, g, micro * rows, prompt_lens, resp_lens, width) for g in groups]
     stack = lambda name: np.stack([getattr(p, name) for p in parts]).reshape(
-        plan.mini_batches, micro, rows, plan.row_len
+        plan.mini_batches, micro, rows, -1
     )
-    out = Layout(stack("source"), stack("column"), stack("segment_ids"))
+    out = Layout(
+        stack("source"), stack("column"), stack("segment_ids"),
+        stack("score") if plan.packing else None,
+    )  # fmt: skip
     real = float((out.segment_ids > 0).sum())
     stats = {
         "batch/packed_rows": micro * rows,
         "batch/micro_batches": micro,
         "batch/pad_fraction": 1.0 - real / out.segment_ids.size,
+        "batch/scored_positions": (micro * rows) * (width or plan.window),
     }
     return out, stats
 
@@ -179,8 +209,14 @@ def assemble(
     )
     tokens = sequences[src, col]
     targets = sequences[src, jnp.minimum(col + 1, P + G - 1)]
-    src, t, seg_w = src[..., w:], col[..., w:] + 1 - P, seg[..., w:]
-    loss_mask = (seg_w > 0) & (t >= 0)  # the target is one of the sequence's response tokens
+    if index.score is None:  # padded: the window is each row's last W positions
+        slot, src, col_w, seg_w = True, src[..., w:], col[..., w:], seg[..., w:]
+    else:  # packed: the positions the layout lists; -1 is an empty slot
+        pick = lambda x: jnp.take_along_axis(x, jnp.maximum(index.score, 0), axis=-1)
+        slot, src, col_w, seg_w = index.score >= 0, pick(src), pick(col), pick(seg)
+    t = col_w + 1 - P
+    # The target is one of the sequence's response tokens.
+    loss_mask = slot & (seg_w > 0) & (t >= 0)
     per_token = lambda x: jnp.where(loss_mask, x[src, jnp.clip(t, 0, G - 1)], 0)
     return TrainBatch(
         tokens=put(jnp.where(seg > 0, tokens, 0)),
@@ -190,4 +226,5 @@ def assemble(
         advantages=put(jnp.where(loss_mask, advantages[src], 0.0)),
         rollout_logprobs=put(per_token(rollout_logprobs)),
         coefficients=None if coefficients is None else put(per_token(coefficients)),
+        score_positions=None if index.score is None else put(index.score),
     )

@@ -36,7 +36,8 @@ def forward_chunks(graphdef, plan: UpdatePlan, params, batch: TrainBatch, *, ent
         model = nnx.merge(graphdef, params)
         return window_logprobs(model, *args, plan, entropy=entropy, hidden=hidden)
 
-    out = jax.lax.map(one, (flat(batch.tokens), flat(batch.targets), flat(batch.segment_ids)))
+    fields = (batch.tokens, batch.targets, batch.segment_ids, batch.score_positions)
+    out = jax.lax.map(one, tuple(None if x is None else flat(x) for x in fields))
     return jax.tree.map(lambda x: x.reshape(*lead, *x.shape[1:]), out)
 
 

@@ -7,9 +7,10 @@ gradient equals the gradient of the whole mini-batch's loss.
 
 A row is ``T`` input positions holding one sequence (padded layout) or several (packed layout,
 ``segment_ids`` 1, 2, ... per sequence, 0 on padding; attention stays within a sequence and
-positions restart at each one). The per-token loss inputs cover the row's last ``W`` positions
-(``plan.window``): in the padded layout only the positions that can predict a response token,
-so the LM head skips the prompt. Which optional inputs a batch carries, and whether DelTA's
+positions restart at each one). The per-token loss inputs cover ``W`` positions per row: in
+the padded layout the row's last ``plan.window`` (the positions that can predict a response
+token), in packed rows the response positions the batch lists (``score_positions``), so the LM
+head never runs on a prompt. Which optional inputs a batch carries, and whether DelTA's
 coefficients are computed inside the loss, is the :class:`~delta_jax.rl.update_plan.UpdatePlan`'s
 decision.
 
@@ -52,6 +53,8 @@ class TrainBatch:
     coefficients: jax.Array | None = None  # f32[M, b, W]  plan.coefficients sampler/old_pass
     token_mask: jax.Array | None = None  # bool[M, b, W]  plan.fixed_token_mask
     ref_logprobs: jax.Array | None = None  # f32[M, b, W]  plan.reference
+    score_positions: jax.Array | None = None  # int32[M, b, W]  plan.packing: each slot's
+    # position in the row (one predicting a response token), -1 = empty slot
 
 
 def batch_fields(plan: UpdatePlan) -> dict[str, bool]:
@@ -61,6 +64,7 @@ def batch_fields(plan: UpdatePlan) -> dict[str, bool]:
         "coefficients": plan.coefficients in ("sampler", "old_pass"),
         "token_mask": plan.fixed_token_mask,
         "ref_logprobs": plan.reference,
+        "score_positions": plan.packing,
     }
 
 
@@ -73,10 +77,11 @@ def check_batch(plan: UpdatePlan, batch: TrainBatch) -> None:
 
 
 def abstract_batch(plan: UpdatePlan, rows: int, sharding=None) -> TrainBatch:
-    """Shapes of one mini-batch of ``rows`` rows per micro-batch, as the plan feeds it."""
+    """Shapes of one mini-batch of ``rows`` rows per micro-batch, as the plan feeds it (packed
+    rows at their widest window, ``plan.window``)."""
     M, T, W = plan.micro_batches, plan.row_len, plan.window
     sds = lambda width, dtype: jax.ShapeDtypeStruct((M, rows, width), dtype, sharding=sharding)
-    dtypes = {"token_mask": jnp.bool_}
+    dtypes = {"token_mask": jnp.bool_, "score_positions": jnp.int32}
     optional = {
         name: sds(W, dtypes.get(name, jnp.float32)) if wanted else None
         for name, wanted in batch_fields(plan).items()
@@ -92,8 +97,10 @@ def abstract_batch(plan: UpdatePlan, rows: int, sharding=None) -> TrainBatch:
     )
 
 
-def window_logprobs(model, tokens, targets, segment_ids, plan: UpdatePlan, *, entropy, hidden):
-    """Log-probs (entropy, hidden states) of the targets of each row's last ``W`` positions.
+def window_logprobs(
+    model, tokens, targets, segment_ids, score_positions, plan: UpdatePlan, *, entropy, hidden
+):
+    """Log-probs (entropy, hidden states) of the targets of each row's ``W`` window positions.
 
     The hidden state at a position is the LM-head input that produced its prediction, the one
     DelTA's token-gradient proxy needs.
@@ -107,13 +114,17 @@ def window_logprobs(model, tokens, targets, segment_ids, plan: UpdatePlan, *, en
         return_entropy=entropy,
         return_hidden=hidden,
         score_from=plan.score_from,
+        score_positions=score_positions,
     )
     return out.logprobs, out.entropy, out.hidden
 
 
 def loss_segments(plan: UpdatePlan, mb: TrainBatch) -> jax.Array | None:
     """Segment ids of the window when rows hold several responses (packed), else None."""
-    return mb.segment_ids[..., plan.score_from :] if plan.packing else None
+    if not plan.packing:
+        return None
+    at = mb.score_positions
+    return jnp.where(at >= 0, jnp.take_along_axis(mb.segment_ids, jnp.maximum(at, 0), -1), 0)
 
 
 def delta_kwargs(plan: UpdatePlan, mesh) -> dict[str, Any]:
@@ -137,6 +148,7 @@ def _micro_loss(graphdef, plan: UpdatePlan, mesh, params, frozen, mb: TrainBatch
         mb.tokens,
         mb.targets,
         mb.segment_ids,
+        mb.score_positions,
         plan,
         entropy=objective.needs_entropy,
         hidden=in_loss,

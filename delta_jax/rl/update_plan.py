@@ -124,12 +124,14 @@ class UpdatePlan:
 
     @property
     def score_from(self) -> int:
-        """First position whose prediction can be a response token (the LM head skips the rest)."""
+        """Padded rows: the first position whose prediction can be a response token (the LM head
+        skips the rest). Packed rows list their response positions instead (0 here)."""
         return 0 if self.packing else self.prompt_len - 1
 
     @property
     def window(self) -> int:
-        """W: positions per row that carry per-token loss inputs."""
+        """W: positions per row that carry per-token loss inputs (packed rows: at most this;
+        each step's window is bucketed from its fullest row, ``packing.score_width``)."""
         return self.row_len - self.score_from
 
     @property

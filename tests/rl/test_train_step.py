@@ -1,7 +1,7 @@
 """The update on packed and padded rows: equivalence, micro/mini-batching, skipping, compiles.
 
-Every batch here is built by the loop's own stages (``_prepare`` / ``_update``) from one
-synthetic rollout held on device, so packed and padded runs see the very same sequences.
+Every batch here is built by the trainer's own stages (``Updater.prepare`` / ``.update``) from
+one synthetic rollout held on device, so packed and padded runs see the very same sequences.
 """
 
 import dataclasses
@@ -16,7 +16,7 @@ from flax import nnx
 from delta_jax import sharding as sh
 from delta_jax.config import load_config
 from delta_jax.models import ModelConfig, Transformer, token_logprobs
-from delta_jax.rl.packing import first_fit_decreasing
+from delta_jax.rl.packing import first_fit_decreasing, make_assemble, plan_rows
 from delta_jax.rl.rollout import Rollout
 from delta_jax.rl.state import init_train_state, make_optimizer
 from delta_jax.rl.train_step import check_batch
@@ -155,6 +155,27 @@ def _max_diff(a, b):
 
 
 CASES = [(1, 1), (1, 4), (4, 1)]
+
+
+def test_packed_rows_score_only_response_positions(setup):
+    """Packed rows run the LM head on exactly the positions that predict a response token: the
+    targets there are every sequence's response tokens, in order, and nothing else."""
+    _, _, rollout = setup
+    _, plan = _plan("dapo", packing=True)
+    index, stats = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths, 1)
+    logprobs, advantages = rollout.rollout_logprobs, jnp.asarray(rollout.advantages)
+    batch = make_assemble(plan)(rollout.sequences, logprobs, advantages, None, index)
+    slots, src = np.asarray(batch.score_positions), np.asarray(index.source)
+    targets = np.asarray(batch.targets)
+    width = slots.shape[-1]
+    assert width < plan.row_len and stats["batch/scored_positions"] == slots[0].size
+    scored = {}
+    for row in np.ndindex(slots.shape[:-1]):
+        for position in slots[row][slots[row] >= 0]:
+            scored.setdefault(int(src[row][position]), []).append(int(targets[row][position]))
+    seqs = np.asarray(rollout.sequences)
+    assert scored == {s: seqs[s, P : P + g].tolist() for s, g in enumerate(rollout.lengths)}
+    assert int(np.asarray(batch.loss_mask).sum()) == int(rollout.lengths.sum())
 
 
 @pytest.mark.parametrize("mini,micro", CASES)
