@@ -367,16 +367,6 @@ class RewardScorer:
         Returns:
           A :class:`RewardBatch` with float32 ``rewards [N]``, ``reasons`` and ``counts``.
         """
-        n = len(responses)
-        if len(prompts) != n or len(items) != n:
-            raise ValueError(
-                f"prompts, responses and items must have the same length, got {len(prompts)}, "
-                f"{n} and {len(items)}"
-            )
-        field = _REQUIRED_FIELD.get(self.kind) if isinstance(self.kind, str) else None
-        for i, item in enumerate(items):
-            if not isinstance(item, Mapping) or (field is not None and field not in item):
-                raise ValueError(f"items[{i}] must be a mapping with key {field!r}, got {item!r}")
         return self.submit(prompts, responses, items, group_size=group_size).result()
 
     def submit(
