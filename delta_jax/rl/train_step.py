@@ -140,9 +140,6 @@ def delta_kwargs(plan: UpdatePlan, mesh) -> dict[str, Any]:
 
 
 def _micro_loss(graphdef, plan: UpdatePlan, mesh, params, frozen, mb: TrainBatch, normalizer):
-    objective = plan.objective
-    in_loss = plan.coefficients == "in_loss"
-    live_mask = objective.uses_forking_mask and not plan.fixed_token_mask
     logp, entropy, hidden = window_logprobs(
         nnx.merge(graphdef, params, frozen),
         mb.tokens,
@@ -150,9 +147,23 @@ def _micro_loss(graphdef, plan: UpdatePlan, mesh, params, frozen, mb: TrainBatch
         mb.segment_ids,
         mb.score_positions,
         plan,
-        entropy=objective.needs_entropy,
-        hidden=in_loss,
+        entropy=plan.objective.needs_entropy,
+        hidden=plan.coefficients == "in_loss",
     )
+    return window_loss(plan, mesh, mb, logp, entropy, hidden, normalizer)
+
+
+def window_loss(plan: UpdatePlan, mesh, mb: TrainBatch, logp, entropy, hidden, normalizer):
+    """The loss and metrics of one micro-batch from the log-probs (entropy, hidden states) of
+    its window, as :func:`window_logprobs` gives them.
+
+    Every term — surrogate, KL, entropy bonus, DelTA's statistics, the forking-token mask —
+    reads ``mb.loss_mask`` alone (``normalizer``: the mini-batch's :func:`loss_normalizer` of
+    it), so positions off it receive no gradient.
+    """
+    objective = plan.objective
+    in_loss = plan.coefficients == "in_loss"
+    live_mask = objective.uses_forking_mask and not plan.fixed_token_mask
     mask, sg = mb.loss_mask, jax.lax.stop_gradient
     old = mb.old_logprobs if plan.old_pass else sg(logp)
     coefficients, diagnostics = mb.coefficients, {}
