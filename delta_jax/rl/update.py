@@ -69,11 +69,12 @@ class Updater:
           The batch and the rollout's metrics with the layout's and DelTA's added.
         """
         plan, metrics = self.plan, dict(rollout.stats)
-        advantages = jnp.asarray(rollout.advantages)
+        advantages, lengths = jnp.asarray(rollout.advantages), jnp.asarray(rollout.lengths)
+        actions = rollout.action_mask
         coefficients, diagnostics = None, {}
         if plan.coefficients == "sampler":
             coefficients, diagnostics = self._coefficients(
-                rollout.hidden, rollout.rollout_logprobs, advantages, jnp.asarray(rollout.lengths)
+                rollout.hidden, rollout.rollout_logprobs, advantages, lengths, actions
             )
         order = np.arange(plan.rows)
         if plan.mini_batches > 1:
@@ -85,7 +86,7 @@ class Updater:
         metrics.update(layout_stats)
         index = sh.replicated_to_global(index, self.mesh, row_axis=2)
         batch = self._assemble(
-            rollout.sequences, rollout.rollout_logprobs, advantages, coefficients, index
+            rollout.sequences, rollout.rollout_logprobs, advantages, coefficients, actions, index
         )
         if plan.old_pass or plan.reference:
             with sh.use_mesh(self.mesh):
