@@ -365,8 +365,13 @@ def test_packed_update_equals_padded(setup, results, loss, mini, micro, multi_tu
         assert step_packed._cache_size() == 1 and step_padded._cache_size() == 1
     _assert_same_update(params, packed, padded)
     if multi_turn:  # the observations were left out: another update than the single-turn one
+        lengths = setup[2].lengths
+        actions = 1 - _observations(lengths).sum() / lengths.sum()
+        assert packed[1]["batch/action_fraction"] == pytest.approx(actions, rel=1e-6)
         single_turn = results(loss, True, mini, micro)[0]
         assert _max_diff(packed[0].params, single_turn.params) > 1e-3
+    else:
+        assert "batch/action_fraction" not in packed[1]
 
 
 @pytest.mark.parametrize("loss", ["delta", "dapo"])
