@@ -99,7 +99,7 @@ def update_time(args) -> None:
         optimizer = make_optimizer(cfg.optim, 10)
         index, stats = plan_rows(plan, np.arange(B), plens, glens, shards=1)
         coef = coefficients if plan.coefficients == "sampler" else None
-        batch = jax.tree.map(lambda x: x[0], make_assemble(plan)(*rollout, coef, index))
+        batch = jax.tree.map(lambda x: x[0], make_assemble(plan)(*rollout, coef, None, index))
         state = init_train_state(params, optimizer)
         t0 = time.perf_counter()
         step = (

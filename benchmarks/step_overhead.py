@@ -65,7 +65,8 @@ def main() -> None:
         jnp.asarray(ids),
         jnp.zeros((args.rows, args.gen), jnp.float32),
         jnp.asarray(rng.standard_normal(args.rows).astype(np.float32)),
-        None,
+        None,  # coefficients
+        None,  # action mask: single-turn
     )
     prompts = np.full(args.rows, args.prompt)
     optimizer = make_optimizer(load_config(None).optim, 100)

@@ -7,6 +7,12 @@ position comes from; :func:`assemble` gathers the :class:`~delta_jax.rl.train_st
 every mini-batch from the device arrays in one jitted program, so no token or log-prob crosses to
 the host.
 
+Every token of a sequence is an input; the loss is on the positions whose target is a response
+token the policy drew (``loss_mask``), and only there does a position carry an advantage, a
+sampler log-prob or a coefficient. In a multi-turn rollout the observation tokens that an
+environment wrote into the response (False in ``action_mask``) are context: attention reads
+them, the loss does not.
+
 Packing (``algo.packing``): a sequence of prompt ``p`` and response ``g`` tokens fills
 ``p + g - 1`` positions (its last token predicts nothing); the sequences of a mini-batch go into
 rows of ``tokens_per_row`` positions, longest first, each into the first row with room
@@ -184,6 +190,7 @@ def assemble(
     rollout_logprobs: jax.Array,
     advantages: jax.Array,
     coefficients: jax.Array | None,
+    action_mask: jax.Array | None,
     index: Layout,
     *,
     plan: UpdatePlan,
@@ -196,6 +203,8 @@ def assemble(
       rollout_logprobs: f32 ``[B, G]`` the sampler's log-probs of the response tokens.
       advantages: f32 ``[B]``.
       coefficients: f32 ``[B, G]`` DelTA coefficients from the sampler's hidden states, or None.
+      action_mask: bool ``[B, G]`` True where the policy drew the response token (multi-turn),
+        or None: every response token is an action.
       index: the :class:`Layout` (device int32 arrays).
       plan: the update plan.
       out_sharding: sharding of every output field (rows on axis 2), or None.
@@ -215,9 +224,12 @@ def assemble(
         pick = lambda x: jnp.take_along_axis(x, jnp.maximum(index.score, 0), axis=-1)
         slot, src, col_w, seg_w = index.score >= 0, pick(src), pick(col), pick(seg)
     t = col_w + 1 - P
-    # The target is one of the sequence's response tokens.
+    at_target = lambda x: x[src, jnp.clip(t, 0, G - 1)]  # x [B, G] at the target's column
+    # The target is one of the sequence's response tokens, and the policy drew it.
     loss_mask = slot & (seg_w > 0) & (t >= 0)
-    per_token = lambda x: jnp.where(loss_mask, x[src, jnp.clip(t, 0, G - 1)], 0)
+    if action_mask is not None:
+        loss_mask = loss_mask & at_target(action_mask)
+    per_token = lambda x: jnp.where(loss_mask, at_target(x), 0)
     return TrainBatch(
         tokens=put(jnp.where(seg > 0, tokens, 0)),
         targets=put(jnp.where(seg > 0, targets, 0)),

@@ -8,8 +8,9 @@ at a time (:func:`forward_chunks`), as the :class:`~delta_jax.rl.update_plan.Upd
   (DELTA_SPEC §4); the forking-token mask from its entropy;
 * reference pass (``plan.reference``): the reference policy's log-probs for the KL penalty.
 
-DelTA's statistics are sums over valid tokens, so the coefficients do not depend on how the
-sequences are laid out in rows (per-token advantages carry each response's sign and weight).
+DelTA's statistics are sums over valid tokens (``loss_mask``: the response tokens the policy
+drew, observations left out), so the coefficients do not depend on how the sequences are laid
+out in rows (per-token advantages carry each response's sign and weight).
 """
 
 from __future__ import annotations
@@ -91,10 +92,16 @@ def _rollout_coefficients(plan: UpdatePlan, mesh, batch: TrainBatch, hidden):
 
 
 def make_sampler_coefficients(plan: UpdatePlan, *, mesh=None):
-    """Jitted DelTA coefficients ``[B, G]`` of a rollout from the sampler's hidden states."""
+    """Jitted DelTA coefficients ``[B, G]`` of a rollout from the sampler's hidden states.
 
-    def coefficients(hidden, logprobs, advantages, lengths):
+    ``coefficients(hidden, logprobs, advantages, lengths, action_mask=None)``: the statistics
+    run over the response tokens (``lengths``) that the policy drew (``action_mask``, None: all).
+    """
+
+    def coefficients(hidden, logprobs, advantages, lengths, action_mask=None):
         mask = jnp.arange(plan.gen_len)[None] < lengths[:, None]
+        if action_mask is not None:
+            mask = mask & action_mask
         coef, diagnostics = delta_coefficients(
             hidden, logprobs, advantages, mask, return_diagnostics=True, **delta_kwargs(plan, mesh)
         )

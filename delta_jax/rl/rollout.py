@@ -30,7 +30,16 @@ from delta_jax.rewards import concat_batches
 
 @dataclasses.dataclass
 class Rollout:
-    """A scored rollout batch of ``B = prompts x n`` sequences (prompt-major)."""
+    """A scored rollout batch of ``B = prompts x n`` sequences (prompt-major).
+
+    A response is the ``lengths`` tokens after the prompt. In a single-turn rollout the policy
+    drew all of them; in a multi-turn one they interleave the policy's turns (actions) with
+    observations an environment wrote (a tool's output), which are context: ``action_mask``
+    marks the actions, and only they carry a loss, enter DelTA's statistics, or need the
+    sampler's log-prob and hidden state (at an observation ``rollout_logprobs`` may hold
+    anything, ``hidden`` any finite value). :func:`collect_rollout` samples single turns and
+    leaves ``action_mask`` None.
+    """
 
     sequences: jax.Array  # int32[B, P + G] device: left-padded prompt ++ right-padded response
     rollout_logprobs: jax.Array  # f32[B, G] device: sampler's untruncated log-probs
@@ -42,6 +51,8 @@ class Rollout:
     records: list[PromptRecord]  # one per row
     responses: list[str]
     stats: dict[str, float]
+    action_mask: jax.Array | None = None  # bool[B, G] device: True where the policy drew the
+    # response token (read before ``lengths`` only); None: single-turn, every token is an action
 
 
 ADVANTAGE_FNS: dict[str, Callable] = {

@@ -10,9 +10,10 @@ A row is ``T`` input positions holding one sequence (padded layout) or several (
 positions restart at each one). The per-token loss inputs cover ``W`` positions per row: in
 the padded layout the row's last ``plan.window`` (the positions that can predict a response
 token), in packed rows the response positions the batch lists (``score_positions``), so the LM
-head never runs on a prompt. Which optional inputs a batch carries, and whether DelTA's
-coefficients are computed inside the loss, is the :class:`~delta_jax.rl.update_plan.UpdatePlan`'s
-decision.
+head never runs on a prompt. Of these, the loss is on the positions whose target the policy drew
+(``loss_mask``): not padding, nor an observation that an environment wrote into a multi-turn
+response. Which optional inputs a batch carries, and whether DelTA's coefficients are computed
+inside the loss, is the :class:`~delta_jax.rl.update_plan.UpdatePlan`'s decision.
 
 A non-finite gradient skips the update (parameters and optimiser state unchanged) and is counted
 in ``TrainState.skipped``.
@@ -46,7 +47,7 @@ class TrainBatch:
     tokens: jax.Array  # int32[M, b, T] input token of each position
     targets: jax.Array  # int32[M, b, T] the token it predicts
     segment_ids: jax.Array  # int32[M, b, T] sequence number in the row, 0 = padding
-    loss_mask: jax.Array  # bool[M, b, W] the target is a response token
+    loss_mask: jax.Array  # bool[M, b, W] the target is a response token the policy drew
     advantages: jax.Array  # f32[M, b, W] its response's advantage
     rollout_logprobs: jax.Array  # f32[M, b, W] the sampler's log-prob of the target
     old_logprobs: jax.Array | None = None  # f32[M, b, W]  plan.old_pass
@@ -140,9 +141,6 @@ def delta_kwargs(plan: UpdatePlan, mesh) -> dict[str, Any]:
 
 
 def _micro_loss(graphdef, plan: UpdatePlan, mesh, params, frozen, mb: TrainBatch, normalizer):
-    objective = plan.objective
-    in_loss = plan.coefficients == "in_loss"
-    live_mask = objective.uses_forking_mask and not plan.fixed_token_mask
     logp, entropy, hidden = window_logprobs(
         nnx.merge(graphdef, params, frozen),
         mb.tokens,
@@ -150,9 +148,23 @@ def _micro_loss(graphdef, plan: UpdatePlan, mesh, params, frozen, mb: TrainBatch
         mb.segment_ids,
         mb.score_positions,
         plan,
-        entropy=objective.needs_entropy,
-        hidden=in_loss,
+        entropy=plan.objective.needs_entropy,
+        hidden=plan.coefficients == "in_loss",
     )
+    return window_loss(plan, mesh, mb, logp, entropy, hidden, normalizer)
+
+
+def window_loss(plan: UpdatePlan, mesh, mb: TrainBatch, logp, entropy, hidden, normalizer):
+    """The loss and metrics of one micro-batch from the log-probs (entropy, hidden states) of
+    its window, as :func:`window_logprobs` gives them.
+
+    Every term — surrogate, KL, entropy bonus, DelTA's statistics, the forking-token mask —
+    reads ``mb.loss_mask`` alone (``normalizer``: the mini-batch's :func:`loss_normalizer` of
+    it), so positions off it (prompts, padding, observations) receive no gradient.
+    """
+    objective = plan.objective
+    in_loss = plan.coefficients == "in_loss"
+    live_mask = objective.uses_forking_mask and not plan.fixed_token_mask
     mask, sg = mb.loss_mask, jax.lax.stop_gradient
     old = mb.old_logprobs if plan.old_pass else sg(logp)
     coefficients, diagnostics = mb.coefficients, {}

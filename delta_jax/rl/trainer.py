@@ -384,12 +384,11 @@ class Trainer:
             return_hidden=self.plan.coefficients == "sampler",
         )
         # Back from the sampler's mesh to the trainer's rows (a no-op when the layouts agree).
+        fields = ("sequences", "rollout_logprobs", "hidden", "action_mask")
         moved = sh.replicated_to_global(
-            (rollout.sequences, rollout.rollout_logprobs, rollout.hidden), self.mesh, row_axis=0
+            {k: getattr(rollout, k) for k in fields}, self.mesh, row_axis=0
         )
-        return dataclasses.replace(
-            rollout, sequences=moved[0], rollout_logprobs=moved[1], hidden=moved[2]
-        )
+        return dataclasses.replace(rollout, **moved)
 
     def _sampling_params(self):
         """The trainer's parameters in the sampler's layout: its mesh, the compute dtype."""

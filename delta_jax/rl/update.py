@@ -66,14 +66,18 @@ class Updater:
         """The rollout in the update's rows ``[mini, M, b, ...]``, with the plan's fixed inputs.
 
         Returns:
-          The batch and the rollout's metrics with the layout's and DelTA's added.
+          The batch and the rollout's metrics with the layout's and DelTA's added (and, for a
+          multi-turn rollout, ``batch/action_fraction``: action tokens / response tokens).
         """
         plan, metrics = self.plan, dict(rollout.stats)
-        advantages = jnp.asarray(rollout.advantages)
+        advantages, lengths = jnp.asarray(rollout.advantages), jnp.asarray(rollout.lengths)
+        actions = rollout.action_mask
+        if actions is not None:
+            metrics["batch/action_fraction"] = _action_fraction(actions, lengths)
         coefficients, diagnostics = None, {}
         if plan.coefficients == "sampler":
             coefficients, diagnostics = self._coefficients(
-                rollout.hidden, rollout.rollout_logprobs, advantages, jnp.asarray(rollout.lengths)
+                rollout.hidden, rollout.rollout_logprobs, advantages, lengths, actions
             )
         order = np.arange(plan.rows)
         if plan.mini_batches > 1:
@@ -85,7 +89,7 @@ class Updater:
         metrics.update(layout_stats)
         index = sh.replicated_to_global(index, self.mesh, row_axis=2)
         batch = self._assemble(
-            rollout.sequences, rollout.rollout_logprobs, advantages, coefficients, index
+            rollout.sequences, rollout.rollout_logprobs, advantages, coefficients, actions, index
         )
         if plan.old_pass or plan.reference:
             with sh.use_mesh(self.mesh):
@@ -111,3 +115,10 @@ class Updater:
         metrics.pop("tokens")
         metrics["updates_skipped_total"] = int(state.skipped)
         return state, {k: float(v) if not isinstance(v, int) else v for k, v in metrics.items()}
+
+
+@jax.jit
+def _action_fraction(action_mask, lengths):
+    """Action tokens / response tokens of a rollout (the other response tokens are observations)."""
+    response = jnp.arange(action_mask.shape[1]) < lengths[:, None]
+    return jnp.sum(action_mask & response) / jnp.maximum(jnp.sum(response), 1)

@@ -4,6 +4,12 @@ A frozen :class:`UpdatePlan` is built from the config before the run starts and 
 (which stages run), the train step (which inputs the loss takes) and the memory planner (which
 program to compile). Nothing downstream infers a mode from missing inputs.
 
+Every objective learns from the actions: the response tokens the policy drew. In a single-turn
+rollout that is every response token; in a multi-turn one, not the observations an environment
+wrote between the policy's turns (``Rollout.action_mask``), which are context only. Advantages,
+log-probs, the loss and its normaliser, KL, entropy and DelTA's statistics run over the actions
+alone (``TrainBatch.loss_mask``).
+
 Where the DelTA coefficients come from (:attr:`UpdatePlan.coefficients`), DELTA_SPEC §4:
 
 * ``"in_loss"``: one update on the whole rollout batch in one micro-batch: the jitted loss

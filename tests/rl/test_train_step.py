@@ -1,7 +1,9 @@
-"""The update on packed and padded rows: equivalence, micro/mini-batching, skipping, compiles.
+"""The update on packed and padded rows: equivalence, micro/mini-batching, skipping, compiles,
+and multi-turn rollouts whose observation tokens carry no loss.
 
 Every batch here is built by the trainer's own stages (``Updater.prepare`` / ``.update``) from
-one synthetic rollout held on device, so packed and padded runs see the very same sequences.
+one synthetic rollout held on device (or the same rollout made multi-turn), so packed and padded
+runs see the very same sequences.
 """
 
 import dataclasses
@@ -15,11 +17,12 @@ from flax import nnx
 
 from delta_jax import sharding as sh
 from delta_jax.config import load_config
+from delta_jax.losses import loss_normalizer
 from delta_jax.models import ModelConfig, Transformer, token_logprobs
 from delta_jax.rl.packing import first_fit_decreasing, make_assemble, plan_rows
 from delta_jax.rl.rollout import Rollout
 from delta_jax.rl.state import init_train_state, make_optimizer
-from delta_jax.rl.train_step import check_batch
+from delta_jax.rl.train_step import check_batch, loss_segments, window_logprobs, window_loss
 from delta_jax.rl.update import Updater
 from delta_jax.rl.update_plan import UpdatePlan
 
@@ -76,9 +79,39 @@ def _build_setup(dtype=jnp.float32):
     return graphdef, params, rollout
 
 
+def _observations(lengths):
+    """bool ``[B, G]``: observation spans (tokens a tool wrote) inside the responses: between
+    two turns of the policy, or at the end of a response the turn limit cut."""
+    obs = np.zeros((B, G), bool)
+    for i, g in enumerate(lengths):
+        if g >= 4 and i % 3 != 2:
+            obs[i, g // 3 : 2 * (g // 3)] = True
+        elif g >= 3:
+            obs[i, g - 2 : g] = True
+    return obs
+
+
+def _multi_turn(rollout):
+    """The rollout as a multi-turn one: the same tokens, some of them observations. The sampler
+    drew no observation, so its log-probs there are NaN (they must never be read); the action
+    mask is True on padding (only the columns before the length are read)."""
+    obs = _observations(rollout.lengths)
+    return dataclasses.replace(
+        rollout,
+        rollout_logprobs=jnp.where(obs, jnp.nan, rollout.rollout_logprobs),
+        action_mask=jnp.asarray(~obs),
+    )
+
+
 @pytest.fixture(scope="module")
 def setup():
     return _build_setup()
+
+
+@pytest.fixture(scope="module")
+def setup_multi(setup):
+    graphdef, params, rollout = setup
+    return graphdef, params, _multi_turn(rollout)
 
 
 @pytest.fixture(scope="module")
@@ -128,16 +161,17 @@ def _rl_update(setup, config, plan, optimizer=SGD):
 
 
 @pytest.fixture(scope="module")
-def results(setup):
-    """``results(loss, packing, mini, micro, **algo)``: one full RL update (SGD lr 1), each run
-    once; ``results.train_step(...)`` (same arguments): the jitted update it ran."""
+def results(setup, setup_multi):
+    """``results(loss, packing, mini, micro, multi_turn=False, **algo)``: one full RL update (SGD
+    lr 1) of the rollout (or of its multi-turn form), each run once; ``results.train_step(...)``
+    (same arguments): the jitted update it ran."""
     cache = {}
 
-    def run(loss="delta", packing=True, mini=1, micro=1, **algo):
-        key = (loss, packing, mini, micro, tuple(sorted(algo.items())))
+    def run(loss="delta", packing=True, mini=1, micro=1, multi_turn=False, **algo):
+        key = (loss, packing, mini, micro, multi_turn, tuple(sorted(algo.items())))
         if key not in cache:
             cfg, plan = _plan(loss, packing, mini, micro, **algo)
-            cache[key] = _rl_update(setup, cfg, plan)
+            cache[key] = _rl_update(setup_multi if multi_turn else setup, cfg, plan)
         return cache[key]
 
     def get(*args, **kwargs):
@@ -164,7 +198,7 @@ def test_packed_rows_score_only_response_positions(setup):
     _, plan = _plan("dapo", packing=True)
     index, stats = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths, 1)
     logprobs, advantages = rollout.rollout_logprobs, jnp.asarray(rollout.advantages)
-    batch = make_assemble(plan)(rollout.sequences, logprobs, advantages, None, index)
+    batch = make_assemble(plan)(rollout.sequences, logprobs, advantages, None, None, index)
     slots, src = np.asarray(batch.score_positions), np.asarray(index.source)
     targets = np.asarray(batch.targets)
     width = slots.shape[-1]
@@ -178,10 +212,127 @@ def test_packed_rows_score_only_response_positions(setup):
     assert int(np.asarray(batch.loss_mask).sum()) == int(rollout.lengths.sum())
 
 
+def _assembled(rollout, plan, coefficients=None, action_mask=None):
+    """The rollout's rows (one mini-batch, in rollout order) and their layout."""
+    index, _ = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths, 1)
+    batch = make_assemble(plan)(
+        rollout.sequences, rollout.rollout_logprobs, jnp.asarray(rollout.advantages),
+        coefficients, action_mask, index,
+    )  # fmt: skip
+    return batch, index
+
+
+def _window_targets(plan, index, score_positions):
+    """For each window slot: the rollout sequence, the response column ``t`` of its target, and
+    whether that target is a response token (NumPy, from the layout alone)."""
+    if plan.packing:
+        slot = np.asarray(score_positions) >= 0
+        positions = np.maximum(np.asarray(score_positions), 0)
+    else:
+        slot = True
+        window = plan.score_from + np.arange(plan.window)
+        positions = np.broadcast_to(window, (*index.source.shape[:-1], plan.window))
+    take = lambda x: np.take_along_axis(np.asarray(x), positions, -1)
+    t = take(index.column) + 1 - P
+    return take(index.source), t, slot & (take(index.segment_ids) > 0) & (t >= 0)
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_no_action_mask_means_every_response_token(setup, packing):
+    """Single-turn: no action mask assembles bit for bit what an all-True one does (whether or
+    not it is True on padding), coefficients included."""
+    _, _, rollout = setup
+    _, plan = _plan("delta", packing=packing)
+    coefficients = jnp.asarray(np.random.default_rng(1).uniform(0.8, 1.2, (B, G)), jnp.float32)
+    within = jnp.arange(G)[None] < jnp.asarray(rollout.lengths)[:, None]
+    want, _ = _assembled(rollout, plan, coefficients, None)
+    same = lambda a, b: (a is None and b is None) or (a.dtype == b.dtype and np.array_equal(a, b))
+    for actions in (jnp.ones((B, G), bool), within):
+        got, _ = _assembled(rollout, plan, coefficients, actions)
+        for field in dataclasses.fields(want):
+            assert same(getattr(want, field.name), getattr(got, field.name)), field.name
+    assert int(np.asarray(want.loss_mask).sum()) == int(rollout.lengths.sum())
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_loss_mask_is_the_tokens_the_policy_drew(setup_multi, packing):
+    """Multi-turn: the loss-masked targets are exactly each response's action tokens, in order;
+    advantages, sampler log-probs and coefficients are read there only (the NaN log-probs of the
+    observations never reach the batch)."""
+    _, _, rollout = setup_multi
+    _, plan = _plan("delta", packing=packing)
+    batch, index = _assembled(rollout, plan, jnp.ones((B, G)), rollout.action_mask)
+    source, t, response = _window_targets(plan, index, batch.score_positions)
+    actions = np.asarray(rollout.action_mask)
+    mask = np.asarray(batch.loss_mask)
+    assert np.array_equal(mask, response & actions[source, np.clip(t, 0, G - 1)])
+    assert mask.sum() == rollout.lengths.sum() - _observations(rollout.lengths).sum()
+    if plan.packing:
+        targets = np.take_along_axis(np.asarray(batch.targets), index.score, -1)
+    else:
+        targets = np.asarray(batch.targets)[..., plan.score_from :]
+    seqs = np.asarray(rollout.sequences)
+    for s, g in enumerate(rollout.lengths):  # row-major: each sequence's tokens in order
+        assert targets[mask & (source == s)].tolist() == seqs[s, P : P + g][actions[s, :g]].tolist()
+    lp = np.asarray(batch.rollout_logprobs)
+    assert np.isfinite(lp).all() and np.all(lp[~mask] == 0) and np.all(lp[mask] != 0)
+    assert np.all(np.asarray(batch.advantages)[~mask] == 0)
+    assert np.array_equal(np.asarray(batch.coefficients) != 0, mask)
+
+
+OBJECTIVES = {
+    "delta": ("delta", {}),
+    "dapo": ("dapo", {}),
+    "grpo": ("grpo", {}),
+    "gspo": ("gspo", {}),
+    "dapo_kl_entropy": ("dapo", {"kl_coef": 0.1, "entropy_coef": 0.01}),
+    "forking_tokens": ("dapo_forking_tokens", {}),
+}
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_observations_get_no_gradient(setup_multi, name):
+    """The train step's loss of a multi-turn batch, as a function of the window's log-probs (and
+    entropy): its gradient at the observation positions is exactly 0 — no surrogate, normaliser,
+    KL, entropy bonus, DelTA statistic or forking-token rank reads them — and not 0 everywhere
+    at the actions. The batch is the trainer's (``Updater.prepare``; DelTA's coefficients in the
+    loss, GRPO/GSPO per response of the packed rows, the KL against a reference pass)."""
+    graphdef, params, rollout = setup_multi
+    loss, algo = OBJECTIVES[name]
+    config, plan = _plan(loss, **algo)
+    updater = Updater(graphdef, SGD, plan, _mesh(), seed=config.run.seed, donate=False)
+    batch, _ = updater.prepare(rollout, 1, params, params if plan.reference else None)
+    mb = jax.tree.map(lambda x: x[0, 0], batch)  # the one mini- and micro-batch
+    logp, entropy, hidden = jax.jit(
+        lambda params, mb: window_logprobs(
+            nnx.merge(graphdef, params), mb.tokens, mb.targets, mb.segment_ids,
+            mb.score_positions, plan, entropy=plan.objective.needs_entropy,
+            hidden=plan.coefficients == "in_loss",
+        )
+    )(params, mb)  # fmt: skip
+    aggregation = plan.objective.loss_kwargs["aggregation"]
+    normalizer = loss_normalizer(mb.loss_mask, aggregation, loss_segments(plan, mb))
+    value = lambda lp, ent: window_loss(plan, None, mb, lp, ent, hidden, normalizer)
+    wrt = (0, 1) if "entropy_coef" in plan.objective.loss_kwargs else (0,)  # entropy bonus
+    (_, metrics), grads = jax.jit(jax.value_and_grad(value, wrt, has_aux=True))(logp, entropy)
+    # The observations' window slots, from the layout and the rollout alone.
+    index, _ = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths, 1)
+    source, t, response = _window_targets(plan, index, batch.score_positions)
+    actions = np.asarray(rollout.action_mask)[source, np.clip(t, 0, G - 1)]
+    observations, mask = (response & ~actions)[0, 0], np.asarray(mb.loss_mask)
+    assert observations.sum() == _observations(rollout.lengths).sum()
+    for grad in map(np.asarray, grads):
+        assert np.all(grad[observations] == 0.0)
+        assert np.abs(grad[mask]).max() > 0
+    assert float(metrics["tokens"]) == mask.sum() == (response & actions).sum()
+
+
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["single_turn", "multi_turn"])
 @pytest.mark.parametrize("mini,micro", CASES)
 @pytest.mark.parametrize("loss", ["delta", "dapo"])
-def test_packed_update_equals_padded(setup, results, loss, mini, micro):
-    """Same rollout, packed vs padded rows: same parameters, coefficients, loss and metrics.
+def test_packed_update_equals_padded(setup, results, loss, mini, micro, multi_turn):
+    """Same rollout, packed vs padded rows: same parameters, coefficients, loss and metrics;
+    also when it is multi-turn (observation tokens inside some responses, no loss on them).
 
     With 4 mini-batches the full RL update is four SGD steps of lr 1, each taken where the
     previous one left the parameters, and the fourth is badly conditioned (gradient norm ~7, 30%
@@ -195,12 +346,13 @@ def test_packed_update_equals_padded(setup, results, loss, mini, micro):
     parameters.
     """
     _, params, _ = setup
-    packed, padded = results(loss, True, mini, micro), results(loss, False, mini, micro)
+    run = lambda packing: results(loss, packing, mini, micro, multi_turn)
+    packed, padded = run(True), run(False)
     if mini == 1:
         assert _max_diff(packed[0].params, padded[0].params) <= 1e-5
     else:
-        step_packed = results.train_step(loss, True, mini, micro)
-        step_padded = results.train_step(loss, False, mini, micro)
+        step_packed = results.train_step(loss, True, mini, micro, multi_turn)
+        step_padded = results.train_step(loss, False, mini, micro, multi_turn)
         state = _initial_state(params, SGD)
         for m in range(mini):
             take = lambda batch, m=m: jax.tree.map(lambda x: x[m], batch)
@@ -212,6 +364,14 @@ def test_packed_update_equals_padded(setup, results, loss, mini, micro):
         # The replay ran the full update's own compiled programs (no recompilation).
         assert step_packed._cache_size() == 1 and step_padded._cache_size() == 1
     _assert_same_update(params, packed, padded)
+    if multi_turn:  # the observations were left out: another update than the single-turn one
+        lengths = setup[2].lengths
+        actions = 1 - _observations(lengths).sum() / lengths.sum()
+        assert packed[1]["batch/action_fraction"] == pytest.approx(actions, rel=1e-6)
+        single_turn = results(loss, True, mini, micro)[0]
+        assert _max_diff(packed[0].params, single_turn.params) > 1e-3
+    else:
+        assert "batch/action_fraction" not in packed[1]
 
 
 @pytest.mark.parametrize("loss", ["delta", "dapo"])

@@ -84,3 +84,29 @@ def test_delta_scope_per_shard_reaches_the_losses():
     assert np.abs(np.asarray(whole) - np.asarray(coef)).max() > 1e-3  # a different statistic
     with pytest.raises(ValueError, match="needs the run's mesh"):
         make_sampler_coefficients(per_shard)(*inputs)
+
+
+def test_sampler_coefficients_of_a_multi_turn_rollout():
+    """The sampler's coefficients run DelTA over the response tokens the policy drew: the
+    observations (False in the action mask) are in no statistic and get 0."""
+    G, H, B = 6, 16, 8
+    rng = np.random.default_rng(1)
+    hidden = rng.normal(size=(B, G, H)).astype(np.float32)
+    logprobs = -rng.uniform(size=(B, G)).astype(np.float32)
+    advantages = rng.normal(size=B).astype(np.float32)
+    lengths = rng.integers(3, G + 1, B).astype(np.int32)
+    actions = np.ones((B, G), bool)
+    actions[::2, 1:3] = False  # an observation after the first token of every other response
+    hidden[~actions] *= 1e3  # far off: counted anywhere, it would show
+    within = np.arange(G)[None] < lengths[:, None]
+    plan = _plan("rollout.max_new_tokens=6", "algo.micro_batches=2", "rollout.prompts_per_step=4")
+    sampler = make_sampler_coefficients(plan)
+    kwargs = plan.objective.delta_kwargs
+    coef, _ = sampler(hidden, logprobs, advantages, lengths, actions)
+    # jit vs eager float32: summation order only (1e-6, as tests/losses/test_delta.py)
+    want = delta_coefficients(hidden, logprobs, advantages, within & actions, **kwargs)
+    np.testing.assert_allclose(np.asarray(coef), np.asarray(want), rtol=0, atol=1e-6)
+    assert np.all(np.asarray(coef)[~actions] == 0)
+    single, _ = sampler(hidden, logprobs, advantages, lengths)  # None: every response token
+    want = delta_coefficients(hidden, logprobs, advantages, within, **kwargs)
+    np.testing.assert_allclose(np.asarray(single), np.asarray(want), rtol=0, atol=1e-6)
