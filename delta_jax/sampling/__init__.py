@@ -1,6 +1,7 @@
 """Rollout sampling: a KV-cache sampler and the strategies it draws tokens with."""
 
 from delta_jax.sampling.buckets import Buckets
+from delta_jax.sampling.engine import Turns
 from delta_jax.sampling.sampler import SAMPLING_RULES, Sampler, SamplerOutput
 from delta_jax.sampling.strategies import Categorical, Greedy, SampleResult, make_strategy
 
@@ -12,5 +13,6 @@ __all__ = [
     "SampleResult",
     "Sampler",
     "SamplerOutput",
+    "Turns",
     "make_strategy",
 ]

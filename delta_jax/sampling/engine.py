@@ -20,7 +20,13 @@ This engine keeps ``decode_slots`` sequences running instead:
    every queue is empty (no slot can be refilled), the next chunk runs all that is left
    (the chunk length is a traced value); the buffers are read once, at the end;
 4. when the pool runs out, the youngest running sequence is preempted (pages freed, put back at
-   the front of the queue, recomputed later) instead of failing.
+   the front of the queue, recomputed later) instead of failing;
+5. multi-turn requests (:class:`Turns`): a sequence that ends a turn leaves its slot but keeps
+   its pages while the host answers (a tool runs, in a pool of its own); the observation's ids
+   are written into its output row and prefilled into its own pages from where the turn ended,
+   and it re-joins a free slot. The history is prefilled once; only a sequence preempted after
+   a hand-over prefills its context again (from the host's copy). Sequences waiting on the
+   host are preempted last.
 
 On a mesh the engine is data parallel: the ``decode_slots`` slots and the pool's pages split
 evenly over the *data groups* (the row shards of the sampling mesh, e.g. 4 groups of 8 chips for
@@ -44,10 +50,12 @@ each program compiles once.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -84,6 +92,7 @@ __all__ = [
     "EngineSpec",
     "EngineStats",
     "SlotState",
+    "Turns",
     "decode_chunk",
     "generate_continuous",
     "pages_for",
@@ -313,6 +322,27 @@ def init_outputs(rows: int, gen_len: int, hidden: int | None, dtype, pad_id: int
     return out
 
 
+def write_observations(
+    out: dict[str, Array],
+    rows: Int[Array, " S"],
+    cols: Int[Array, " S"],
+    ids: Int[Array, "S T"],
+    valid: Bool[Array, "S T"],
+    *,
+    mesh: Mesh | None,
+    kv_heads: int,
+) -> dict[str, Array]:
+    """Writes observation ``ids[s]`` into output row ``rows[s]`` (-1: none) from column
+    ``cols[s]`` on; their log-probs (and hidden states) are zero: they were not sampled."""
+    S, T = ids.shape
+    dropped = out["tokens"].shape[0]  # out of range: the write is dropped
+    at = jnp.where(valid & (rows[:, None] >= 0), rows[:, None], dropped).reshape(-1)
+    col = (cols[:, None] + jnp.arange(T)).reshape(-1)
+    values = {name: jnp.zeros((S * T, *buf.shape[2:]), buf.dtype) for name, buf in out.items()}
+    values["tokens"] = ids.reshape(-1)
+    return _write_rows(out, at, col, values, mesh, kv_heads)
+
+
 def prefill_chunk(
     params: nnx.State,
     rest: nnx.State,
@@ -345,6 +375,17 @@ class _Seq:
     pages: list[int] = dataclasses.field(default_factory=list)  # own pages
     table: list[int] = dataclasses.field(default_factory=list)  # all pages from position 0
     length: int = 0
+    index: int = 0  # request row (prompt * n + sample)
+    # Multi-turn: the turns handed over, the response's tokens on the host (from the first
+    # hand-over on, up to ``length`` when the sequence waits or re-joins), the observations'
+    # columns, the pending observation, and the work before its next decode: tokens to prefill
+    # from a position on, observation ids to write into its output row from a column on.
+    turns: int = 0
+    history: list[int] | None = None
+    observed: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    future: concurrent.futures.Future | None = None
+    resume: tuple[int, np.ndarray] | None = None
+    write: tuple[int, np.ndarray] | None = None
 
 
 @dataclasses.dataclass
@@ -360,6 +401,30 @@ class _Prompt:
         return self.ids.size - 1
 
 
+@dataclasses.dataclass(frozen=True)
+class Turns:
+    """A multi-turn request: where a turn ends, and how the host answers it.
+
+    A sequence that draws one of ``stop_ids`` has ended a *turn*, not its episode (unless it
+    was its ``max_turns``-th turn, or its token budget is spent): the engine reads the turn's
+    tokens, calls ``submit(row, turn)`` (``row``: the request row ``prompt * n + sample``;
+    ``turn``: its ids since the last observation, the stop id included) and gives the slot to
+    another sequence while the host works. The sequence keeps its KV pages. The future's result
+    is the observation's ids: they are written into the sequence's output row (as context,
+    never sampled) and prefilled into its own pages, and the sequence re-joins a free slot for
+    its next turn; the history is never prefilled again. ``None`` ends the episode, as does an
+    observation that leaves no room in the budget (observation tokens count against
+    ``max_new_tokens``) for one more token.
+
+    Token ``t`` of a sequence is still drawn with the key of its column ``t``, so the tokens do
+    not depend on the slot count, on how long the host takes or on preemptions.
+    """
+
+    stop_ids: tuple[int, ...]
+    max_turns: int
+    submit: Callable[[int, list[int]], concurrent.futures.Future]
+
+
 @dataclasses.dataclass
 class EngineStats:
     """What one engine call did (for tests and benchmarks); page figures are per data group."""
@@ -369,6 +434,12 @@ class EngineStats:
     chunks: int = 0
     prefill_calls: int = 0
     preemptions: int = 0
+    handovers: int = 0  # turns handed to the host (multi-turn)
+    observation_tokens: int = 0  # observation ids appended to sequences
+    resumed_tokens: int = 0  # ids prefilled into sequences' own pages (observations, and the
+    # context of multi-turn sequences preempted after a hand-over)
+    wait_s: float = 0.0  # host time blocked on observations, no slot able to run
+    waiting_pages_peak: tuple[int, ...] = ()  # per group: most pages held by waiting sequences
     high_water_pages: tuple[int, ...] = ()  # per group: the most pages in use at once
     free_pages_after: tuple[int, ...] = ()  # per group: free pages after the call
     group_pages: int = 0  # pages in one group's share of the pool (its scratch page included)
@@ -420,6 +491,8 @@ class _Group:
         self.slots: list[_Seq | None] = [None] * slots
         self.alloc = PageAllocator(num_pages)
         self.queue = collections.deque(seqs)
+        self.waiting: list[_Seq] = []  # multi-turn: sequences whose observation is pending
+        self.waiting_pages_peak = 0
 
     @property
     def running(self) -> list[tuple[int, _Seq]]:
@@ -433,7 +506,15 @@ class _Scheduler:
     (prefill or decode) serves every group at once. The device programs are callbacks."""
 
     def __init__(
-        self, spec: EngineSpec, prompts, groups: list[list[_Seq]], compile_fn, stats, on_done=None
+        self,
+        spec: EngineSpec,
+        prompts,
+        groups: list[list[_Seq]],
+        compile_fn,
+        stats,
+        on_done=None,
+        turns: Turns | None = None,
+        read=None,
     ):
         self.spec = spec
         self.prompts = prompts
@@ -442,10 +523,17 @@ class _Scheduler:
         self.compile = compile_fn
         self.stats = stats
         self.on_done = on_done  # on_done(p, its sequences) once all of prompt p's ended
+        self.turns = turns
+        self.read = read  # read(seqs) -> their tokens [:length] (multi-turn hand-overs)
         self.admitted = 0
         self.done: list[_Seq] = []
 
     # ---- pages -------------------------------------------------------------------------------
+
+    def _pos(self, seq: _Seq) -> int:
+        """Position of the token the sequence feeds next (its column ``length - 1``'s token,
+        or the prompt's last one)."""
+        return self.prompts[seq.prompt].prefix + seq.length
 
     def _end_pos(self, seq: _Seq) -> int:
         """Last position the sequence writes K/V at (its last token is never fed back)."""
@@ -475,19 +563,29 @@ class _Scheduler:
         return bool(idle)
 
     def _preempt_youngest(self, group: _Group, keep: _Seq | None) -> bool:
-        """Frees idle prompt pages or else the group's youngest running sequence (back to its
-        queue front)."""
+        """Frees idle prompt pages, or else the pages of the group's youngest running sequence
+        (back to its queue front), or else those of its youngest sequence waiting on the host.
+
+        A preempted sequence restarts from its last hand-over: its context up to there is on
+        the host and is prefilled again when it re-joins (from the start when it has none).
+        """
         if self._free_idle_prompts(group):
             return True
         running = [(s.order, i) for i, s in enumerate(group.slots) if s not in (None, keep)]
-        if not running:
-            return False
-        _, i = max(running)
-        seq = group.slots[i]
+        if running:
+            _, i = max(running)
+            seq = group.slots[i]
+            group.slots[i] = None
+            group.queue.appendleft(seq)
+        else:
+            held = [s for s in group.waiting if s.table and s is not keep]
+            if not held:
+                return False
+            seq = max(held, key=lambda s: s.order)
         self._release(group, seq)
-        seq.length = 0  # its rows of the output buffers are written again from the start
-        group.slots[i] = None
-        group.queue.appendleft(seq)
+        # Its rows of the output buffers are written again from there on.
+        seq.length = len(seq.history or ())
+        seq.resume = None
         self.stats.preemptions += 1
         return True
 
@@ -516,27 +614,40 @@ class _Scheduler:
         while free_slots and group.queue:
             seq = group.queue[0]
             prompt = self.prompts[seq.prompt]
-            fresh = prompt.pages is None and seq.prompt not in new_prompts
+            full = prompt.prefix // ps
+            kept = bool(seq.table)  # re-joins after an observation, its pages its own
+            fresh = not kept and prompt.pages is None and seq.prompt not in new_prompts
             need = pages_for(prompt.prefix, ps) if fresh else 0
-            need += self._chunk_pages(seq, prompt.prefix) - prompt.prefix // ps
+            need += self._chunk_pages(seq, self._pos(seq)) - (len(seq.table) if kept else full)
             if need > group.alloc.num_free and self._free_idle_prompts(group, seq.prompt):
                 continue
             if need > group.alloc.num_free:
                 if any(s is not None for s in group.slots) or joined:
                     break  # wait for running sequences to end
-                if not self._preempt_youngest(group, keep=None):
+                if not self._preempt_youngest(group, keep=seq if kept else None):
                     break
                 continue
             group.queue.popleft()
-            if fresh:
-                prompt.pages = group.alloc.alloc(pages_for(prompt.prefix, ps))
-                new_prompts.append(seq.prompt)
-            own = group.alloc.alloc(self._chunk_pages(seq, prompt.prefix) - prompt.prefix // ps)
-            seq.pages = own
-            seq.table = prompt.pages[: prompt.prefix // ps] + own
-            seq.order = self.admitted
-            self.admitted += 1
-            prompt.running += 1
+            if kept:
+                got = group.alloc.alloc(need) if need > 0 else []
+                seq.pages += got
+                seq.table += got
+            else:
+                if fresh:
+                    prompt.pages = group.alloc.alloc(pages_for(prompt.prefix, ps))
+                    new_prompts.append(seq.prompt)
+                own = group.alloc.alloc(self._chunk_pages(seq, self._pos(seq)) - full)
+                seq.pages = own
+                seq.table = prompt.pages[:full] + own
+                prompt.running += 1
+                if seq.history:
+                    # Preempted after a hand-over: its context is prefilled again into its own
+                    # pages, from the prompt's partial last page on (not copied from it).
+                    ids = np.concatenate([prompt.ids[full * ps :], seq.history[:-1]])
+                    seq.resume = (full * ps, ids.astype(np.int32))
+            if not seq.history:
+                seq.order = self.admitted
+                self.admitted += 1
             slot = free_slots.pop(0)
             group.slots[slot] = seq
             joined = True
@@ -546,50 +657,90 @@ class _Scheduler:
     def _join(self, slot: int, seq: _Seq, state: dict[str, np.ndarray]) -> None:
         prompt, ps = self.prompts[seq.prompt], self.spec.page_size
         full = prompt.prefix // ps
-        state["last"][slot] = prompt.ids[-1]
-        state["pos"][slot] = prompt.prefix
-        state["count"][slot] = 0
+        state["last"][slot] = seq.history[-1] if seq.history else prompt.ids[-1]
+        state["pos"][slot] = self._pos(seq)
+        state["count"][slot] = seq.length
         state["active"][slot] = True
         state["max_new"][slot] = seq.max_new
         state["prompt"][slot] = seq.prompt
         state["sample"][slot] = seq.sample
         state["row"][slot] = seq.row
         state["stops"][slot] = seq.stops
-        if prompt.prefix % ps:  # the partial last prompt page becomes the sample's own copy
+        if not seq.history and prompt.prefix % ps:
+            # The partial last prompt page becomes the sample's own copy.
             state["copy_src"][slot] = prompt.pages[full]
             state["copy_dst"][slot] = seq.table[full]
 
-    def _prefill(self, per_group: list[list[int]]) -> None:
-        """Prefills every group's new prompts, ``prefill_rows / groups`` rows per group per call
-        (group ``g``'s prompts in its block of rows, with its own page list)."""
+    def _prefill(self, per_group: list[list[tuple[np.ndarray, int, list[int]]]]) -> None:
+        """Runs every group's prefill jobs ``(ids, first position, page table from position
+        0)``, ``prefill_rows / groups`` rows per group per call (group ``g``'s jobs in its block
+        of rows, with its own page list)."""
         spec, ps = self.spec, self.spec.page_size
         rows = spec.prefill_rows // spec.groups
-        per_group = [[i for i in new if self.prompts[i].prefix > 0] for new in per_group]
-        rounds = max(-(-len(new) // rows) for new in per_group)
+        per_group = [[job for job in jobs if job[0].size] for jobs in per_group]
+        rounds = max(-(-len(jobs) // rows) for jobs in per_group)
         for start in range(0, rounds * rows, rows):
-            batch = [new[start : start + rows] for new in per_group]
-            longest = max(self.prompts[i].prefix for new in batch for i in new)
+            batch = [jobs[start : start + rows] for jobs in per_group]
+            longest = max(ids.size for jobs in batch for ids, _, _ in jobs)
             T = min(spec.prefill_len, max(spec.min_len, _pow2(longest)))
             for offset in range(0, longest, T):
                 ids = np.zeros((spec.prefill_rows, T), np.int32)
                 valid = np.zeros((spec.prefill_rows, T), bool)
-                positions = np.broadcast_to(
-                    np.arange(offset, offset + T, dtype=np.int32), (spec.prefill_rows, T)
-                )
-                for g, new in enumerate(batch):
-                    for r, i in enumerate(new):
-                        part = self.prompts[i].ids[offset : min(offset + T, self.prompts[i].prefix)]
+                positions = np.zeros((spec.prefill_rows, T), np.int32)
+                positions[:] = np.arange(offset, offset + T, dtype=np.int32)
+                for g, jobs in enumerate(batch):
+                    for r, (job, first, _) in enumerate(jobs):
+                        part = job[offset : offset + T]
                         ids[g * rows + r, : part.size] = part
                         valid[g * rows + r, : part.size] = True
-                # Pages up to this chunk's end (the earlier chunks' ones included).
+                        positions[g * rows + r] += first
+                # Pages up to this chunk's end (the earlier chunks' ones and the context's).
                 tables = [
-                    [self.prompts[i].pages[: pages_for(offset + T, ps)] for i in new]
-                    for new in batch
+                    [table[: pages_for(first + offset + T, ps)] for _, first, table in jobs]
+                    for jobs in batch
                 ]
                 used = max(sum(map(len, t)) for t in tables)
                 pages = _page_lists(tables, rows, _pow2(max(used, rows * pages_for(T, ps))))
-                self.compile("prefill", ids, positions.copy(), valid, pages)
+                self.compile("prefill", ids, positions, valid, pages)
                 self.stats.prefill_calls += 1
+
+    def _prefill_prompts(self, per_group: list[list[int]]) -> None:
+        """Prefills the new prompts (all but their last token) into their pages."""
+        jobs = [
+            [(self.prompts[i].ids[: self.prompts[i].prefix], 0, self.prompts[i].pages) for i in new]
+            for new in per_group
+        ]
+        self._prefill(jobs)
+
+    def _resume(self) -> None:
+        """Before a decode: the running sequences' pending context (prefilled into their own
+        pages) and observations (written into their output rows)."""
+        jobs: list[list] = [[] for _ in self.groups]
+        writes = []
+        for g, group in enumerate(self.groups):
+            for slot, seq in group.running:
+                if seq.resume is not None:
+                    first, ids = seq.resume
+                    jobs[g].append((ids, first, seq.table))
+                    self.stats.resumed_tokens += ids.size
+                    seq.resume = None
+                if seq.write is not None:
+                    writes.append((slot, seq))
+        if any(jobs):
+            self._prefill(jobs)
+        if writes:
+            width = _pow2(max(max(s.write[1].size for _, s in writes), self.spec.min_len))
+            rows = np.full(self.spec.slots, -1, np.int32)  # -1: nothing to write
+            cols = np.zeros(self.spec.slots, np.int32)
+            ids = np.zeros((self.spec.slots, width), np.int32)
+            valid = np.zeros((self.spec.slots, width), bool)
+            for slot, seq in writes:
+                col, obs = seq.write
+                rows[slot], cols[slot] = seq.row, col
+                ids[slot, : obs.size] = obs
+                valid[slot, : obs.size] = True
+                seq.write = None
+            self.compile("write", rows, cols, ids, valid)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -599,12 +750,13 @@ class _Scheduler:
         width = next(g.queue[0] for g in self.groups if g.queue).stops.size
         state = {name: np.zeros(S, np.int32) for name in _SLOT_FIELDS}
         state["stops"] = np.full((S, width), -1, np.int32)
-        while any(g.queue or g.running for g in self.groups):
+        while any(g.queue or g.running or g.waiting for g in self.groups):
+            self._collect(block=False)
             state["copy_src"][:] = SCRATCH_PAGE
             state["copy_dst"][:] = SCRATCH_PAGE
             new = [self._admit(g, state) for g in self.groups]
             if any(new):
-                self._prefill(new)
+                self._prefill_prompts(new)
             steps = self._tail_steps(state)
             for group in self.groups:
                 for slot, seq in group.running:
@@ -618,10 +770,15 @@ class _Scheduler:
                         state["copy_src"][group.base + i] = SCRATCH_PAGE
                         state["copy_dst"][group.base + i] = SCRATCH_PAGE
             if not any(g.running for g in self.groups):
+                if any(g.waiting for g in self.groups):
+                    self._collect(block=True)  # every sequence left waits on the host
+                    continue
                 raise RuntimeError("no sequence fits the page pool")  # validated up front
+            self._resume()
             self._decode(state, steps)
         self.stats.high_water_pages = tuple(g.alloc.high_water for g in self.groups)
         self.stats.free_pages_after = tuple(g.alloc.num_free for g in self.groups)
+        self.stats.waiting_pages_peak = tuple(g.waiting_pages_peak for g in self.groups)
         return self.done
 
     def _tail_steps(self, state: dict[str, np.ndarray]) -> int:
@@ -629,8 +786,9 @@ class _Scheduler:
         be refilled), all that the running sequences have left in one chunk, when their pages
         for it are free now (no host round trip that could not change anything). When prompts
         are handed over as they end (``on_done``), a chunk does not run past the next prompt's
-        end: up to its budget without stop ids, ``spec.steps`` with them."""
-        if any(g.queue for g in self.groups):
+        end: up to its budget without stop ids, ``spec.steps`` with them. Multi-turn requests
+        run ``spec.steps``: any step may end a turn that the host should start answering."""
+        if self.turns is not None or any(g.queue for g in self.groups):
             return self.spec.steps
         left, per_prompt = 0, {}
         for group in self.groups:
@@ -678,18 +836,88 @@ class _Scheduler:
             state[name][:] = status[:, i]
         new = state["count"] - before
         self.stats.decode_steps += int(new.max()) * spec.slots
+        turn_ends = []
         for group in self.groups:
             for slot, seq in group.running:
                 seq.length += int(new[slot])
                 self.stats.useful_steps += int(new[slot])
-                if not state["active"][slot]:
-                    self._finish(group, slot, seq)
+                if state["active"][slot]:
+                    continue
+                group.slots[slot - group.base] = None
+                if self._turn_ended(seq, int(state["last"][slot])):
+                    turn_ends.append((group, seq))
+                else:
+                    self._finish(group, seq)
+        if turn_ends:
+            self._hand_over(turn_ends)
 
-    def _finish(self, group: _Group, slot: int, seq: _Seq) -> None:
-        self._release(group, seq)
+    # ---- turns -------------------------------------------------------------------------------
+
+    def _turn_ended(self, seq: _Seq, last: int) -> bool:
+        """The sequence stopped at a turn's end with turns and budget left."""
+        t = self.turns
+        return (
+            t is not None
+            and last in t.stop_ids
+            and seq.length < seq.max_new
+            and seq.turns + 1 < t.max_turns
+        )
+
+    def _hand_over(self, ended: list[tuple[_Group, _Seq]]) -> None:
+        """Sends the turns that just ended to the host (one read of their rows); the sequences
+        wait, holding their pages."""
+        tokens = self.read([seq for _, seq in ended])
+        for (group, seq), ids in zip(ended, tokens, strict=True):
+            start = seq.observed[-1][1] if seq.observed else 0
+            seq.history = list(ids)
+            seq.turns += 1
+            seq.future = self.turns.submit(seq.index, seq.history[start:])
+            group.waiting.append(seq)
+            self.stats.handovers += 1
+        for group in self.groups:
+            held = sum(len(s.pages) for s in group.waiting)
+            group.waiting_pages_peak = max(group.waiting_pages_peak, held)
+
+    def _collect(self, block: bool) -> None:
+        """Takes in the observations that are ready (``block``: waits for one first): each
+        sequence goes back to its queue's front with its observation to write and prefill, or
+        ends."""
+        pending = [s.future for g in self.groups for s in g.waiting]
+        if not pending:
+            return
+        if block:
+            start = time.perf_counter()
+            concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            self.stats.wait_s += time.perf_counter() - start
+        for group in self.groups:
+            for seq in [s for s in group.waiting if s.future.done()]:
+                group.waiting.remove(seq)
+                obs = seq.future.result()
+                seq.future = None
+                if obs is None or len(obs) >= seq.max_new - seq.length:
+                    self._finish(group, seq)  # the episode is over, or its budget is
+                    continue
+                obs = np.asarray(obs, np.int32).reshape(-1)
+                col = seq.length
+                if obs.size:
+                    if seq.table:  # its pages hold the context: only the new ids are prefilled
+                        first = self.prompts[seq.prompt].prefix + col
+                        ids = np.concatenate([seq.history[-1:], obs[:-1]]).astype(np.int32)
+                        seq.resume = (first, ids)
+                    seq.write = (col, obs)
+                    seq.observed.append((col, col + obs.size))
+                    seq.history += obs.tolist()
+                    seq.length += obs.size
+                    self.stats.observation_tokens += obs.size
+                group.queue.appendleft(seq)
+
+    def _finish(self, group: _Group, seq: _Seq) -> None:
+        if seq.table:
+            self._release(group, seq)
+        else:  # preempted while it waited: its pages and its hold on the prompt are gone
+            seq.pages = []
         prompt = self.prompts[seq.prompt]
         prompt.left -= 1
-        group.slots[slot - group.base] = None
         self.done.append(seq)
         if prompt.left == 0:
             group.alloc.free(prompt.pages or [])
@@ -753,6 +981,8 @@ def run_engine(
     stop_ids: np.ndarray,
     call,
     on_done=None,
+    turns: Turns | None = None,
+    read=None,
 ) -> tuple[list[_Seq], EngineStats]:
     """Runs every (prompt, sample) sequence to its end; returns them in row order and stats.
 
@@ -760,23 +990,34 @@ def run_engine(
     ended (``seqs``: them; their outputs are final), while the others are still being decoded.
 
     ``call(kind, *arrays)`` runs the compiled program on the pool and the output buffers (which
-    it owns): ``"prefill"`` (ids, positions, valid, page list) returns nothing, ``"decode"``
-    (packed slot matrix, page list, steps) the slots' ``[S, 4]`` status (``_STATUS_FIELDS``)
-    as NumPy.
+    it owns): ``"prefill"`` (ids, positions, valid, page list) returns nothing, ``"write"``
+    (per-slot output row or -1, first column, ids, valid) writes observation ids into the
+    output buffers, ``"decode"`` (packed slot matrix, page list, steps) returns the slots'
+    ``[S, 4]`` status (``_STATUS_FIELDS``) as NumPy.
+
+    ``turns`` (multi-turn requests, :class:`Turns`) needs ``read(seqs)``: the sequences'
+    output tokens ``[:length]`` as lists, read when their turns end.
     """
     stats = EngineStats(group_pages=spec.group_pages)
     owner = assign_groups(prompts, n, max_new, spec.groups)
     rows, _ = output_rows(owner, n, spec.groups)
     records = [_Prompt(ids=p, group=owner[i], left=n) for i, p in enumerate(prompts)]
     seqs = [
-        _Seq(prompt=r // n, sample=r % n, max_new=int(max_new[r]), stops=stop_ids[r], row=rows[r])
+        _Seq(
+            prompt=r // n,
+            sample=r % n,
+            max_new=int(max_new[r]),
+            stops=stop_ids[r],
+            row=rows[r],
+            index=r,
+        )
         for r in range(len(prompts) * n)
     ]
     # Longest budget first: a long sequence admitted last would run on alone while the other
     # slots idle. The order changes no token (each sequence has its own RNG stream).
     seqs.sort(key=lambda s: -s.max_new)
     groups = [[s for s in seqs if owner[s.prompt] == g] for g in range(spec.groups)]
-    done = _Scheduler(spec, records, groups, call, stats, on_done).run()
+    done = _Scheduler(spec, records, groups, call, stats, on_done, turns, read).run()
     done.sort(key=lambda s: (s.prompt, s.sample))
     return done, stats
 
@@ -885,6 +1126,13 @@ def engine_programs(
     decode_key = (width, strategy_signature(strategy), spec.return_hidden, spec.attention)
 
     def call(kind: str, *arrays):
+        if kind == "write":
+            args = (out[0], *(place(a) for a in arrays))
+            key = base + ("write", args[3].shape, rows, gen_len, hidden)
+            kv_heads = model.config.num_kv_heads
+            fn = functools.partial(write_observations, mesh=mesh, kv_heads=kv_heads)
+            out[0] = build(key, fn, args, (0,))(*args)
+            return None
         if kind == "prefill":
             pages = PageList(*(place(arrays[-1][:, i]) for i in range(3)))
             ids, positions, valid = (place(a) for a in arrays[:3])
@@ -941,22 +1189,29 @@ def generate_continuous(
     return_hidden,
     params,
     on_prompt_done=None,
+    turns: Turns | None = None,
 ):
     """The engine behind ``Sampler(engine="continuous").generate``; same output as the static one.
 
     ``on_prompt_done(p, tokens)`` gets prompt ``p``'s samples (token lists, sample order) as soon
-    as the last of them ends, while the others decode.
+    as the last of them ends, while the others decode. ``turns``: a multi-turn request
+    (:class:`Turns`); the output's ``action_mask_array`` then marks the sampled tokens.
 
     Returns:
       ``(SamplerOutput, EngineStats)``.
     """
     from delta_jax.sampling.sampler import SamplerOutput
 
-    spec = sampler.engine_spec(request, n, return_hidden)
+    spec = sampler.engine_spec(request, n, return_hidden, multi_turn=turns is not None)
     validate_engine_request(spec, prompts, n, request.max_new)
     graphdef, own, rest = nnx.split(sampler.model, nnx.Param, ...)
     params = own if params is None else params
-    width = request.stop_ids.shape[1]
+    stop_ids = request.stop_ids
+    if turns is not None:  # a turn's end stops the sequence too; the host tells them apart
+        turn_ids = np.asarray(turns.stop_ids, np.int32)
+        extra = np.broadcast_to(turn_ids, (len(stop_ids), turn_ids.size))
+        stop_ids = np.concatenate([stop_ids, extra], axis=1)
+    width = stop_ids.shape[1]
     owner = assign_groups(prompts, n, request.max_new, spec.groups)
     local, block = output_rows(owner, n, spec.groups)
     call, results, peek = engine_programs(
@@ -980,7 +1235,14 @@ def generate_continuous(
             tokens = peek(rows)
             on_prompt_done(p, [tokens[i, : s.length].tolist() for i, s in enumerate(mine)])
 
-    seqs, stats = run_engine(spec, prompts, n, request.max_new, request.stop_ids, call, on_done)
+    def read(seqs: list[_Seq]) -> list[list[int]]:
+        rows = np.array([owner[s.prompt] * block + local[s.index] for s in seqs], np.int32)
+        tokens = peek(rows)
+        return [tokens[i, : s.length].tolist() for i, s in enumerate(seqs)]
+
+    seqs, stats = run_engine(
+        spec, prompts, n, request.max_new, stop_ids, call, on_done, turns, read
+    )
 
     rows = len(seqs)
     lengths = np.array([s.length for s in seqs], np.int32)
@@ -999,6 +1261,12 @@ def generate_continuous(
         num_steps=jnp.asarray(lengths.max(), jnp.int32),
         num_rows=rows,
     )
+    if turns is not None:
+        actions = np.arange(request.gen_len)[None, :] < lengths[:, None]
+        for r, seq in enumerate(seqs):
+            for start, end in seq.observed:
+                actions[r, start:end] = False
+        output = dataclasses.replace(output, action_mask_array=jnp.asarray(actions))
     return output, stats
 
 

@@ -74,6 +74,21 @@ def _to_host(array: jax.Array) -> np.ndarray:
     return np.asarray(array)
 
 
+def _validate_turns(turns, engine: str, vocab_size: int) -> None:
+    """Raises ``ValueError`` for a multi-turn request the sampler cannot run."""
+    if engine != "continuous":
+        raise ValueError("multi-turn requests (turns=...) need Sampler(engine='continuous')")
+    if not turns.stop_ids:
+        raise ValueError("turns.stop_ids is empty: no token would end a turn")
+    bad = [t for t in turns.stop_ids if not 0 <= int(t) < vocab_size]
+    if bad:
+        raise ValueError(f"turns.stop_ids {bad} are outside the vocabulary (size {vocab_size})")
+    if isinstance(turns.max_turns, bool) or not isinstance(turns.max_turns, int):
+        raise ValueError(f"turns.max_turns must be an int >= 1, got {turns.max_turns!r}")
+    if turns.max_turns < 1:
+        raise ValueError(f"turns.max_turns must be an int >= 1, got {turns.max_turns!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplerOutput:
     """Result of :meth:`Sampler.generate`; rows are prompt-major (row ``i * n + j``).
@@ -96,6 +111,8 @@ class SamplerOutput:
       num_steps: int32 scalar, generated columns when the loop exited (the longest row).
       num_rows: real rows, ``len(prompts) * n``.
       engine_stats: what the continuous engine did (slot occupancy, pages), else None.
+      action_mask_array: bool [R, G] for multi-turn requests (``turns``): True at the tokens the
+        model sampled, False at observations (and after the length); None for one turn.
     """
 
     token_array: Int[Array, "R G"]
@@ -108,6 +125,7 @@ class SamplerOutput:
     num_steps: Int[Array, ""]
     num_rows: int
     engine_stats: Any = None
+    action_mask_array: Bool[Array, "R G"] | None = None
 
     @functools.cached_property
     def lengths(self) -> list[int]:
@@ -368,6 +386,7 @@ class Sampler:
         return_hidden: bool = False,
         params: nnx.State | None = None,
         on_prompt_done: Callable[[int, list[list[int]]], None] | None = None,
+        turns: Any = None,
     ) -> SamplerOutput:
         """Samples ``n`` continuations of every prompt.
 
@@ -392,6 +411,10 @@ class Sampler:
             (generated ids, sample order) once they have all ended: by the continuous engine as
             soon as that happens, while other rows still decode (so their rewards can be
             computed meanwhile); by the static sampler for every prompt after the batch ends.
+          turns: a multi-turn request (:class:`~delta_jax.sampling.engine.Turns`: the ids
+            that end a turn, the turn limit, and the host's ``submit(row, turn)`` returning a
+            future of the observation's ids); continuous engine only. Observations are written
+            into the rows as context and marked in ``action_mask_array``.
 
         Returns:
           A :class:`~delta_jax.sampling.output.SamplerOutput`.
@@ -416,9 +439,11 @@ class Sampler:
             row_multiple=self._row_multiple(),
         )
         strategy = make_strategy(temperature, top_p, top_k, min_p)
+        if turns is not None:
+            _validate_turns(turns, self.engine, config.vocab_size)
         if self.engine == "continuous":
             return self._generate_continuous(
-                prompts, request, n, strategy, seed, return_hidden, params, on_prompt_done
+                prompts, request, n, strategy, seed, return_hidden, params, on_prompt_done, turns
             )
         graphdef, own_params, rest = nnx.split(self.model, nnx.Param, ...)
         params = own_params if params is None else params
@@ -467,19 +492,22 @@ class Sampler:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
     def _generate_continuous(
-        self, prompts, request, n, strategy, seed, return_hidden, params, on_prompt_done
+        self, prompts, request, n, strategy, seed, return_hidden, params, on_prompt_done, turns
     ):
         from delta_jax.sampling import engine
 
         arrays = [np.asarray(p, np.int32) for p in prompts]
         seed = jnp.asarray(np.uint32(seed % 2**32))
         out, stats = engine.generate_continuous(
-            self, request, arrays, n, strategy, seed, return_hidden, params, on_prompt_done
+            self, request, arrays, n, strategy, seed, return_hidden, params, on_prompt_done, turns
         )
         return dataclasses.replace(out, engine_stats=stats)
 
-    def engine_spec(self, request: RequestArrays, n: int, return_hidden: bool):
-        """The continuous engine's static configuration for a request's buckets."""
+    def engine_spec(
+        self, request: RequestArrays, n: int, return_hidden: bool, multi_turn: bool = False
+    ):
+        """The continuous engine's static configuration for a request's buckets (``multi_turn``:
+        the default pool also holds the pages of sequences waiting on the host)."""
         from delta_jax.sampling.engine import EngineSpec, pages_for
 
         # Data groups: the mesh's row shards, each with its own slots and share of the pool.
@@ -504,7 +532,11 @@ class Sampler:
             prompt_pages = pages_for(request.prompt_ids.shape[1] - 1, ps)
             own_pages = pages_for(budget + ps - 1, ps)
             resident = min(group_slots, prompts)
-            group_pages = group_slots * own_pages + resident * prompt_pages + 1
+            holders = group_slots
+            if multi_turn:  # every sequence of the group may hold pages while it waits
+                resident = -(-prompts // groups)
+                holders = resident * n
+            group_pages = holders * own_pages + resident * prompt_pages + 1
         # A new prompt needs a free slot: about slots / n prompts join a group at a time.
         at_once = 1 << (-(-group_slots // n) - 1).bit_length()
         attention = self.attention

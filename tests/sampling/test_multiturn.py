@@ -1,0 +1,206 @@
+"""Multi-turn requests on the continuous engine: a sequence whose turn ends waits for the host's
+observation without a decode slot, keeps its pages, and continues in place.
+
+The reference is ``transformers`` greedy ``generate`` re-run on the whole history each turn (an
+independent implementation that prefills everything again), with the same deterministic
+environment; tokens must be identical for fewer slots than episodes, random host latencies and
+a pool small enough to preempt sequences (running and waiting) after a hand-over.
+"""
+
+import concurrent.futures
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from delta_jax.models import from_pretrained
+from delta_jax.sampling import Sampler, Turns
+
+PAD = 0
+BUDGET = 40
+MAX_TURNS = 4
+PROMPTS = [[5, 9, 2, 17], [7, 1, 4, 4, 8, 3, 11, 30, 2, 6], [20], [3, 3, 6, 2, 9, 41, 12], [8, 8]]
+
+CONFIG = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    # A wide init so the arg-max is never a near tie between float32 implementations.
+    initializer_range=0.2,
+    pad_token_id=PAD,
+    bos_token_id=None,
+    eos_token_id=None,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+    attention_bias=False,
+)
+
+
+def observe(turn: list[int], index: int) -> list[int] | None:
+    """A deterministic environment: 1-4 ids from the turn, or None (episode over) at the third
+    observation of every other episode."""
+    if index == 2 and sum(turn) % 2:
+        return None
+    s = sum(turn)
+    return [(s * 31 + 7 * i) % 100 + 10 for i in range(1 + s % 4)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3Config(**CONFIG))
+    hf = hf.to(torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    path = tmp_path_factory.mktemp("tiny")
+    hf.save_pretrained(path)
+    return hf, from_pretrained(path)
+
+
+def _hf_greedy(hf, context: list[int], max_new: int, stop: int | None) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=torch.tensor([context]),
+            attention_mask=torch.ones(1, len(context), dtype=torch.long),
+            max_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=PAD,
+            eos_token_id=stop,
+        )
+    return out[0, len(context) :].tolist()
+
+
+def _reference(hf, stop: int):
+    """Episodes by re-prefilling the whole history every turn: tokens, action masks and the
+    turns the environment was asked about."""
+    tokens, actions, calls = [], [], []
+    for prompt in PROMPTS:
+        resp, act, asked = [], [], []
+        for turn_index in range(MAX_TURNS):
+            start = len(resp)
+            new = _hf_greedy(hf, prompt + resp, BUDGET - len(resp), stop)
+            resp += new
+            act += [True] * len(new)
+            if new[-1] != stop or len(resp) >= BUDGET or turn_index + 1 == MAX_TURNS:
+                break
+            asked.append(resp[start:])
+            obs = observe(resp[start:], turn_index)
+            if obs is None or len(obs) >= BUDGET - len(resp):
+                break
+            resp += obs
+            act += [False] * len(obs)
+        tokens.append(resp)
+        actions.append(act)
+        calls.append(asked)
+    return tokens, actions, calls
+
+
+def _turn_stop(hf) -> int:
+    """A token that greedy decoding writes early in most episodes (so that turns end)."""
+    seen = [set(_hf_greedy(hf, p, 12, stop=None)) for p in PROMPTS]
+    counts = {t: sum(t in s for s in seen) for t in set().union(*seen)}
+    return max(sorted(counts), key=lambda t: counts[t])
+
+
+class Host:
+    """Answers turns in a thread pool after a random delay; records what it was asked."""
+
+    def __init__(self, seed: int):
+        self.pool = concurrent.futures.ThreadPoolExecutor(3)
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.calls: dict[int, list[list[int]]] = {}
+
+    def submit(self, row: int, turn: list[int]) -> concurrent.futures.Future:
+        with self.lock:
+            index = len(self.calls.setdefault(row, []))
+            self.calls[row].append(list(turn))
+            delay = self.rng.uniform(0.0, 0.05)
+
+        def answer():
+            time.sleep(delay)
+            return observe(turn, index)
+
+        return self.pool.submit(answer)
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    hf, _ = models
+    stop = _turn_stop(hf)
+    return stop, *_reference(hf, stop)
+
+
+def test_multiturn_episodes_equal_reprefilling_the_history(models, reference):
+    _, model = models
+    stop, expected, expected_actions, expected_calls = reference
+    # 3 slots for 5 episodes; a pool of 23 usable pages of 4 tokens, where one episode needs
+    # up to 16: sequences are preempted, running and waiting, before and after hand-overs.
+    slots, num_pages, chunk = 3, 24, 3
+    # The reference episodes take several turns (observations in most of them).
+    assert sum(any(not a for a in acts) for acts in expected_actions) >= 3, expected_calls
+
+    host = Host(seed=slots)
+    sampler = Sampler(
+        model,
+        engine="continuous",
+        stop_token_ids=(),
+        decode_slots=slots,
+        page_size=4,
+        num_pages=num_pages,
+        decode_chunk=chunk,
+        attention="xla",
+    )
+    out = sampler.generate(
+        PROMPTS,
+        max_new_tokens=BUDGET,
+        temperature=0.0,
+        turns=Turns(stop_ids=(stop,), max_turns=MAX_TURNS, submit=host.submit),
+    )
+    assert out.tokens == expected
+    mask = np.asarray(out.action_mask_array)
+    for r, acts in enumerate(expected_actions):
+        assert mask[r, : len(acts)].tolist() == acts
+        assert not mask[r, len(acts) :].any()
+    # Observation positions were written, not sampled: their log-probs are zero.
+    logprobs = np.asarray(out.logprob_array)
+    for r, acts in enumerate(expected_actions):
+        obs = ~np.asarray(acts)
+        assert (logprobs[r, : len(acts)][obs] == 0).all()
+        assert (logprobs[r, : len(acts)][~obs] < 0).all()
+    # Every turn was handed over once, with its own tokens (from the last observation on).
+    assert [host.calls.get(r, []) for r in range(len(PROMPTS))] == expected_calls
+    stats = out.engine_stats
+    assert stats.handovers == sum(map(len, host.calls.values()))
+    assert stats.observation_tokens == sum(not a for acts in expected_actions for a in acts)
+    assert stats.preemptions > 0
+    # Most observations continued in place: far fewer ids prefilled than the contexts hold.
+    assert stats.observation_tokens <= stats.resumed_tokens < sum(map(len, expected))
+
+
+@pytest.mark.parametrize(
+    "engine, turns, message",
+    [
+        ("static", Turns((5,), 2, None), "engine='continuous'"),
+        ("continuous", Turns((), 2, None), "no token would end a turn"),
+        ("continuous", Turns((500,), 2, None), "outside the vocabulary"),
+        ("continuous", Turns((5,), 0, None), "max_turns must be an int >= 1"),
+    ],
+)
+def test_multiturn_requests_the_engine_cannot_run_are_refused(engine, turns, message):
+    from flax import nnx
+
+    from delta_jax.models import ModelConfig, Transformer
+
+    model = Transformer(ModelConfig.tiny("qwen3", vocab_size=96), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=message):
+        Sampler(model, engine=engine).generate([[1, 2]], max_new_tokens=4, turns=turns)
