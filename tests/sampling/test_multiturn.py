@@ -19,31 +19,11 @@ import transformers
 
 from delta_jax.models import from_pretrained
 from delta_jax.sampling import Sampler, Turns
+from tests.sampling.test_hf_parity import CONFIGS, PAD
 
-PAD = 0
 BUDGET = 40
 MAX_TURNS = 4
 PROMPTS = [[5, 9, 2, 17], [7, 1, 4, 4, 8, 3, 11, 30, 2, 6], [20], [3, 3, 6, 2, 9, 41, 12], [8, 8]]
-
-CONFIG = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=160,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    # A wide init so the arg-max is never a near tie between float32 implementations.
-    initializer_range=0.2,
-    pad_token_id=PAD,
-    bos_token_id=None,
-    eos_token_id=None,
-    rope_theta=1e6,
-    tie_word_embeddings=True,
-    attention_bias=False,
-)
 
 
 def observe(turn: list[int], index: int) -> list[int] | None:
@@ -58,7 +38,7 @@ def observe(turn: list[int], index: int) -> list[int] | None:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3Config(**CONFIG))
+    hf = transformers.AutoModelForCausalLM.from_config(CONFIGS["qwen3"]())
     hf = hf.to(torch.float32).eval()
     hf.generation_config.eos_token_id = None
     path = tmp_path_factory.mktemp("tiny")
