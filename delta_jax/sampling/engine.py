@@ -912,10 +912,8 @@ class _Scheduler:
                 group.queue.appendleft(seq)
 
     def _finish(self, group: _Group, seq: _Seq) -> None:
-        if seq.table:
+        if seq.table:  # else preempted while it waited: its pages and prompt hold are gone
             self._release(group, seq)
-        else:  # preempted while it waited: its pages and its hold on the prompt are gone
-            seq.pages = []
         prompt = self.prompts[seq.prompt]
         prompt.left -= 1
         self.done.append(seq)
