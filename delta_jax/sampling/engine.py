@@ -128,6 +128,8 @@ class SlotState:
       row: the sequence's row of the output buffers (group-local; out of range for an idle
         slot, whose writes are dropped).
       stops: stop ids of the sequence, padded with -1.
+      recent: multi-turn stop sequences: the last ``L`` ids the sequence drew in its current
+        turn, oldest first (-1: none yet); ``L`` is the longest stop sequence, 0 without any.
       page_table: the sequence's pages from position 0 on (0 = scratch), for the ``pallas``
         and ``dense`` paths (one column otherwise).
       pages: every live sequence's pages as one flat list, for the ``xla`` path (one padding
@@ -146,6 +148,7 @@ class SlotState:
     sample: Int[Array, " S"]
     row: Int[Array, " S"]
     stops: Int[Array, "S W"]
+    recent: Int[Array, "S L"]
     page_table: Int[Array, "S NB"]
     pages: PageList
     copy_src: Int[Array, " S"]
@@ -159,24 +162,28 @@ def _row_keys(seed, prompt, sample, count):
     return jax.vmap(one)(prompt, sample, count)
 
 
-# Per-slot integer fields of SlotState, packed with the stop ids and the page table into one
-# [S, F] matrix: one host-to-device copy per chunk instead of one per field.
+# Per-slot integer fields of SlotState, packed with the stop ids, the stop-sequence window and
+# the page table into one [S, F] matrix: one host-to-device copy per chunk instead of one per
+# field.
 _SLOT_FIELDS = ("last", "pos", "count", "active", "max_new", "prompt", "sample", "row")
 _SLOT_FIELDS += ("copy_src", "copy_dst")
-# What the host reads back after a chunk, one [S, 4] matrix.
+# What the host reads back after a chunk, one [S, 4 + L] matrix (then the window ``recent``).
 _STATUS_FIELDS = ("last", "pos", "count", "active")
 
 
-def unpack_slots(packed: Int[Array, "S F"], pages: Int[Array, "U 3"], stop_width: int):
-    """The :class:`SlotState` of a packed ``[S, fields + stops + table]`` matrix and a
+def unpack_slots(
+    packed: Int[Array, "S F"], pages: Int[Array, "U 3"], stop_width: int, window: int = 0
+):
+    """The :class:`SlotState` of a packed ``[S, fields + stops + window + table]`` matrix and a
     ``[U, 3]`` (page, seq, index) page list."""
     cols = {name: packed[:, i] for i, name in enumerate(_SLOT_FIELDS)}
     cols["active"] = cols["active"] > 0
-    F = len(_SLOT_FIELDS)
+    F, W = len(_SLOT_FIELDS), stop_width
     return SlotState(
         **cols,
-        stops=packed[:, F : F + stop_width],
-        page_table=packed[:, F + stop_width :],
+        stops=packed[:, F : F + W],
+        recent=packed[:, F + W : F + W + window],
+        page_table=packed[:, F + W + window :],
         pages=PageList(page=pages[:, 0], seq=pages[:, 1], index=pages[:, 2]),
     )
 
@@ -206,6 +213,7 @@ def decode_chunk(
     limit: Int[Array, ""],
     seed: Int[Array, ""],
     strategy: Greedy | Categorical,
+    stop_sequences: Int[Array, "Q L"] | None = None,
     *,
     graphdef: nnx.GraphDef,
     return_hidden: bool,
@@ -220,6 +228,11 @@ def decode_chunk(
     buffers ``out`` (``[rows, gen_len]``, carried on device from chunk to chunk and read once
     at the end) at the sequence's row and token index, so a chunk returns only the slots' new
     state and its length is a traced value (no recompilation for a longer chunk).
+
+    ``stop_sequences`` (multi-turn requests): a slot also stops at the step where the ids it
+    drew in its turn (``slots.recent``, shifted every step) end with one of these rows,
+    right-aligned and left-padded with -1 (a wildcard); None (single-turn requests) leaves the
+    window out of the program and of the status.
 
     ``hoist_layers`` (the CPU path) slices the per-layer weights once before the loop, as the
     static sampler does; on accelerators the slices fuse into the matmuls inside the loop, where
@@ -268,8 +281,15 @@ def decode_chunk(
         out = _write_rows(out, rows, s.count, cols, mesh, K)
         count = s.count + live
         stopped = jnp.any(token[:, None] == s.stops, axis=-1) | (count >= s.max_new)
+        recent = s.recent
+        if stop_sequences is not None:
+            shifted = jnp.concatenate([recent[:, 1:], token[:, None]], axis=1)
+            recent = jnp.where(live[:, None], shifted, recent)
+            ends = (stop_sequences < 0) | (recent[:, None, :] == stop_sequences)  # [S, Q, L]
+            stopped |= jnp.any(jnp.all(ends, axis=-1), axis=-1)
         s = dataclasses.replace(
             s,
+            recent=recent,
             last=jnp.where(live, token, s.last),
             pos=s.pos + live,
             count=count,
@@ -288,22 +308,38 @@ def decode_chunk(
     )
     pool = pool.replace(views=None)
     status = jnp.stack([getattr(slots, f).astype(jnp.int32) for f in _STATUS_FIELDS], axis=1)
+    if stop_sequences is not None:
+        status = jnp.concatenate([status, slots.recent], axis=1)
     return dict(pool=pool, out=out, status=status)
 
 
 def decode_program(
-    params, rest, pool, out, packed, pages, limit, seed, strategy, *, stop_width, **kw
+    params,
+    rest,
+    pool,
+    out,
+    packed,
+    pages,
+    limit,
+    seed,
+    strategy,
+    stop_sequences=None,
+    *,
+    stop_width,
+    **kw,
 ):
     """:func:`decode_chunk` on the packed slot matrix and page list the host sends."""
+    window = 0 if stop_sequences is None else stop_sequences.shape[1]
     return decode_chunk(
         params,
         rest,
         pool,
         out,
-        unpack_slots(packed, pages, stop_width),
+        unpack_slots(packed, pages, stop_width, window),
         limit,
         seed,
         strategy,
+        stop_sequences,
         **kw,
     )
 
@@ -405,24 +441,47 @@ class _Prompt:
 class Turns:
     """A multi-turn request: where a turn ends, and how the host answers it.
 
-    A sequence that draws one of ``stop_ids`` has ended a *turn*, not its episode (unless it
-    was its ``max_turns``-th turn, or its token budget is spent): the engine reads the turn's
+    A sequence that draws one of ``stop_ids``, or whose ids drawn in the current turn end with
+    one of ``stop_sequences`` (an environment's stop strings, tokenized; ids of the prompt or
+    of an observation never count toward a match), has ended a *turn*, not its episode (unless
+    it was its ``max_turns``-th turn, or its token budget is spent): the engine reads the turn's
     tokens, calls ``submit(row, turn)`` (``row``: the request row ``prompt * n + sample``;
-    ``turn``: its ids since the last observation, the stop id included) and gives the slot to
-    another sequence while the host works. The sequence keeps its KV pages. The future's result
-    is the observation's ids: they are written into the sequence's output row (as context,
-    never sampled) and prefilled into its own pages, and the sequence re-joins a free slot for
-    its next turn; the history is never prefilled again. ``None`` ends the episode, as does an
-    observation that leaves no room in the budget (observation tokens count against
-    ``max_new_tokens``) for one more token.
+    ``turn``: its ids since the last observation, the stop id or sequence included) and gives
+    the slot to another sequence while the host works. The sequence keeps its KV pages. The
+    future's result is the observation's ids: they are written into the sequence's output row
+    (as context, never sampled) and prefilled into its own pages, and the sequence re-joins a
+    free slot for its next turn; the history is never prefilled again. ``None`` ends the
+    episode, as does an observation that leaves no room in the budget (observation tokens count
+    against ``max_new_tokens``) for one more token.
 
     Token ``t`` of a sequence is still drawn with the key of its column ``t``, so the tokens do
-    not depend on the slot count, on how long the host takes or on preemptions.
+    not depend on the slot count, on how long the host takes or on preemptions. Stop sequences
+    are matched on device, at the step that draws their last id (a window of the turn's last
+    ids per slot, see :func:`decode_chunk`); a one-id sequence is a stop id.
     """
 
     stop_ids: tuple[int, ...]
     max_turns: int
     submit: Callable[[int, list[int]], concurrent.futures.Future]
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+
+
+def _turn_stops(turns: Turns | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """The ids that end a turn (``stop_ids`` and the one-id sequences) and the longer stop
+    sequences as an int32 ``[Q, L]`` matrix, right-aligned and left-padded with -1 (None when
+    there are none: the decode program then has no window)."""
+    if turns is None:
+        return np.zeros(0, np.int32), None
+    seqs = [tuple(q) for q in turns.stop_sequences]
+    ids = list(turns.stop_ids) + [q[0] for q in seqs if len(q) == 1]
+    longer = [q for q in seqs if len(q) > 1]
+    if not longer:
+        return np.asarray(ids, np.int32), None
+    L = max(map(len, longer))
+    patterns = np.full((len(longer), L), -1, np.int32)
+    for i, q in enumerate(longer):
+        patterns[i, L - len(q) :] = q
+    return np.asarray(ids, np.int32), patterns
 
 
 @dataclasses.dataclass
@@ -524,6 +583,7 @@ class _Scheduler:
         self.stats = stats
         self.on_done = on_done  # on_done(p, its sequences) once all of prompt p's ended
         self.turns = turns
+        self.turn_ids, self.stop_sequences = _turn_stops(turns)
         self.read = read  # read(seqs) -> their tokens [:length] (multi-turn hand-overs)
         self.admitted = 0
         self.done: list[_Seq] = []
@@ -666,6 +726,9 @@ class _Scheduler:
         state["sample"][slot] = seq.sample
         state["row"][slot] = seq.row
         state["stops"][slot] = seq.stops
+        # A sequence joins at the start of a turn (its prompt's end, an observation's end, or
+        # its last hand-over when preempted: it restarts from there): no id of it counts yet.
+        state["recent"][slot] = -1
         if not seq.history and prompt.prefix % ps:
             # The partial last prompt page becomes the sample's own copy.
             state["copy_src"][slot] = prompt.pages[full]
@@ -750,6 +813,8 @@ class _Scheduler:
         width = next(g.queue[0] for g in self.groups if g.queue).stops.size
         state = {name: np.zeros(S, np.int32) for name in _SLOT_FIELDS}
         state["stops"] = np.full((S, width), -1, np.int32)
+        window = 0 if self.stop_sequences is None else self.stop_sequences.shape[1]
+        state["recent"] = np.full((S, window), -1, np.int32)
         while any(g.queue or g.running or g.waiting for g in self.groups):
             self._collect(block=False)
             state["copy_src"][:] = SCRATCH_PAGE
@@ -829,11 +894,12 @@ class _Scheduler:
             pages = _page_lists(tables, spec.group_slots, size)
         before = state["count"].copy()
         fields = np.stack([state[name] for name in _SLOT_FIELDS], axis=1)
-        packed = np.concatenate([fields, state["stops"], table], axis=1)
+        packed = np.concatenate([fields, state["stops"], state["recent"], table], axis=1)
         status = self.compile("decode", packed, pages, steps)
         self.stats.chunks += 1
         for i, name in enumerate(_STATUS_FIELDS):
             state[name][:] = status[:, i]
+        state["recent"][:] = status[:, len(_STATUS_FIELDS) :]
         new = state["count"] - before
         self.stats.decode_steps += int(new.max()) * spec.slots
         turn_ends = []
@@ -844,7 +910,7 @@ class _Scheduler:
                 if state["active"][slot]:
                     continue
                 group.slots[slot - group.base] = None
-                if self._turn_ended(seq, int(state["last"][slot])):
+                if self._turn_ended(seq, int(state["last"][slot]), state["recent"][slot]):
                     turn_ends.append((group, seq))
                 else:
                     self._finish(group, seq)
@@ -853,15 +919,15 @@ class _Scheduler:
 
     # ---- turns -------------------------------------------------------------------------------
 
-    def _turn_ended(self, seq: _Seq, last: int) -> bool:
-        """The sequence stopped at a turn's end with turns and budget left."""
-        t = self.turns
-        return (
-            t is not None
-            and last in t.stop_ids
-            and seq.length < seq.max_new
-            and seq.turns + 1 < t.max_turns
-        )
+    def _turn_ended(self, seq: _Seq, last: int, recent: np.ndarray) -> bool:
+        """The sequence stopped at a turn's end (its last id, or the window of its turn's last
+        ids that the decode program returned) with turns and budget left."""
+        t, patterns = self.turns, self.stop_sequences
+        if t is None or seq.length >= seq.max_new or seq.turns + 1 >= t.max_turns:
+            return False
+        if last in self.turn_ids:
+            return True
+        return patterns is not None and bool(((patterns < 0) | (recent == patterns)).all(1).any())
 
     def _hand_over(self, ended: list[tuple[_Group, _Seq]]) -> None:
         """Sends the turns that just ended to the host (one read of their rows); the sequences
@@ -991,7 +1057,8 @@ def run_engine(
     it owns): ``"prefill"`` (ids, positions, valid, page list) returns nothing, ``"write"``
     (per-slot output row or -1, first column, ids, valid) writes observation ids into the
     output buffers, ``"decode"`` (packed slot matrix, page list, steps) returns the slots'
-    ``[S, 4]`` status (``_STATUS_FIELDS``) as NumPy.
+    ``[S, 4 + L]`` status (``_STATUS_FIELDS``, then the stop-sequence window of multi-turn
+    requests with stop sequences of up to ``L`` ids) as NumPy.
 
     ``turns`` (multi-turn requests, :class:`Turns`) needs ``read(seqs)``: the sequences'
     output tokens ``[:length]`` as lists, read when their turns end.
@@ -1052,10 +1119,20 @@ def validate_engine_request(
 
 
 def engine_programs(
-    sampler, spec: EngineSpec, graphdef, params, rest, strategy, seed, width, rows, gen_len
+    sampler,
+    spec: EngineSpec,
+    graphdef,
+    params,
+    rest,
+    strategy,
+    seed,
+    width,
+    rows,
+    gen_len,
+    stop_sequences: np.ndarray | None = None,
 ):
     """Returns ``call`` for :func:`run_engine` and ``results()``, compiling each program once
-    per key.
+    per key (``stop_sequences``: a multi-turn request's ``[Q, L]`` matrix, sent once).
 
     Compiled programs are cached on the sampler (``sampler._programs``). The pool and the
     ``rows x gen_len`` output buffers live in the returned closure and are donated to every
@@ -1121,7 +1198,11 @@ def engine_programs(
         mesh=mesh,
         hoist_layers=platform == "cpu",
     )
+    sequences = () if stop_sequences is None else (jnp.asarray(stop_sequences),)
+    if sequences and mesh is not None:
+        sequences = (jax.device_put(sequences[0], NamedSharding(mesh, P())),)
     decode_key = (width, strategy_signature(strategy), spec.return_hidden, spec.attention)
+    decode_key += tuple(q.shape for q in sequences)
 
     def call(kind: str, *arrays):
         if kind == "write":
@@ -1141,7 +1222,7 @@ def engine_programs(
             return None
         packed, pages, steps = place(arrays[0]), place(arrays[1]), jnp.int32(arrays[2])
         key = base + ("decode", packed.shape, pages.shape, rows, gen_len, *decode_key)
-        args = (params, rest, pool[0], out[0], packed, pages, steps, seed, strategy)
+        args = (params, rest, pool[0], out[0], packed, pages, steps, seed, strategy, *sequences)
         result = build(key, decode, args, (2, 3))(*args)
         pool[0], out[0] = result["pool"], result["out"]
         return _to_host(result["status"])
@@ -1205,8 +1286,8 @@ def generate_continuous(
     graphdef, own, rest = nnx.split(sampler.model, nnx.Param, ...)
     params = own if params is None else params
     stop_ids = request.stop_ids
+    turn_ids, stop_sequences = _turn_stops(turns)
     if turns is not None:  # a turn's end stops the sequence too; the host tells them apart
-        turn_ids = np.asarray(turns.stop_ids, np.int32)
         extra = np.broadcast_to(turn_ids, (len(stop_ids), turn_ids.size))
         stop_ids = np.concatenate([stop_ids, extra], axis=1)
     width = stop_ids.shape[1]
@@ -1223,6 +1304,7 @@ def generate_continuous(
         width,
         spec.groups * block,
         request.gen_len,
+        stop_sequences,
     )
     on_done = None
     if on_prompt_done is not None:
@@ -1285,6 +1367,7 @@ def lower_decode(
     cache_dtype: Any = None,
     rows: int | None = None,
     gen_len: int | None = None,
+    stop_sequences: tuple[int, int] = (0, 0),
 ) -> jax.stages.Lowered:
     """The decode program lowered for abstract inputs on ``mesh`` (no parameters materialised).
 
@@ -1294,7 +1377,8 @@ def lower_decode(
     is the page-table width (``pallas``), ``list_pages`` one group's flat page list length
     (``xla``); the pool is in ``cache_dtype`` (default ``dtype``). The output buffers hold
     ``rows`` (default ``slots``) x ``gen_len`` (default ``steps``) tokens; the chunk's length
-    is a traced value (``steps`` is what a real call passes).
+    is a traced value (``steps`` is what a real call passes). ``stop_sequences``: the ``(Q, L)``
+    shape of a multi-turn request's stop-sequence matrix (``L = 0``: none).
     """
     from delta_jax.sampling.strategies import make_strategy
     from delta_jax.sharding import batch_divisor, param_shardings
@@ -1314,7 +1398,8 @@ def lower_decode(
     row = ("batch",)
     i32 = jnp.int32
     groups = batch_divisor(mesh, rules)
-    packed = spec((slots, len(_SLOT_FIELDS) + stop_width + table_pages), i32, row + (None,))
+    Q, L = stop_sequences
+    packed = spec((slots, len(_SLOT_FIELDS) + stop_width + L + table_pages), i32, row + (None,))
     pages = spec((groups * list_pages, 3), i32, row + (None,))
     c = config
     page = (num_pages, page_size, 2 * c.num_kv_heads, c.head_dim)
@@ -1340,7 +1425,8 @@ def lower_decode(
     limit = jax.ShapeDtypeStruct((), i32, sharding=scalar)
     seed = jax.ShapeDtypeStruct((), jnp.uint32, sharding=scalar)
     strategy = make_strategy(1.0)
+    sequences = (jax.ShapeDtypeStruct((Q, L), i32, sharding=scalar),) if L else ()
     with jax.set_mesh(mesh), spmd.logical_axis_rules(rules):
         return jax.jit(fn, donate_argnums=(2, 3)).lower(
-            params, rest, pool, out, packed, pages, limit, seed, strategy
+            params, rest, pool, out, packed, pages, limit, seed, strategy, *sequences
         )

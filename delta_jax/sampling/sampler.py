@@ -78,11 +78,20 @@ def _validate_turns(turns, engine: str, vocab_size: int) -> None:
     """Raises ``ValueError`` for a multi-turn request the sampler cannot run."""
     if engine != "continuous":
         raise ValueError("multi-turn requests (turns=...) need Sampler(engine='continuous')")
-    if not turns.stop_ids:
-        raise ValueError("turns.stop_ids is empty: no token would end a turn")
+    if not turns.stop_ids and not turns.stop_sequences:
+        raise ValueError(
+            "turns.stop_ids and turns.stop_sequences are empty: no token would end a turn"
+        )
     bad = [t for t in turns.stop_ids if not 0 <= int(t) < vocab_size]
     if bad:
         raise ValueError(f"turns.stop_ids {bad} are outside the vocabulary (size {vocab_size})")
+    for i, seq in enumerate(turns.stop_sequences):
+        where = f"turns.stop_sequences[{i}]"
+        if not isinstance(seq, tuple | list) or not seq:
+            raise ValueError(f"{where} must be a non-empty tuple of ids, got {seq!r}")
+        bad = [t for t in seq if not isinstance(t, int | np.integer) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{where} has ids {bad} outside the vocabulary (size {vocab_size})")
     if isinstance(turns.max_turns, bool) or not isinstance(turns.max_turns, int):
         raise ValueError(f"turns.max_turns must be an int >= 1, got {turns.max_turns!r}")
     if turns.max_turns < 1:
@@ -411,10 +420,10 @@ class Sampler:
             (generated ids, sample order) once they have all ended: by the continuous engine as
             soon as that happens, while other rows still decode (so their rewards can be
             computed meanwhile); by the static sampler for every prompt after the batch ends.
-          turns: a multi-turn request (:class:`~delta_jax.sampling.engine.Turns`: the ids
-            that end a turn, the turn limit, and the host's ``submit(row, turn)`` returning a
-            future of the observation's ids); continuous engine only. Observations are written
-            into the rows as context and marked in ``action_mask_array``.
+          turns: a multi-turn request (:class:`~delta_jax.sampling.engine.Turns`: the ids and
+            id sequences that end a turn, the turn limit, and the host's ``submit(row, turn)``
+            returning a future of the observation's ids); continuous engine only. Observations
+            are written into the rows as context and marked in ``action_mask_array``.
 
         Returns:
           A :class:`~delta_jax.sampling.output.SamplerOutput`.

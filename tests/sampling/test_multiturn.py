@@ -2,11 +2,13 @@
 observation without a decode slot, keeps its pages, and continues in place.
 
 The reference is ``transformers`` greedy ``generate`` re-run on the whole history each turn (an
-independent implementation that prefills everything again), with the same deterministic
-environment; tokens must be identical for fewer slots than episodes, random host latencies and
-a pool small enough to preempt sequences (running and waiting) after a hand-over.
+independent implementation that prefills everything again) and stopped where the turn's ids end
+with a stop id or sequence, with the same deterministic environment; tokens must be identical
+for fewer slots than episodes, random host latencies and a pool small enough to preempt
+sequences (running and waiting) after a hand-over.
 """
 
+import collections
 import concurrent.futures
 import random
 import threading
@@ -46,7 +48,22 @@ def models(tmp_path_factory):
     return hf, from_pretrained(path)
 
 
-def _hf_greedy(hf, context: list[int], max_new: int, stop: int | None) -> list[int]:
+def _ends_turn(turn: list[int], stops: list[tuple[int, ...]]) -> bool:
+    """The turn's ids end with one of ``stops`` (a stop id is a one-id sequence)."""
+    return any(tuple(turn[-len(q) :]) == q for q in stops if len(q) <= len(turn))
+
+
+class _EndsTurn(transformers.StoppingCriteria):
+    """Stops ``generate`` where the ids it generated (after ``start``) end with a stop."""
+
+    def __init__(self, start: int, stops: list[tuple[int, ...]]):
+        self.start, self.stops = start, stops
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.tensor([_ends_turn(input_ids[0, self.start :].tolist(), self.stops)])
+
+
+def _hf_greedy(hf, context: list[int], max_new: int, stops=()) -> list[int]:
     with torch.no_grad():
         out = hf.generate(
             input_ids=torch.tensor([context]),
@@ -54,12 +71,13 @@ def _hf_greedy(hf, context: list[int], max_new: int, stop: int | None) -> list[i
             max_new_tokens=max_new,
             do_sample=False,
             pad_token_id=PAD,
-            eos_token_id=stop,
+            eos_token_id=None,
+            stopping_criteria=transformers.StoppingCriteriaList([_EndsTurn(len(context), stops)]),
         )
     return out[0, len(context) :].tolist()
 
 
-def _reference(hf, stop: int):
+def _reference(hf, stops: list[tuple[int, ...]]):
     """Episodes by re-prefilling the whole history every turn: tokens, action masks and the
     turns the environment was asked about."""
     tokens, actions, calls = [], [], []
@@ -67,10 +85,10 @@ def _reference(hf, stop: int):
         resp, act, asked = [], [], []
         for turn_index in range(MAX_TURNS):
             start = len(resp)
-            new = _hf_greedy(hf, prompt + resp, BUDGET - len(resp), stop)
+            new = _hf_greedy(hf, prompt + resp, BUDGET - len(resp), stops)
             resp += new
             act += [True] * len(new)
-            if new[-1] != stop or len(resp) >= BUDGET or turn_index + 1 == MAX_TURNS:
+            if not _ends_turn(new, stops) or len(resp) >= BUDGET or turn_index + 1 == MAX_TURNS:
                 break
             asked.append(resp[start:])
             obs = observe(resp[start:], turn_index)
@@ -84,11 +102,17 @@ def _reference(hf, stop: int):
     return tokens, actions, calls
 
 
-def _turn_stop(hf) -> int:
-    """A token that greedy decoding writes early in most episodes (so that turns end)."""
-    seen = [set(_hf_greedy(hf, p, 12, stop=None)) for p in PROMPTS]
-    counts = {t: sum(t in s for s in seen) for t in set().union(*seen)}
-    return max(sorted(counts), key=lambda t: counts[t])
+def _turn_stops(hf, case: str) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """Stop ids and sequences that greedy decoding reaches (so that turns end), from the first
+    ids it writes after each prompt: the id most episodes write, or one episode's first id and
+    runs of 2 and 3 ids two others write; plus a sequence that spans one prompt's last id and its
+    first generated one, which must never match (prompt ids do not count)."""
+    starts = [_hf_greedy(hf, p, 12) for p in PROMPTS]
+    if case == "stop_id":
+        counts = collections.Counter(t for s in starts for t in set(s))
+        return (max(sorted(counts), key=lambda t: counts[t]),), ()
+    spanning = (PROMPTS[4][-1], starts[4][0])
+    return (starts[0][0],), (tuple(starts[1][4:6]), tuple(starts[2][5:8]), spanning)
 
 
 class Host:
@@ -113,21 +137,24 @@ class Host:
         return self.pool.submit(answer)
 
 
-@pytest.fixture(scope="module")
-def reference(models):
+@pytest.fixture(scope="module", params=["stop_id", "stop_sequences"])
+def reference(models, request):
     hf, _ = models
-    stop = _turn_stop(hf)
-    return stop, *_reference(hf, stop)
+    stop_ids, sequences = _turn_stops(hf, request.param)
+    return stop_ids, sequences, *_reference(hf, [(t,) for t in stop_ids] + list(sequences))
 
 
 def test_multiturn_episodes_equal_reprefilling_the_history(models, reference):
     _, model = models
-    stop, expected, expected_actions, expected_calls = reference
+    stop_ids, sequences, expected, expected_actions, expected_calls = reference
     # 3 slots for 5 episodes; a pool of 23 usable pages of 4 tokens, where one episode needs
     # up to 16: sequences are preempted, running and waiting, before and after hand-overs.
     slots, num_pages, chunk = 3, 24, 3
     # The reference episodes take several turns (observations in most of them).
     assert sum(any(not a for a in acts) for acts in expected_actions) >= 3, expected_calls
+    if sequences:  # and turns end at stop sequences of 2 and 3 ids, not only at the stop id
+        ends = {len(q) for c in sum(expected_calls, []) for q in sequences if _ends_turn(c, [q])}
+        assert {2, 3} <= ends, expected_calls
 
     host = Host(seed=slots)
     sampler = Sampler(
@@ -144,7 +171,7 @@ def test_multiturn_episodes_equal_reprefilling_the_history(models, reference):
         PROMPTS,
         max_new_tokens=BUDGET,
         temperature=0.0,
-        turns=Turns(stop_ids=(stop,), max_turns=MAX_TURNS, submit=host.submit),
+        turns=Turns(stop_ids, MAX_TURNS, host.submit, stop_sequences=sequences),
     )
     assert out.tokens == expected
     mask = np.asarray(out.action_mask_array)
@@ -173,6 +200,12 @@ def test_multiturn_episodes_equal_reprefilling_the_history(models, reference):
         ("static", Turns((5,), 2, None), "engine='continuous'"),
         ("continuous", Turns((), 2, None), "no token would end a turn"),
         ("continuous", Turns((500,), 2, None), "outside the vocabulary"),
+        (
+            "continuous",
+            Turns((), 2, None, ((3, 4), ())),
+            r"stop_sequences\[1\] must be a non-empty",
+        ),
+        ("continuous", Turns((), 2, None, ((3, 500),)), r"\[500\] outside the vocabulary"),
         ("continuous", Turns((5,), 0, None), "max_turns must be an int >= 1"),
     ],
 )
