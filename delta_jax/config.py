@@ -76,12 +76,14 @@ class ModelConfigSection:
 @dataclasses.dataclass(frozen=True)
 class DataConfigSection:
     """Prompts: a local file/directory, a hub data set (``openai/gsm8k`` with ``subset: main``;
-    downloaded on first use through ``datasets``), or ``demo:arithmetic``."""
+    downloaded on first use through ``datasets``), ``demo:arithmetic`` (the CPU demo's additions)
+    or ``demo:products`` (3-digit products: the tool-use demo, configs/demo_tool.yaml)."""
 
     source: str = "demo:arithmetic"
     subset: str | None = None
-    # Response template of the demo task (delta_jax.demo.TEMPLATES): formatting density.
-    demo_template: Literal["short", "long"] = "short"
+    # Response template of the demo model's warm-up (delta_jax.demo.TEMPLATES): formatting
+    # density of demo:arithmetic; "tool" for demo:products (a Python tool call, then the answer).
+    demo_template: Literal["short", "long", "tool"] = "short"
     adapter: str = "generic"
     split: str = "train"
     eval_source: str | None = None
@@ -122,6 +124,21 @@ class RolloutConfigSection:
     # rewards are not all equal, at most this many extra sampling rounds (0 disables). The
     # built-in defaults are the CPU demo's; paper_base.yaml sets 0.
     dynamic_sampling_rounds: int = 2
+    # Multi-turn episodes (delta_jax.envs): "" (one response per prompt), "python_tool" (the
+    # built-in Python interpreter tool, delta_jax.envs.PythonTool), or "package.module:factory"
+    # (a callable returning a fresh Environment per episode). Trainer(environment=...) takes an
+    # object or a factory instead. Needs the continuous engine.
+    environment: str = ""
+    # Model turns per episode (1: the response is one turn; a tool call in the last turn is
+    # not answered). python_tool: max_turns - 1 tool calls, the last turn is left for the answer.
+    max_turns: int = 1
+    # An observation longer than this (tokens) is cut middle-out before it enters the context.
+    max_observation_tokens: int = 256
+    tool_timeout_s: float = 10.0  # python_tool: wall-clock limit of one call (> 0)
+    # python_tool's call format: "tool_call" (Qwen3's <tool_call> JSON, the tool declared in
+    # the chat template), "fenced" (a ```python block, for base models), "auto": "tool_call"
+    # when the tokenizer has a chat template, else "fenced".
+    tool_call_format: Literal["auto", "tool_call", "fenced"] = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,6 +431,18 @@ def validate(config: Config) -> None:
     if r.num_pages < 0:
         raise ConfigError(f"rollout.num_pages={r.num_pages} must be >= 0 (0: sized by the engine)")
     _check_ranges(config)
+    d = config.data
+    if config.model.path == "demo:tiny" and d.source in ("demo:arithmetic", "demo:products"):
+        if (d.demo_template == "tool") != (d.source == "demo:products"):
+            raise ConfigError(
+                f"data.demo_template={d.demo_template} does not fit data.source={d.source} "
+                "(demo:products goes with the tool template, demo:arithmetic with short / long)"
+            )
+    if r.environment and r.engine != "continuous":
+        raise ConfigError(
+            f"rollout.environment={r.environment!r} needs rollout.engine=continuous (a turn "
+            "waits for its observation without holding the batch)"
+        )
     if r.engine == "continuous" and r.samples_per_prompt > r.decode_slots:
         raise ConfigError(
             f"rollout.samples_per_prompt={r.samples_per_prompt} exceeds "
@@ -477,6 +506,9 @@ _RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "model.demo_warmup_noise": (0, 1, True, True),
     "data.limit": (1, None, True, True),
     "rollout.dynamic_sampling_rounds": (0, None, True, True),
+    "rollout.max_turns": (1, None, True, True),
+    "rollout.max_observation_tokens": (1, None, True, True),
+    "rollout.tool_timeout_s": (0, None, False, True),
     "reward.num_workers": (0, None, True, True),
     "reward.timeout_s": (0, None, False, True),
     "reward.overlong_buffer": (0, None, True, True),

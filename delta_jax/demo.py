@@ -31,6 +31,7 @@ import optax
 from flax import nnx
 
 from delta_jax.data import PromptRecord
+from delta_jax.envs.base import PLAIN_OBSERVATION
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +43,21 @@ TEMPLATES = {
     "long": "Add the ones, then the tens.\nAnswer: \\boxed{{{c}}}. Done.",
 }
 RESPONSE_TEMPLATE = TEMPLATES["short"]
+# The tool-use demo (template "tool", data demo:products): products of two 3-digit numbers, which
+# the tiny model cannot compute, but can have computed: it writes a fenced call (ending at
+# PythonTool's stop string), the tool's output comes back as context, the model copies it.
+TOOL_PROMPT = "Q: {a}*{b}=?\nA: "
+TOOL_CALL = "```py\nprint({a}*{b})\n```\n"
+TOOL_ANSWER = "\\boxed{{{c}}}"
+# Warm-up demonstrations that call the tool; the others answer at once (a guess, to the model).
+TOOL_SHARE = 0.25
 _PROBE_EVERY = 10  # warm-up steps between two probes of the held-out answer probability
 _PROBE_PROMPTS = 256
 _CHARS = (
     list("0123456789+-*=?:.,() \n\\{}")
     + [chr(c) for c in range(ord("a"), ord("z") + 1)]
     + [chr(c) for c in range(ord("A"), ord("Z") + 1)]
+    + ["`"]  # fenced code blocks (the tool demo)
 )
 _SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 DEMO_VOCAB = 128  # model vocabulary (>= tokenizer size; the spare rows are never sampled well)
@@ -64,6 +74,23 @@ def arithmetic_records(n: int, *, seed: int, low: int = 10, high: int = 99) -> l
                 prompt=PROMPT_TEMPLATE.format(a=a, b=b),
                 answer=str(a + b),
                 source=f"demo:arithmetic(seed={seed})",
+                row=i,
+            )
+        )
+    return records
+
+
+def product_records(n: int, *, seed: int, low: int = 100, high: int = 999) -> list[PromptRecord]:
+    """``n`` multiplication problems ``a * b`` with ``low <= a, b <= high`` (the tool demo)."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(n):
+        a, b = rng.randint(low, high), rng.randint(low, high)
+        records.append(
+            PromptRecord(
+                prompt=TOOL_PROMPT.format(a=a, b=b),
+                answer=str(a * b),
+                source=f"demo:products(seed={seed})",
                 row=i,
             )
         )
@@ -95,16 +122,32 @@ def _encode_example(tokenizer, a: int, b: int, c: int, template: str):
     return prompt, response
 
 
+def _tool_example(tokenizer, a: int, b: int, c: int, use_tool: bool):
+    """(prompt ids, response ids + eos, response mask) of one tool-demo demonstration: a call
+    whose output (as PythonTool renders it, context: mask 0) is followed by the answer ``c``, or
+    the answer alone."""
+    encode = tokenizer.encode
+    prompt = encode(TOOL_PROMPT.format(a=a, b=b))
+    answer = encode(TOOL_ANSWER.format(c=c)) + [tokenizer.eos_token_id]
+    if not use_tool:
+        return prompt, answer, [1] * len(answer)
+    call = encode(TOOL_CALL.format(a=a, b=b))
+    observation = encode(PLAIN_OBSERVATION.format(a * b))
+    mask = [1] * len(call) + [0] * len(observation) + [1] * len(answer)
+    return prompt, call + observation + answer, mask
+
+
 def _pack(examples, pad_id: int, length: int):
-    """(ids, loss mask) arrays; the mask marks the positions that predict a response token."""
+    """(ids, loss mask) arrays; the mask marks the positions that predict a response token (of
+    the response tokens its example's optional third entry marks)."""
     ids = np.full((len(examples), length), pad_id, np.int32)
     loss_mask = np.zeros((len(examples), length), np.float32)
-    for i, (prompt, response) in enumerate(examples):
+    for i, (prompt, response, *marks) in enumerate(examples):
         seq = prompt + response
         assert len(seq) <= length, (len(seq), length)
         ids[i, : len(seq)] = seq
         # Targets are ids shifted by one: position t predicts token t + 1.
-        loss_mask[i, len(prompt) - 1 : len(seq) - 1] = 1.0
+        loss_mask[i, len(prompt) - 1 : len(seq) - 1] = marks[0] if marks else 1.0
     return ids, loss_mask
 
 
@@ -116,19 +159,28 @@ def _sft_batches(tokenizer, *, batch: int, seed: int, length: int, noise: float,
     clear, verifiable signal to act on, while the response format stays shared.
     """
     rng = np.random.default_rng(seed)
+    tool = template == "tool"
     while True:
         examples = []
         for _ in range(batch):
-            a, b = (int(x) for x in rng.integers(10, 100, size=2))
-            c = a + b
+            operands = rng.integers(100, 1000, 2) if tool else rng.integers(10, 100, 2)
+            a, b = (int(x) for x in operands)
+            c = a * b if tool else a + b
             if rng.random() < noise:
                 c = max(0, c + int(rng.choice([-1, 1])) * int(rng.integers(1, 11)))
-            examples.append(_encode_example(tokenizer, a, b, c, template))
+            if tool:
+                examples.append(_tool_example(tokenizer, a, b, c, rng.random() < TOOL_SHARE))
+            else:
+                examples.append(_encode_example(tokenizer, a, b, c, template))
         yield _pack(examples, tokenizer.pad_token_id, length)
 
 
 def _sequence_length(template: str) -> int:
     """Longest prompt + response + eos of ``template``, rounded up to a multiple of 8."""
+    if template == "tool":
+        tool = TOOL_CALL.format(a=999, b=999) + PLAIN_OBSERVATION.format(999 * 999)
+        longest = len(TOOL_PROMPT.format(a=999, b=999)) + len(tool)
+        return -(-(longest + len(TOOL_ANSWER.format(c=999 * 999)) + 1) // 8) * 8
     longest = len(PROMPT_TEMPLATE.format(a=99, b=99)) + len(TEMPLATES[template].format(c=198)) + 1
     return -(-longest // 8) * 8
 
@@ -160,6 +212,10 @@ def reference_batch(tokenizer, records, *, template: str):
     """
     examples = []
     for r in records:
+        if template == "tool":  # the right answer through the tool
+            a, b = (int(x) for x in r.prompt[3:].split("=")[0].split("*"))
+            examples.append(_tool_example(tokenizer, a, b, a * b, use_tool=True))
+            continue
         a, b = (int(x) for x in r.prompt[3:].split("=")[0].split("+"))
         examples.append(_encode_example(tokenizer, a, b, a + b, template))
     return _pack(examples, tokenizer.pad_token_id, _sequence_length(template))
@@ -167,7 +223,8 @@ def reference_batch(tokenizer, records, *, template: str):
 
 def _probe_set(tokenizer, *, seed: int, template: str):
     """Held-out problems with their correct responses (independent of training and RL data)."""
-    records = arithmetic_records(_PROBE_PROMPTS, seed=seed + 2)
+    make = product_records if template == "tool" else arithmetic_records
+    records = make(_PROBE_PROMPTS, seed=seed + 2)
     return reference_batch(tokenizer, records, template=template)
 
 
@@ -226,8 +283,8 @@ def warm_up_demo_model(
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists() and any(out_dir.glob("*.safetensors")):
         return out_dir
-    if template not in TEMPLATES:
-        raise ValueError(f"template={template!r} is not one of {', '.join(TEMPLATES)}")
+    if template not in (*TEMPLATES, "tool"):
+        raise ValueError(f"template={template!r} is not one of {', '.join(TEMPLATES)}, tool")
     tokenizer = build_char_tokenizer()
     model = Transformer(_tiny_config(tokenizer), rngs=nnx.Rngs(seed))
     graphdef, params = nnx.split(model, nnx.Param)

@@ -167,6 +167,7 @@ def sample_and_score(
     stop_token_ids: Sequence[int],
     seed: int,
     batch_prompts: int | None = None,
+    episodes=None,
 ) -> SampleScores:
     """Samples ``k`` responses per prompt (``batch_prompts`` per sampler call) and scores them.
 
@@ -184,6 +185,8 @@ def sample_and_score(
       stop_token_ids: ids that end a response.
       seed: sampling seed; chunk ``j`` uses ``seed + j``.
       batch_prompts: prompts per sampler call (None: all at once).
+      episodes: an :class:`~delta_jax.envs.episodes.EpisodeRunner`: each response is a
+        multi-turn episode (observations included in the scored text).
 
     Returns:
       :class:`SampleScores`.
@@ -202,6 +205,12 @@ def sample_and_score(
     texts: list[str] = []
     lengths: list[int] = []
     for j, start in enumerate(range(0, len(prompt_ids), step)):
+        chunk = [r for r in records[start : start + step] for _ in range(k)]
+        turns = None
+        if episodes is not None:
+            from delta_jax.envs.episodes import episode_row
+
+            turns = episodes.start([episode_row(r) for r in chunk]).turns
         out = sampler.generate(
             [list(p) for p in prompt_ids[start : start + step]],
             n=k,
@@ -211,6 +220,7 @@ def sample_and_score(
             stop_token_ids=tuple(stop_token_ids),
             seed=seed + j,
             params=params,
+            turns=turns,
         )
         texts += tokenizer.batch_decode(out.tokens, skip_special_tokens=True)
         lengths += [int(x) for x in out.lengths]
@@ -270,6 +280,7 @@ def evaluate_prompts(
     pass_ks: Sequence[int] | None = None,
     majority: bool | None = None,
     batch_prompts: int | None = None,
+    episodes=None,
 ) -> dict[str, float]:
     """Sample ``k`` responses per prompt, score them; return avg@k, pass@k (and maj@k).
 
@@ -299,6 +310,7 @@ def evaluate_prompts(
         stop_token_ids=stop_token_ids,
         seed=seed,
         batch_prompts=batch_prompts,
+        episodes=episodes,
     )
     if majority is None:
         majority = k > 1 and getattr(scorer, "kind", None) == "math"

@@ -17,7 +17,7 @@ from the left (``"left"``) so the end of the prompt, next to the generation, is 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from delta_jax.data.sources import PromptRecord
@@ -49,6 +49,7 @@ def render_prompt(
     *,
     system_prompt: str | None = None,
     template: str | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
     """The prompt text for ``record``, chat-templated when the tokenizer has a chat template.
 
@@ -57,6 +58,8 @@ def render_prompt(
       tokenizer: a ``transformers`` tokenizer.
       system_prompt: system message for records that carry none.
       template: user-message format containing ``{prompt}``.
+      tools: tool schemas the chat template declares (an environment's ``tools``); ignored
+        without a chat template.
 
     Returns:
       The text to tokenise (ending with the assistant header when chat-templated).
@@ -66,7 +69,9 @@ def render_prompt(
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": user})
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+        )
     return PLAIN_FORMAT.format(system=system, prompt=user) if system else user
 
 
@@ -78,6 +83,7 @@ def encode_prompts(
     truncation: str = "drop",
     system_prompt: str | None = None,
     template: str | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> EncodedPrompts:
     """Tokenises prompts and applies the max-prompt-length policy.
 
@@ -92,6 +98,7 @@ def encode_prompts(
       truncation: ``"drop"`` or ``"left"``.
       system_prompt: system message for records that carry none.
       template: user-message format containing the literal ``{prompt}``.
+      tools: tool schemas for the chat template (see :func:`render_prompt`).
 
     Returns:
       :class:`EncodedPrompts` with at most B prompts, order preserved.
@@ -111,7 +118,8 @@ def encode_prompts(
     if not records:
         return EncodedPrompts(ids=[], records=[], dropped=0)
     texts = [
-        render_prompt(r, tokenizer, system_prompt=system_prompt, template=template) for r in records
+        render_prompt(r, tokenizer, system_prompt=system_prompt, template=template, tools=tools)
+        for r in records
     ]
     chat = bool(getattr(tokenizer, "chat_template", None))
     all_ids = tokenizer(texts, add_special_tokens=not chat)["input_ids"]

@@ -30,13 +30,13 @@ One ``PythonTool`` per episode (make them with a factory, e.g.
 calls. Objects of different episodes share nothing mutable, so a thread pool may step many
 episodes at once; the turns of one episode are stepped one after the other.
 
-Run configuration (keys to come with the engine's multi-turn rollouts) and the arguments they
-will map to:
+In a run, ``rollout.environment: python_tool`` builds one per episode from the ``rollout`` keys:
 
 * ``rollout.max_turns``: the caller's limit of model turns per episode, and
   ``max_tool_calls=max_turns - 1`` here (the last turn is left for the answer);
 * ``rollout.max_observation_tokens``: ``max_observation_tokens`` (with the run's tokenizer);
-* ``rollout.tool_timeout_s``: ``timeout_s``.
+* ``rollout.tool_timeout_s``: ``timeout_s``;
+* ``rollout.tool_call_format``: ``call_format`` (``auto``: ``tool_call`` with a chat template).
 """
 
 from __future__ import annotations

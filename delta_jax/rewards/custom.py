@@ -35,21 +35,26 @@ def load_reward_fn(path: str) -> RewardFn:
       >>> fn = load_reward_fn("my_rewards:length_penalty")  # doctest: +SKIP
       >>> fn("2+2?", "4", {"answer": "4"})  # doctest: +SKIP
     """
+    return load_callable(path, "reward function")
+
+
+def load_callable(path: str, what: str) -> Callable:
+    """The callable at ``"package.module:attribute"`` (``what`` names it in errors)."""
     if not isinstance(path, str) or path.count(":") != 1:
-        raise ValueError(f"reward function path must be 'package.module:function', got {path!r}")
+        raise ValueError(f"{what} path must be 'package.module:function', got {path!r}")
     module_name, attr = path.split(":")
     if not module_name or not attr:
-        raise ValueError(f"reward function path must be 'package.module:function', got {path!r}")
+        raise ValueError(f"{what} path must be 'package.module:function', got {path!r}")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"reward function {path!r}: cannot import {module_name!r}: {e}") from e
+        raise ValueError(f"{what} {path!r}: cannot import {module_name!r}: {e}") from e
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"reward function {path!r}: {module_name!r} has no attribute {attr!r}")
+            raise ValueError(f"{what} {path!r}: {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ValueError(f"reward function {path!r} is not callable ({type(obj).__name__})")
+        raise ValueError(f"{what} {path!r} is not callable ({type(obj).__name__})")
     return obj
 
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from delta_jax.data import PromptRecord
+from delta_jax.envs.episodes import EpisodeRunner, episode_row
 from delta_jax.losses import advantages as adv_lib
 from delta_jax.rewards import concat_batches
 
@@ -79,12 +80,13 @@ def _padded_rows(outputs, rows, *, prompt_len: int, gen_len: int):
     sequences = cat(
         [
             jnp.concatenate([fit(p, prompt_len, True), fit(t, gen_len, False)], 1)
-            for p, t, _, _ in outputs
+            for p, t, *_ in outputs
         ]
     )
-    logprobs = cat([fit(lp, gen_len, False) for _, _, lp, _ in outputs])
-    hidden = None if outputs[0][3] is None else cat([fit(h, gen_len, False) for *_, h in outputs])
-    return sequences, logprobs, hidden
+    logprobs = cat([fit(o[2], gen_len, False) for o in outputs])
+    hidden = None if outputs[0][3] is None else cat([fit(o[3], gen_len, False) for o in outputs])
+    mask = None if outputs[0][4] is None else cat([fit(o[4], gen_len, False) for o in outputs])
+    return sequences, logprobs, hidden, mask
 
 
 def collect_rollout(
@@ -103,8 +105,10 @@ def collect_rollout(
     overlong: tuple[int, float] | None,
     dynamic_rounds: int,
     return_hidden: bool,
+    episodes: EpisodeRunner | None = None,
 ) -> Rollout:
-    """Sample, score and assemble one rollout batch (see module docstring)."""
+    """Sample, score and assemble one rollout batch (see module docstring); with ``episodes``
+    each response is a multi-turn episode (:mod:`delta_jax.envs.episodes`)."""
     stats: Counter = Counter()
     kept: list[dict] = []  # per-group dicts: where its rows are, and their host-side results
     spare: list[dict] = []
@@ -114,10 +118,16 @@ def collect_rollout(
         wanted = wanted or len(pairs)
         out, groups = _sample_and_score(
             sampler, params, scorer, tokenizer, pairs, n, gen_len, sampling,
-            seed * 1000 + round_, overlong, return_hidden, stats,
+            seed * 1000 + round_, overlong, return_hidden, stats, episodes,
         )  # fmt: skip
         outputs.append(
-            (out.prompt_array, out.token_array, out.untruncated_logprob_array, out.hidden_array)
+            (
+                out.prompt_array,
+                out.token_array,
+                out.untruncated_logprob_array,
+                out.hidden_array,
+                out.action_mask_array,
+            )
         )
         for g, group in enumerate(groups):
             group["rows"] = offset + g * n + np.arange(n)
@@ -135,6 +145,12 @@ def collect_rollout(
         stats["rollout/occupancy"] = stats["engine/useful_steps"] / stats["engine/decode_steps"]
     for key in ("engine/useful_steps", "engine/decode_steps"):
         stats.pop(key, None)
+    if episodes is not None:  # per-episode means over every round's episodes
+        observed, written = stats.pop("rollout/observation_tokens"), stats.pop("response_tokens")
+        stats["rollout/observation_share"] = observed / max(1, written)
+        count = stats.pop("episode/count")
+        for key in [k for k in stats if k.startswith("episode/")]:
+            stats[key] /= count
     stats["dynamic/informative_groups"] = int(sum(np.ptp(g["rewards"]) > 0 for g in kept))
     return _assemble(kept, tuple(outputs), n, prompt_len, gen_len, advantage, dict(stats))
 
@@ -142,7 +158,7 @@ def collect_rollout(
 def _assemble(kept, outputs, n, prompt_len, gen_len, advantage, stats) -> Rollout:
     """The kept groups' rows in the fixed layout (on device), with advantages and statistics."""
     rows = np.concatenate([g["rows"] for g in kept])
-    sequences, logprobs, hidden = _padded_rows(
+    sequences, logprobs, hidden, action_mask = _padded_rows(
         outputs, rows, prompt_len=prompt_len, gen_len=gen_len
     )
     joined = lambda key: [x for g in kept for x in g[key]]
@@ -170,15 +186,18 @@ def _assemble(kept, outputs, n, prompt_len, gen_len, advantage, stats) -> Rollou
         records=joined("records"),
         responses=joined("texts"),
         stats=stats,
+        action_mask=action_mask,
     )
 
 
 def _sample_and_score(
-    sampler, params, scorer, tokenizer, pairs, n, gen_len, sampling, seed, overlong, hidden, stats
-):
+    sampler, params, scorer, tokenizer, pairs, n, gen_len, sampling, seed, overlong, hidden, stats,
+    runner,
+):  # fmt: skip
     """One sampler call and its rewards; returns the output and one dict per prompt group."""
     t0 = time.perf_counter()
     records = [rec for _, rec in pairs for _ in range(n)]
+    episodes = None if runner is None else runner.start([episode_row(r) for r in records])
     items = [{"answer": r.answer, "tests": r.tests, **r.extra} for r in records]
     prompts = [r.prompt for r in records]
     texts: list[str] = [""] * len(records)
@@ -188,6 +207,9 @@ def _sample_and_score(
         # Called as soon as prompt i's samples have all ended: its rewards are computed in the
         # reward pool while the engine decodes the others (the host's only read of tokens).
         rows = slice(i * n, (i + 1) * n)
+        if episodes is not None:  # their last turns, for environments that score episodes
+            for j, ids in enumerate(tokens):
+                episodes.finish(i * n + j, ids)
         texts[rows] = tokenizer.batch_decode(tokens, skip_special_tokens=True)
         pending[i] = scorer.submit(prompts[rows], texts[rows], items[rows], group_size=n)
 
@@ -199,6 +221,7 @@ def _sample_and_score(
         return_hidden=hidden,
         params=params,
         on_prompt_done=score_group,
+        turns=None if episodes is None else episodes.turns,
         **sampling,
     )
     t1 = time.perf_counter()
@@ -214,6 +237,17 @@ def _sample_and_score(
         stats["rollout/preemptions"] += es.preemptions
         stats["rollout/pages_peak"] = max(stats["rollout/pages_peak"], *es.high_water_pages)
     rewards = np.asarray(scored.rewards, np.float32)
+    components = dict(scored.components)
+    if episodes is not None:
+        for key, value in episodes.stats().items():  # means; summed here, divided at the end
+            stats[key] += value * len(records)
+        stats["episode/count"] += len(records)
+        stats["rollout/observation_tokens"] += out.engine_stats.observation_tokens
+        stats["response_tokens"] += sum(out.lengths)
+        stats["time/tool_wait"] += out.engine_stats.wait_s
+        given = episodes.rewards()  # environments that score their episodes add their reward
+        if given is not None:
+            rewards, components["environment"] = rewards + given, given
     if overlong is not None and overlong[0] > 0:
         rewards = rewards + np.asarray(
             adv_lib.overlong_penalty(
@@ -230,7 +264,7 @@ def _sample_and_score(
             lengths=list(out.lengths[g * n : (g + 1) * n]),
             records=records[g * n : (g + 1) * n],
             texts=texts[g * n : (g + 1) * n],
-            components={k: v[g * n : (g + 1) * n] for k, v in scored.components.items()},
+            components={k: v[g * n : (g + 1) * n] for k, v in components.items()},
         )
         for g, (prompt_ids, _) in enumerate(pairs)
     ]

@@ -8,6 +8,7 @@ reward callables.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,6 +25,7 @@ from delta_jax.data.objects import RowConverter, StreamPrompts, is_stream, recor
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from delta_jax.envs.episodes import EpisodeRunner
     from delta_jax.models import Transformer
     from delta_jax.rewards import FlippedRewards, RewardSet
     from delta_jax.sampling import Sampler
@@ -32,6 +34,7 @@ log = logging.getLogger(__name__)
 
 DEMO_MODEL = "demo:tiny"
 DEMO_DATA = "demo:arithmetic"
+DEMO_SOURCES = (DEMO_DATA, "demo:products")  # additions; products (the tool-use demo)
 
 
 class IndexedPrompts:
@@ -74,6 +77,7 @@ class RunParts:
     eval_records: list[PromptRecord]
     prompt_len: int
     stop_token_ids: tuple[int, ...]
+    episodes: EpisodeRunner | None = None  # multi-turn: the environments (None: one turn)
 
     def evaluate(self, params, step: int) -> dict[str, float]:
         """Mean reward on the held-out prompts (the sampling settings of the run)."""
@@ -94,10 +98,13 @@ class RunParts:
             stop_token_ids=self.stop_token_ids,
             seed=cfg.run.seed * 31 + step,
             prefix="eval/",
+            episodes=self.episodes,
         )
 
     def close(self) -> None:
         self.eval_scorer.close()  # the training scorer wraps the same pools
+        if self.episodes is not None:
+            self.episodes.close()
 
 
 def special_token_ids(tokenizer, model) -> tuple[int, tuple[int, ...]]:
@@ -171,14 +178,15 @@ def load_model(config: Config, run_dir: Path, *, model=None, tokenizer=None):
 
 
 def _load_records(config: Config, source: str, split: str, *, eval_set: bool):
-    from delta_jax.demo import arithmetic_records
+    from delta_jax.demo import arithmetic_records, product_records
 
     d = config.data
-    if source == DEMO_DATA:
+    if source in DEMO_SOURCES:
         # Disjoint seeds: the held-out problems are drawn independently of the training ones;
         # as many as the evaluation uses (``run.eval_prompts``).
         count = config.run.eval_prompts if eval_set else 4096
-        return arithmetic_records(d.limit or count, seed=config.run.seed + (1 if eval_set else 0))
+        make = arithmetic_records if source == DEMO_DATA else product_records
+        return make(d.limit or count, seed=config.run.seed + (1 if eval_set else 0))
     result = load_records(
         source,
         adapter=d.adapter,
@@ -192,14 +200,26 @@ def _load_records(config: Config, source: str, split: str, *, eval_set: bool):
     return result.records
 
 
-def _encoder(config: Config, tokenizer) -> Callable:
-    """records -> EncodedPrompts with the run's template and length policy."""
+def _encoder(config: Config, tokenizer, episodes: EpisodeRunner | None = None) -> Callable:
+    """records -> EncodedPrompts with the run's template and length policy; with an
+    environment, a record's prompt is the first user turn its ``reset`` gives, and the chat
+    template declares the environment's tools."""
     d = config.data
     template = d.template
-    if d.source == DEMO_DATA and template is None:
+    if d.source in DEMO_SOURCES and template is None:
         template = "{prompt}"  # the demo prompt is already the whole text
 
     def encode(records):
+        if episodes is not None:
+            from delta_jax.envs.episodes import episode_row
+
+            try:
+                records = [
+                    dataclasses.replace(r, prompt=episodes.factory().reset(episode_row(r)))
+                    for r in records
+                ]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ConfigError(f"environment reset: {type(e).__name__}: {e}") from None
         enc = encode_prompts(
             records,
             tokenizer,
@@ -207,6 +227,7 @@ def _encoder(config: Config, tokenizer) -> Callable:
             truncation=d.truncation,
             system_prompt=d.system_prompt,
             template=template,
+            tools=None if episodes is None else episodes.tools,
         )
         if enc.dropped:
             log.warning(
@@ -227,9 +248,9 @@ def _object_records(config: Config, data, *, label: str, limit: int | None):
     return result.records
 
 
-def prompt_sets(config: Config, tokenizer, train_dataset=None, eval_dataset=None):
+def prompt_sets(config: Config, tokenizer, train_dataset=None, eval_dataset=None, episodes=None):
     """The training batches and the held-out prompts (None without an eval source)."""
-    d, encode = config.data, _encoder(config, tokenizer)
+    d, encode = config.data, _encoder(config, tokenizer, episodes)
     batch = config.rollout.prompts_per_step
     if train_dataset is not None and is_stream(train_dataset):
         convert = RowConverter(d.adapter, None, "train_dataset", d.on_bad_row)
@@ -264,8 +285,8 @@ def prompt_sets(config: Config, tokenizer, train_dataset=None, eval_dataset=None
         limit = config.run.eval_prompts
         evals = encode(_object_records(config, eval_dataset, label="eval_dataset", limit=limit))
     else:
-        from_demo = d.source == DEMO_DATA and train_dataset is None
-        eval_source = d.eval_source or (DEMO_DATA if from_demo else None)
+        from_demo = d.source in DEMO_SOURCES and train_dataset is None
+        eval_source = d.eval_source or (d.source if from_demo else None)
         if eval_source:
             held_out = _load_records(config, eval_source, d.eval_split, eval_set=True)
             evals = encode(held_out[: config.run.eval_prompts])
@@ -275,6 +296,55 @@ def prompt_sets(config: Config, tokenizer, train_dataset=None, eval_dataset=None
             "set data.eval_source, or set run.eval_every=0"
         )
     return train, evals
+
+
+def episode_runner(config: Config, tokenizer, stop_ids, environment=None):
+    """The run's environments (``environment=`` or ``rollout.environment``), or None (one turn).
+
+    ``python_tool`` is :class:`~delta_jax.envs.PythonTool` with the ``rollout`` keys: call
+    format, ``max_turns - 1`` tool calls, ``max_observation_tokens``, ``tool_timeout_s``.
+    """
+    from delta_jax.envs import PythonTool
+    from delta_jax.envs.episodes import EpisodeRunner, as_factory
+    from delta_jax.rewards.custom import load_callable
+
+    r = config.rollout
+    if environment is None and not r.environment:
+        if r.max_turns > 1:
+            raise ConfigError(
+                f"rollout.max_turns={r.max_turns} needs an environment: set rollout.environment "
+                "(e.g. python_tool) or pass environment="
+            )
+        return None
+    if r.engine != "continuous":
+        raise ConfigError("an environment needs rollout.engine=continuous")
+    try:
+        if environment is not None:
+            factory = as_factory(environment, tokenizer)
+        elif r.environment == "python_tool":
+            chat = bool(getattr(tokenizer, "chat_template", None))
+            fmt = r.tool_call_format
+            factory = functools.partial(
+                PythonTool,
+                call_format=("tool_call" if chat else "fenced") if fmt == "auto" else fmt,
+                max_tool_calls=r.max_turns - 1,
+                max_observation_tokens=r.max_observation_tokens,
+                tokenizer=tokenizer,
+                timeout_s=r.tool_timeout_s,
+            )
+        else:
+            factory = load_callable(r.environment, "environment")
+        return EpisodeRunner(
+            factory,
+            tokenizer,
+            max_turns=r.max_turns,
+            max_observation_tokens=r.max_observation_tokens,
+            end_ids=stop_ids,
+            workers=max(2, min(16, r.decode_slots)),
+        )
+    except (ValueError, TypeError) as e:
+        where = "environment" if environment is not None else "rollout.environment"
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def make_scorers(
@@ -310,6 +380,7 @@ def build_run_parts(
     eval_dataset=None,
     reward_fns=None,
     reward_weights=None,
+    environment=None,
 ) -> RunParts:
     """The parts of a run; each keyword, when given, replaces what the config would build."""
     from delta_jax.sampling import Sampler
@@ -317,8 +388,14 @@ def build_run_parts(
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_model(config, run_dir, model=model, tokenizer=tokenizer)
-    train, evals = prompt_sets(config, tokenizer, train_dataset, eval_dataset)
     pad_id, stop_ids = special_token_ids(tokenizer, model)
+    episodes = episode_runner(config, tokenizer, stop_ids, environment)
+    try:
+        train, evals = prompt_sets(config, tokenizer, train_dataset, eval_dataset, episodes)
+    except BaseException:
+        if episodes is not None:
+            episodes.close()
+        raise
     cache_dtype = config.rollout.cache_dtype
     sampler = Sampler(
         model,
@@ -345,4 +422,5 @@ def build_run_parts(
         eval_records=evals.records if evals else [],
         prompt_len=config.data.max_prompt_length,
         stop_token_ids=stop_ids,
+        episodes=episodes,
     )

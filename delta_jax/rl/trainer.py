@@ -4,7 +4,9 @@ One RL step (:meth:`Trainer.step`), each stage a function below, in this order:
 
 1. **rollout + score** (:func:`delta_jax.rl.rollout.collect_rollout`): ``prompts_per_step``
    prompts from the checkpointable prompt source, ``n`` responses each from the sampler (reading
-   the trainer's current parameters, no copy), rewards (worker pools, timeouts) plus the overlong
+   the trainer's current parameters, no copy) — multi-turn episodes when an environment is set
+   (:mod:`delta_jax.envs.episodes`: tool calls run on the host while the engine decodes),
+   rewards (worker pools, timeouts) plus the overlong
    penalty, group advantages, dynamic sampling when configured. Sequences, log-probs and hidden
    states stay on device; the host reads the token ids only to decode the text the rewards need;
 2. **prepare** (:meth:`~delta_jax.rl.update.Updater.prepare`): the sequences go into the
@@ -157,6 +159,12 @@ class Trainer:
         ``fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]``
         (``columns``: the rows' other fields as lists; ``None``: does not apply, reward 0).
       reward_weights: one weight per reward function (default 1 each); the reward is the sum.
+      environment: multi-turn episodes instead of ``rollout.environment``: an
+        :class:`~delta_jax.envs.Environment` (copied for each episode) or a callable returning
+        a fresh one. Its ``reset(row)`` gives the first user turn, its ``step(turn)`` answers
+        each model turn (a tool's output) until the episode is done or ``rollout.max_turns``;
+        observations are context (no loss); the reward functions score the whole episode's
+        text, plus the environment's own reward when it gives one.
 
     Example::
 
@@ -178,6 +186,7 @@ class Trainer:
         eval_dataset=None,
         reward_fns: Sequence[str | Callable] | str | Callable | None = None,
         reward_weights: Sequence[float] | None = None,
+        environment: Any = None,
     ):
         self.config = cfg = as_config(config)
         self.mesh = sh.mesh_from_config(cfg.run.mesh)
@@ -190,6 +199,7 @@ class Trainer:
             eval_dataset=eval_dataset,
             reward_fns=reward_fns,
             reward_weights=reward_weights,
+            environment=environment,
         )
         try:
             self._start(cfg)
@@ -382,6 +392,7 @@ class Trainer:
             overlong=(cfg.reward.overlong_buffer, cfg.reward.overlong_factor),
             dynamic_rounds=cfg.rollout.dynamic_sampling_rounds,
             return_hidden=self.plan.coefficients == "sampler",
+            episodes=parts.episodes,
         )
         # Back from the sampler's mesh to the trainer's rows (a no-op when the layouts agree).
         fields = ("sequences", "rollout_logprobs", "hidden", "action_mask")
