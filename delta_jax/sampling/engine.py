@@ -624,7 +624,8 @@ class _Scheduler:
 
     def _preempt_youngest(self, group: _Group, keep: _Seq | None) -> bool:
         """Frees idle prompt pages, or else the pages of the group's youngest running sequence
-        (back to its queue front), or else those of its youngest sequence waiting on the host.
+        (back to its queue front), or else those of its youngest sequence holding pages without
+        a slot (waiting on the host, or queued after its observation).
 
         A preempted sequence restarts from its last hand-over: its context up to there is on
         the host and is prefilled again when it re-joins (from the start when it has none).
@@ -638,7 +639,9 @@ class _Scheduler:
             group.slots[i] = None
             group.queue.appendleft(seq)
         else:
-            held = [s for s in group.waiting if s.table and s is not keep]
+            # Sequences holding pages without a slot: waiting on the host, or answered and
+            # queued to re-join (their observation is kept and written when they do).
+            held = [s for s in (*group.waiting, *group.queue) if s.table and s is not keep]
             if not held:
                 return False
             seq = max(held, key=lambda s: s.order)
@@ -838,7 +841,16 @@ class _Scheduler:
                 if any(g.waiting for g in self.groups):
                     self._collect(block=True)  # every sequence left waits on the host
                     continue
-                raise RuntimeError("no sequence fits the page pool")  # validated up front
+                if not any(g.queue for g in self.groups):
+                    break  # the last episodes ended on the host (no observation came back)
+                raise RuntimeError(  # validated up front: a bug if it happens
+                    "no sequence fits the page pool: "
+                    + "; ".join(
+                        f"group {i}: {g.alloc.num_free} free pages, queue "
+                        + str([(s.index, len(s.table), s.length, s.turns) for s in g.queue])
+                        for i, g in enumerate(self.groups)
+                    )
+                )
             self._resume()
             self._decode(state, steps)
         self.stats.high_water_pages = tuple(g.alloc.high_water for g in self.groups)
