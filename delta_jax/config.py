@@ -122,6 +122,9 @@ class RolloutConfigSection:
     # rewards are not all equal, at most this many extra sampling rounds (0 disables). The
     # built-in defaults are the CPU demo's; paper_base.yaml sets 0.
     dynamic_sampling_rounds: int = 2
+    # Model turns per episode: 1 single-turn; > 1 multi-turn (a sequence waiting on a tool
+    # keeps its KV pages, so the default pool holds every sequence of the step).
+    max_turns: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -477,6 +480,7 @@ _RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "model.demo_warmup_noise": (0, 1, True, True),
     "data.limit": (1, None, True, True),
     "rollout.dynamic_sampling_rounds": (0, None, True, True),
+    "rollout.max_turns": (1, None, True, True),
     "reward.num_workers": (0, None, True, True),
     "reward.timeout_s": (0, None, False, True),
     "reward.overlong_buffer": (0, None, True, True),
