@@ -13,6 +13,8 @@ from delta_jax.models import Transformer
 from delta_jax.plan import compiler as plan_compiler
 from delta_jax.plan.compiler import chip_grid
 from delta_jax.plan.programs import Planner
+from delta_jax.sampling import Sampler
+from delta_jax.sampling.buckets import prepare_request
 
 DEMO = "configs/demo.yaml"
 
@@ -258,6 +260,58 @@ def test_engine_pool_follows_the_config():
     # 8 slots x (40 new tokens, wherever the prompt ends: up to 4 own pages of 16) + 8 running
     # prompts x (15 prefix tokens: 1 shared page) + the scratch page.
     assert sized == {0: (41, 41 * page), 50: (50, 50 * page)}
+
+
+def test_multiturn_pool_holds_every_waiting_sequence():
+    """With ``rollout.max_turns`` > 1 a sequence keeps its pages while a tool answers, with no
+    decode slot: the planner sizes the pool as the engine's multi-turn default and reports
+    what waiting sequences hold as a line of its own."""
+    overrides = [
+        "data.max_prompt_length=16",
+        "rollout.max_new_tokens=40",
+        "rollout.prompts_per_step=4",
+        "rollout.samples_per_prompt=4",
+        "rollout.decode_slots=8",
+    ]
+    reports = {
+        turns: plan_lib.plan(
+            load_config(DEMO, [*overrides, f"rollout.max_turns={turns}"]),
+            "v5e-1",
+            search=False,
+            compiler="cpu",
+            compile_train=False,
+        )
+        for turns in (1, 4)
+    }
+    one, four = reports[1], reports[4]
+    # Single-turn: 8 slots x (40 new tokens, wherever the prompt ends: up to 4 own pages of
+    # 16) + 4 prompts x 1 page (15 prefix tokens) + scratch. Multi-turn: all 4 x 4 sequences
+    # hold their own pages (8 of them in no slot), + the 4 prompts' pages + scratch.
+    assert (one.num_pages, four.num_pages) == (8 * 4 + 4 + 1, 16 * 4 + 4 + 1)
+    assert (one.waiting_pages, four.waiting_pages) == (0, 8 * 4)
+    page = one.kv_cache_bytes // one.num_pages
+    assert (four.kv_cache_bytes, four.waiting_bytes) == (69 * page, 32 * page)
+    # The engine's own sizing for such a request (a real sampler over the demo model).
+    model = Transformer(plan_lib.resolve_model_config(load_config(DEMO)))
+    sampler = Sampler(model, engine="continuous", decode_slots=8, page_size=16)
+    request = prepare_request(
+        [[1] * 16] * 4,
+        max_new_tokens=40,
+        n=4,
+        stop_token_ids=[0],
+        vocab_size=model.config.vocab_size,
+        pad_id=0,
+        buckets=sampler.buckets,
+        max_cache_length=model.config.max_position_embeddings,
+    )
+    assert sampler.engine_spec(request, 4, False, multi_turn=True).num_pages == four.num_pages
+    assert "up to 4 turns" in four.table() and "up to" not in one.table()
+    held = [line for line in four.table().splitlines() if "waiting on tools" in line]
+    assert held and "32 pages per group" in held[0]
+    assert "waiting on tools" not in one.table()
+    with pytest.raises(ValueError, match="needs rollout.engine=continuous"):
+        static = load_config(DEMO, ["rollout.engine=static", "rollout.max_turns=2"])
+        plan_lib.plan(static, "v5e-1", search=False, compiler="cpu", compile_train=False)
 
 
 # The TPU compiler's refusals as libtpu 0.0.42.1 words them (captured compile-only: Qwen3-8B's

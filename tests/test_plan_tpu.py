@@ -1,12 +1,14 @@
 """The planner on the real TPU compiler (compile-only, no TPU attached; needs libtpu, which the
 ``test`` extra installs): a tiny model's full train step with splash attention on an FSDP mesh
-of a v5p 2x2x1 slice, and its sampler program."""
+of a v5p 2x2x1 slice, its sampler program, and the engine's multi-turn continuation programs."""
 
 import pytest
 
 from delta_jax import plan as plan_lib
+from delta_jax import sharding as sh
 from delta_jax.config import load_config
 from delta_jax.models import ModelConfig
+from delta_jax.sampling.engine import lower_prefill, lower_write
 
 pytest.importorskip("libtpu")
 
@@ -53,3 +55,35 @@ def test_tiny_splash_train_step_and_sampler_compile_for_v5p():
     # The engine's page pool is one of its (donated) buffers.
     assert splash.sampler.aliased >= splash.kv_cache_bytes > 0
     assert "TPU compiler" in splash.table().split("train temporaries")[1].splitlines()[0]
+
+
+@pytest.mark.slow  # two TPU compiles
+def test_multiturn_continuation_programs_compile_for_v5p():
+    """What a sequence runs between two turns, compiled for the slice's sampling mesh (2 data
+    groups x 2 KV-head shards): the observation written into its output row, and the
+    observation prefilled into its own pages from where the turn ended (the prefill program,
+    its page list holding every row's pages from position 0 on). Both update their donated
+    buffers in place and copy none of them."""
+    _, devices = plan_lib.tpu_topology_devices("v5p-8")
+    mesh = sh.sampling_mesh(sh.make_mesh(1, 4, 1, devices=devices), MODEL.num_kv_heads)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
+    pages, page_size, rows = 8192, 16, 8
+    context = MODEL.max_position_embeddings // page_size  # a row's pages at the longest
+    prefill = lower_prefill(
+        MODEL, mesh, sh.SAMPLE_RULES, rows=rows, length=64, page_size=page_size,
+        num_pages=pages, list_pages=rows // 2 * context,
+    ).compile().memory_analysis()  # fmt: skip
+    # A chip holds its group's half of the pages and one of the 2 KV heads (K and V), bfloat16.
+    layer_share = pages // 2 * page_size * 2 * MODEL.head_dim * 2
+    assert prefill.alias_size_in_bytes >= MODEL.num_layers * layer_share
+    # Not even one layer's share of the pool in temporaries (no relayout copy of the pages).
+    assert 0 < prefill.temp_size_in_bytes < layer_share
+
+    out_rows, gen_len = 64, 4096
+    lowered = lower_write(
+        MODEL, mesh, sh.SAMPLE_RULES, slots=rows, width=64, rows=out_rows, gen_len=gen_len
+    )
+    write = lowered.compile().memory_analysis()
+    tokens = out_rows // 2 * gen_len * 4  # a chip's rows of one int32 buffer
+    assert write.alias_size_in_bytes >= 3 * tokens  # tokens, log-probs, untruncated log-probs
+    assert write.temp_size_in_bytes < tokens

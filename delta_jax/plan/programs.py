@@ -185,7 +185,21 @@ class Planner:
     # ---- the continuous engine (rollout.engine: continuous) -----------------------------------
 
     def engine_spec(self, slots: int):
-        """The engine's static configuration for the run's request, as the rollout builds it."""
+        """The engine's static configuration for the run's request, as the rollout builds it
+        (multi-turn when ``rollout.max_turns`` > 1: the default pool also holds the pages of
+        every sequence waiting on the host)."""
+        r = self.config.rollout
+        return self._engine_spec(slots, r.max_turns > 1, r.num_pages or None)
+
+    def waiting_pages(self, slots: int) -> int:
+        """Pages (every group's) that sequences waiting on the host hold with no decode slot:
+        what the engine's default multi-turn pool adds to its single-turn one; 0 single-turn."""
+        if self.config.rollout.max_turns == 1:
+            return 0
+        multi, single = (self._engine_spec(slots, turns, None) for turns in (True, False))
+        return multi.num_pages - single.num_pages
+
+    def _engine_spec(self, slots: int, multi_turn: bool, num_pages: int | None):
         from delta_jax.sampling import Sampler
 
         c = self.config
@@ -195,16 +209,20 @@ class Planner:
             engine="continuous",
             decode_slots=slots,
             page_size=c.rollout.page_size,
-            num_pages=c.rollout.num_pages or None,
+            num_pages=num_pages,
         )
         request, *_ = self._request(c.rollout.prompts_per_step)
-        return sampler.engine_spec(request, c.rollout.samples_per_prompt, False)
+        return sampler.engine_spec(
+            request, c.rollout.samples_per_prompt, False, multi_turn=multi_turn
+        )
 
-    def pool_bytes(self, spec) -> int:
-        """Per-device bytes of the engine's page pool (``PAGE_AXES`` on the sampling mesh: a data
-        group's share of the pages, split by KV heads over its chips)."""
+    def pool_bytes(self, spec, pages: int | None = None) -> int:
+        """Per-device bytes of the engine's page pool, or of ``pages`` of its pages (every
+        group's) (``PAGE_AXES`` on the sampling mesh: a data group's share of the pages, split
+        by KV heads over its chips)."""
         mc = self.model_config
-        shape = (spec.num_pages, spec.page_size, 2 * mc.num_kv_heads, mc.head_dim)
+        pages = spec.num_pages if pages is None else pages
+        shape = (pages, spec.page_size, 2 * mc.num_kv_heads, mc.head_dim)
         pool = logical_to_mesh(PAGE_AXES, sh.SAMPLE_RULES, self.sample_mesh, shape)
         per_layer = math.prod(NamedSharding(self.sample_mesh, pool).shard_shape(shape))
         return mc.num_layers * per_layer * self.cache_dtype().itemsize

@@ -109,6 +109,11 @@ class PlanReport:
     max_sampler_size: int | None  # static: prompts per call; engine: decode slots
     train_compiled: bool = True  # False: --skip-train (train figures are zero)
     data_groups: int = 1  # engine: sampling-mesh row shards, each with its slots and pages
+    max_turns: int = 1  # rollout.max_turns: > 1, sequences keep their pages while tools run
+    # Multi-turn engine: pages (every group's) and bytes (per device) that sequences waiting on
+    # the host hold with no decode slot, in the default pool on top of the single-turn one.
+    waiting_pages: int = 0
+    waiting_bytes: int = 0
     # The searches' bound: the smallest size measured not to fit, and why ("" when none was).
     micro_batch_bound: str = ""
     sampler_bound: str = ""
@@ -162,9 +167,12 @@ class PlanReport:
                 f"sampler: continuous engine, {G} data groups x ({slots} decode slots, "
                 f"{pages} pages of {self.page_size} tokens = {(pages - 1) * self.page_size} "
                 f"tokens); {self.sampler_prompts} prompts x {self.samples_per_prompt} samples "
-                "per step:"
+                f"per step{f', up to {self.max_turns} turns' if self.max_turns > 1 else ''}:"
             )
-            cache = row("  KV page pool (group's share / chip)", self.kv_cache_bytes, exact)
+            cache = [row("  KV page pool (group's share / chip)", self.kv_cache_bytes, exact)]
+            if self.max_turns > 1:
+                held = f"exact: {self.waiting_pages // G} pages per group, no decode slot"
+                cache += [row("    held by sequences waiting on tools", self.waiting_bytes, held)]
             temps = [
                 row("  sampler temporaries (decode chunk)", self.sampler.temporaries, sampler_src),
                 row("  sampler temporaries (prefill chunk)", self.prefill.temporaries,
@@ -179,7 +187,7 @@ class PlanReport:
                 f"sampler: static, {self.sampler_prompts} prompts x {self.samples_per_prompt} "
                 f"samples, {self.cache_slots} cache slots:"
             )
-            cache = row("  KV cache", self.kv_cache_bytes, exact)
+            cache = [row("  KV cache", self.kv_cache_bytes, exact)]
             temps = [row("  sampler temporaries (incl. KV cache)", self.sampler.temporaries,
                          sampler_src)]  # fmt: skip
             largest = (
@@ -198,7 +206,7 @@ class PlanReport:
             row("  train temporaries", self.train.temporaries, train_src),
             row("  peak (state + batch + temporaries)", self.train_peak, train_src),
             head,
-            cache,
+            *cache,
             row("  parameters (sampling layout)", self.sampler_params_bytes, exact),
             *temps,
             row("  peak (+ resident train state)", self.sampling_peak, sampler_src),

@@ -178,6 +178,10 @@ def plan(
             f"algo.micro_batches={c.algo.micro_batches}) does not split over the {divisor} batch "
             f"shards of mesh {dict(mesh.shape)}"
         )
+    if c.rollout.max_turns > 1 and c.rollout.engine != "continuous":
+        raise ValueError(
+            f"rollout.max_turns={c.rollout.max_turns} (multi-turn) needs rollout.engine=continuous"
+        )
     mean_new = c.rollout.max_new_tokens if mean_new_tokens is None else mean_new_tokens
     if not 0 < mean_new <= c.rollout.max_new_tokens:
         raise ValueError(
@@ -212,6 +216,7 @@ def plan(
         engine=c.rollout.engine,
         sampler_prompts=prompts,
         samples_per_prompt=c.rollout.samples_per_prompt,
+        max_turns=c.rollout.max_turns,
         sampler_params_bytes=planner.sampler_params_bytes(),
         shared_params_bytes=planner.shared_params_bytes(),
         reshard=reshard,
@@ -333,19 +338,21 @@ def _sampler_program(measured: dict[str, Any]) -> ProgramMemory:
 def _engine_measure(planner: Planner, slots: int, log) -> dict[str, Any]:
     """The engine with ``slots`` decode slots: its pool and its two programs compiled."""
     spec = planner.engine_spec(slots)
+    waiting = planner.waiting_pages(slots)
+    pool = dict(
+        cache_slots=spec.slots,
+        num_pages=spec.num_pages,
+        page_size=spec.page_size,
+        kv_cache_bytes=planner.pool_bytes(spec),
+        waiting_pages=waiting,
+        waiting_bytes=planner.pool_bytes(spec, waiting),
+        data_groups=spec.groups,
+    )
     if spec.attention == "pallas" and smem.max_rows_per_call(spec.max_table) == 0:
         # The engine refuses this before compiling: the page table fits no kernel call's SMEM.
         log(f"  {smem.page_table_error(spec.max_table)}")
         refused = ProgramMemory(0, 0, 0, 0, 0.0, out_of_memory=True, refused="SMEM")
-        return dict(
-            cache_slots=spec.slots,
-            num_pages=spec.num_pages,
-            page_size=spec.page_size,
-            kv_cache_bytes=planner.pool_bytes(spec),
-            sampler=refused,
-            prefill=refused,
-            data_groups=spec.groups,
-        )
+        return dict(pool, sampler=refused, prefill=refused)
     log(
         f"compiling the engine: {spec.groups} data groups x ({spec.group_slots} decode slots, "
         f"{spec.group_pages} pages of {spec.page_size} tokens), {spec.attention} attention"
@@ -355,15 +362,7 @@ def _engine_measure(planner: Planner, slots: int, log) -> dict[str, Any]:
         f"  decode temporaries {decode.temporaries / GiB:.2f} GiB, prefill "
         f"{prefill.temporaries / GiB:.2f} GiB ({decode.compile_s + prefill.compile_s:.0f}s)"
     )
-    return dict(
-        cache_slots=spec.slots,
-        num_pages=spec.num_pages,
-        page_size=spec.page_size,
-        kv_cache_bytes=planner.pool_bytes(spec),
-        sampler=decode,
-        prefill=prefill,
-        data_groups=spec.groups,
-    )
+    return dict(pool, sampler=decode, prefill=prefill)
 
 
 def _static_measure(planner: Planner, prompts: int, log) -> dict[str, Any]:

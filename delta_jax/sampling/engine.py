@@ -1362,6 +1362,42 @@ def generate_continuous(
     return output, stats
 
 
+def _abstract(config, mesh: Mesh, rules, dtype):
+    """Abstract parameters in ``dtype`` placed by ``rules`` (none materialised) and ``aval``:
+    a ``ShapeDtypeStruct`` of logical axes ``names`` on ``mesh`` (missing trailing names: whole).
+    """
+    from delta_jax.sharding import param_shardings
+
+    abstract = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, param_dtype=dtype))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    shardings = param_shardings(params, mesh, rules)
+    params = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings
+    )
+
+    def aval(shape, dt, names=()):
+        names = tuple(names) + (None,) * (len(shape) - len(names))
+        where = NamedSharding(mesh, logical_to_mesh(names, rules, mesh, shape))
+        return jax.ShapeDtypeStruct(shape, dt, sharding=where)
+
+    return graphdef, params, rest, aval
+
+
+def _abstract_pool(config, aval, num_pages: int, page_size: int, dtype) -> PagePool:
+    page = (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
+    return PagePool(kv=tuple(aval(page, dtype, PAGE_AXES) for _ in range(config.num_layers)))
+
+
+def _abstract_outputs(aval, rows: int, gen_len: int) -> dict[str, Any]:
+    """The output buffers of :func:`init_outputs` (no hidden states), ``rows`` x ``gen_len``."""
+    R, G = rows, gen_len
+    return dict(
+        tokens=aval((R, G), jnp.int32, ("batch",)),
+        logprobs=aval((R, G), jnp.float32, ("batch",)),
+        untruncated=aval((R, G), jnp.float32, ("batch",)),
+    )
+
+
 def lower_decode(
     config,
     mesh: Mesh,
@@ -1393,36 +1429,17 @@ def lower_decode(
     shape of a multi-turn request's stop-sequence matrix (``L = 0``: none).
     """
     from delta_jax.sampling.strategies import make_strategy
-    from delta_jax.sharding import batch_divisor, param_shardings
+    from delta_jax.sharding import batch_divisor
 
-    abstract = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, param_dtype=dtype))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    shardings = param_shardings(params, mesh, rules)
-    params = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings
-    )
-
-    def spec(shape, dt, names):
-        return jax.ShapeDtypeStruct(
-            shape, dt, sharding=NamedSharding(mesh, logical_to_mesh(names, rules, mesh, shape))
-        )
-
-    row = ("batch",)
-    i32 = jnp.int32
+    graphdef, params, rest, aval = _abstract(config, mesh, rules, dtype)
+    i32, row = jnp.int32, ("batch",)
     groups = batch_divisor(mesh, rules)
     Q, L = stop_sequences
-    packed = spec((slots, len(_SLOT_FIELDS) + stop_width + L + table_pages), i32, row + (None,))
-    pages = spec((groups * list_pages, 3), i32, row + (None,))
-    c = config
-    page = (num_pages, page_size, 2 * c.num_kv_heads, c.head_dim)
+    packed = aval((slots, len(_SLOT_FIELDS) + stop_width + L + table_pages), i32, row)
+    pages = aval((groups * list_pages, 3), i32, row)
     pool_dtype = dtype if cache_dtype is None else cache_dtype
-    pool = PagePool(kv=tuple(spec(page, pool_dtype, PAGE_AXES) for _ in range(c.num_layers)))
-    R, G = rows or slots, gen_len or steps
-    out = dict(
-        tokens=spec((R, G), i32, row + (None,)),
-        logprobs=spec((R, G), jnp.float32, row + (None,)),
-        untruncated=spec((R, G), jnp.float32, row + (None,)),
-    )
+    pool = _abstract_pool(config, aval, num_pages, page_size, pool_dtype)
+    out = _abstract_outputs(aval, rows or slots, gen_len or steps)
     fn = functools.partial(
         decode_program,
         stop_width=stop_width,
@@ -1442,3 +1459,57 @@ def lower_decode(
         return jax.jit(fn, donate_argnums=(2, 3)).lower(
             params, rest, pool, out, packed, pages, limit, seed, strategy, *sequences
         )
+
+
+def lower_prefill(
+    config,
+    mesh: Mesh,
+    rules,
+    *,
+    rows: int,
+    length: int,
+    page_size: int,
+    num_pages: int,
+    list_pages: int,
+    dtype: Any = jnp.bfloat16,
+    cache_dtype: Any = None,
+) -> jax.stages.Lowered:
+    """The prefill program (:func:`prefill_chunk`) lowered for abstract inputs on ``mesh``.
+
+    The same program prefills a prompt (positions from 0) and continues a sequence in its own
+    pages (an observation, or the context of a sequence preempted after a hand-over: positions
+    from where it stopped, its pages from position 0 on in the list); the positions are values,
+    the list length ``list_pages`` (one group's) is what a continuation makes longer. ``rows``
+    (every group's) x ``length`` tokens per call; see :func:`lower_decode` for the rest.
+    """
+    from delta_jax.sharding import batch_divisor
+
+    graphdef, params, rest, aval = _abstract(config, mesh, rules, dtype)
+    pool_dtype = dtype if cache_dtype is None else cache_dtype
+    pool = _abstract_pool(config, aval, num_pages, page_size, pool_dtype)
+    listed = batch_divisor(mesh, rules) * list_pages
+    pages = PageList(*(aval((listed,), jnp.int32, ("batch",)) for _ in range(3)))
+    tokens = [aval((rows, length), dt, ("batch",)) for dt in (jnp.int32, jnp.int32, jnp.bool_)]
+    fn = functools.partial(prefill_chunk, graphdef=graphdef, mesh=mesh)
+    with jax.set_mesh(mesh), spmd.logical_axis_rules(rules):
+        return jax.jit(fn, donate_argnums=(2,)).lower(params, rest, pool, *tokens, pages)
+
+
+def lower_write(
+    config, mesh: Mesh, rules, *, slots: int, width: int, rows: int, gen_len: int
+) -> jax.stages.Lowered:
+    """The observation write (:func:`write_observations`) lowered for abstract inputs: up to
+    ``width`` ids for each of ``slots`` slots into ``rows`` x ``gen_len`` output buffers (no
+    hidden states), donated as the engine donates them."""
+    _, _, _, aval = _abstract(config, mesh, rules, jnp.float32)
+    out = _abstract_outputs(aval, rows, gen_len)
+    row = ("batch",)
+    args = (
+        aval((slots,), jnp.int32, row),
+        aval((slots,), jnp.int32, row),
+        aval((slots, width), jnp.int32, row),
+        aval((slots, width), jnp.bool_, row),
+    )
+    fn = functools.partial(write_observations, mesh=mesh, kv_heads=config.num_kv_heads)
+    with jax.set_mesh(mesh), spmd.logical_axis_rules(rules):
+        return jax.jit(fn, donate_argnums=(0,)).lower(out, *args)

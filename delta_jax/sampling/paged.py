@@ -211,7 +211,12 @@ def _xla_attention(q, kv, positions, pages: PageList):
         i, run_max, run_sum, run_out = carry
         page, seq, index = (jax.lax.dynamic_slice_in_dim(a, i * block, block) for a in entries)
         row = jnp.minimum(seq, B - 1)
-        ctx = jnp.take(kv, page, axis=0, mode="clip").reshape(block, page_size, K, 2, D)
+        # Gathered from the pool seen as [pages, page_size * 2K, D]: on a TPU, gathering from
+        # [pages, page_size, 2K, D] (minor dims 2K x D, a few rows of a tile) makes the compiler
+        # copy the layer's whole pool share into another layout first, at every layer of every
+        # call (the pool's layout is the one the decode kernel reads).
+        flat = kv.reshape(kv.shape[0], page_size * C, D)
+        ctx = jnp.take(flat, page, axis=0, mode="clip").reshape(block, page_size, K, 2, D)
         k, v = ctx[..., 0, :].astype(q.dtype), ctx[..., 1, :].astype(q.dtype)  # [U, P, K, D]
         qu = jnp.take(qg, row, axis=0)
         scores = jnp.einsum("UTKGD,UPKD->UKTGP", qu, k, preferred_element_type=acc)
