@@ -194,6 +194,22 @@ def test_multiturn_episodes_equal_reprefilling_the_history(models, reference):
     assert stats.observation_tokens <= stats.resumed_tokens < sum(map(len, expected))
 
 
+def test_episodes_that_end_on_the_host_end_the_call(models):
+    """Every episode ends when the host answers its first turn with None: the call returns
+    (once the last answer is in, nothing is left to run) with each episode's first turn."""
+    hf, model = models
+    stop_ids, _ = _turn_stops(hf, "stop_id")
+    expected = [_hf_greedy(hf, p, BUDGET, [stop_ids]) for p in PROMPTS]
+    assert sum(_ends_turn(t, [stop_ids]) for t in expected) >= 3
+    done = concurrent.futures.Future()
+    done.set_result(None)
+    sampler = Sampler(model, engine="continuous", stop_token_ids=(), decode_slots=2)
+    turns = Turns(stop_ids, MAX_TURNS, lambda row, turn: done)
+    out = sampler.generate(PROMPTS, max_new_tokens=BUDGET, temperature=0.0, turns=turns)
+    assert out.tokens == expected
+    assert out.engine_stats.handovers == sum(_ends_turn(t, [stop_ids]) for t in expected)
+
+
 @pytest.mark.parametrize(
     "engine, turns, message",
     [
