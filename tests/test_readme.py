@@ -58,3 +58,17 @@ def test_readme_trainer_snippet_runs(tmp_path):
     for _, math, boxed, loss in lines:
         assert 0 <= float(math) <= 1 and 0 <= float(boxed) <= 1 and loss != "nan"
     assert (tmp_path / "runs" / "api_demo" / "checkpoints" / "2").exists()
+
+
+@pytest.mark.slow  # a short demo warm-up and two multi-turn RL steps
+def test_readme_environment_snippet_runs(tmp_path):
+    code = _section_code("Multi-turn episodes and tools")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split() for line in proc.stdout.splitlines() if line[:2] in ("1 ", "2 ")]
+    assert [line[0] for line in lines] == ["1", "2"]
+    for _, turns, share, loss in lines:
+        # Most responses start with "Answer:": their episodes got the hint, in context.
+        assert 1.5 <= float(turns) <= 2 and 0 < float(share) < 1 and loss != "nan"

@@ -4,7 +4,9 @@ Sampling -> decoding -> rewards (+ DAPO overlong penalty) -> group advantages, w
 dynamic sampling: groups whose rewards are all equal carry no learning signal, so further rounds
 of prompts are sampled until the batch holds ``prompts_per_step`` informative groups or the round
 limit is hit (then the batch is filled with uninformative groups, counted, so its shape — and the
-compiled update — never changes).
+compiled update — never changes). With an :class:`~delta_jax.envs.episodes.EpisodeRunner` each
+response is a multi-turn episode: environments answer turns on the host while the engine decodes,
+observations are written into the responses as context (``Rollout.action_mask``).
 
 The host reads the sampled token ids (the rewards need text) and the lengths; the sequences,
 log-probs and hidden states stay on device, gathered into the fixed padded layout (prompt ``P``,
@@ -38,8 +40,7 @@ class Rollout:
     observations an environment wrote (a tool's output), which are context: ``action_mask``
     marks the actions, and only they carry a loss, enter DelTA's statistics, or need the
     sampler's log-prob and hidden state (at an observation ``rollout_logprobs`` may hold
-    anything, ``hidden`` any finite value). :func:`collect_rollout` samples single turns and
-    leaves ``action_mask`` None.
+    anything, ``hidden`` any finite value). Single-turn rollouts leave ``action_mask`` None.
     """
 
     sequences: jax.Array  # int32[B, P + G] device: left-padded prompt ++ right-padded response

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -318,6 +319,13 @@ def episode_runner(config: Config, tokenizer, stop_ids, environment=None):
         return None
     if r.engine != "continuous":
         raise ConfigError("an environment needs rollout.engine=continuous")
+    if jax.process_count() > 1:
+        # Each process would step its own environments: the hosts' answers arrive at
+        # different times, and the engine's schedule (which programs run) would differ.
+        raise ConfigError(
+            f"multi-turn rollouts run on one host for now (this run has {jax.process_count()} "
+            "processes): drop rollout.environment / environment="
+        )
     try:
         if environment is not None:
             factory = as_factory(environment, tokenizer)
