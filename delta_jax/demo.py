@@ -7,6 +7,12 @@ about — and the reward is the project's real math verifier on the boxed answer
 template wraps the same answer in a longer shared chain-of-thought text (:data:`TEMPLATES`), so
 the share of formatting tokens in a response — the formatting density — is a knob.
 
+The tool-use demo (template ``tool``, data ``demo:products``, configs/demo_tool.yaml): products of
+two 3-digit numbers, which the model cannot compute; a quarter of its warm-up demonstrations call
+the Python tool in a fenced block, see its output (rendered exactly as
+:class:`~delta_jax.envs.PythonTool` answers, as context without loss) and copy it into
+``\\boxed{}``; the rest answer at once. RL then learns to call the tool.
+
 The policy is a tiny Qwen3-style decoder over a character-level tokenizer, both built locally
 (nothing downloaded), given a supervised warm-up so that it answers in format and is right part
 of the time; RL then has something to improve. How fast the warm-up learns arithmetic depends on
@@ -65,32 +71,24 @@ DEMO_VOCAB = 128  # model vocabulary (>= tokenizer size; the spare rows are neve
 
 def arithmetic_records(n: int, *, seed: int, low: int = 10, high: int = 99) -> list[PromptRecord]:
     """``n`` addition problems ``a + b`` with ``low <= a, b <= high``."""
-    rng = random.Random(seed)
-    records = []
-    for i in range(n):
-        a, b = rng.randint(low, high), rng.randint(low, high)
-        records.append(
-            PromptRecord(
-                prompt=PROMPT_TEMPLATE.format(a=a, b=b),
-                answer=str(a + b),
-                source=f"demo:arithmetic(seed={seed})",
-                row=i,
-            )
-        )
-    return records
+    return _problems(n, seed, low, high, PROMPT_TEMPLATE, lambda a, b: a + b, "arithmetic")
 
 
 def product_records(n: int, *, seed: int, low: int = 100, high: int = 999) -> list[PromptRecord]:
     """``n`` multiplication problems ``a * b`` with ``low <= a, b <= high`` (the tool demo)."""
+    return _problems(n, seed, low, high, TOOL_PROMPT, lambda a, b: a * b, "products")
+
+
+def _problems(n, seed, low, high, template, answer, name) -> list[PromptRecord]:
     rng = random.Random(seed)
     records = []
     for i in range(n):
         a, b = rng.randint(low, high), rng.randint(low, high)
         records.append(
             PromptRecord(
-                prompt=TOOL_PROMPT.format(a=a, b=b),
-                answer=str(a * b),
-                source=f"demo:products(seed={seed})",
+                prompt=template.format(a=a, b=b),
+                answer=str(answer(a, b)),
+                source=f"demo:{name}(seed={seed})",
                 row=i,
             )
         )
