@@ -68,7 +68,10 @@ def stop_tokens(
         encoded = tuple(_encode(tokenizer, s))
         if not encoded:
             raise ValueError(f"the stop string {s!r} encodes to no tokens")
-        (ids.append(encoded[0]) if len(encoded) == 1 else sequences.append(encoded))
+        if len(encoded) == 1:
+            ids.append(encoded[0])
+        else:
+            sequences.append(encoded)
     return tuple(dict.fromkeys(ids)), tuple(dict.fromkeys(sequences))
 
 
