@@ -85,6 +85,7 @@ from delta_jax.sampling.paged import (
     init_pool,
     paged_forward,
     per_group,
+    views_to_pages,
 )
 from delta_jax.sampling.strategies import Categorical, Greedy, strategy_signature
 
@@ -303,9 +304,12 @@ def decode_chunk(
 
     if attention == "dense":
         pool = dense_views(pool, slots.page_table, mesh, K)
+    start = slots.pos
     _, pool, slots, out = jax.lax.while_loop(
         cond, body, (jnp.zeros((), jnp.int32), pool, slots, out)
     )
+    if attention == "dense":
+        pool = views_to_pages(pool, slots.page_table, start, slots.pos, mesh, K)
     pool = pool.replace(views=None)
     status = jnp.stack([getattr(slots, f).astype(jnp.int32) for f in _STATUS_FIELDS], axis=1)
     if stop_sequences is not None:

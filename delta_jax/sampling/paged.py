@@ -55,6 +55,7 @@ __all__ = [
     "init_pool",
     "paged_forward",
     "per_group",
+    "views_to_pages",
     "write_slots",
 ]
 
@@ -78,7 +79,8 @@ class PagePool:
 
     ``views``: the ``dense`` CPU path's per-sequence contiguous copies of the pages, one
     ``(keys [B, K, D, NB * page_size], values [B, K, NB * page_size, D])`` pair per layer,
-    built once per decode chunk (:func:`dense_views`) and written alongside the pages; None
+    built once per decode chunk (:func:`dense_views`); the chunk's steps write the views only,
+    and :func:`views_to_pages` writes what they wrote into the pages once the chunk ends. None
     outside a decode chunk.
     """
 
@@ -280,6 +282,36 @@ def dense_views(pool: PagePool, page_table, mesh: Mesh | None, kv_heads: int) ->
     return pool.replace(views=tuple(gather(kv, page_table) for kv in pool.kv))
 
 
+def views_to_pages(pool: PagePool, page_table, start, end, mesh: Mesh | None, kv_heads: int):
+    """The ``dense`` path's write-back, once per chunk: positions ``[start[b], end[b])`` of
+    sequence ``b`` (those its steps wrote) from its views into its pages; nothing else is
+    written (shared prompt pages, other positions and the scratch page keep their contents).
+
+    Writing each step's K/V into the pages as well made XLA:CPU copy a layer's pool share at
+    every step of the loop; the views are what the steps read, the pages what later chunks
+    gather and the prefill continues.
+    """
+
+    def write(kv, keys, values, table, start, end):
+        B, NB = table.shape
+        _, page_size, C, D = kv.shape
+        pos = jnp.arange(NB * page_size)
+        k = jnp.einsum("BKDL->BLKD", keys)
+        v = jnp.einsum("BKLD->BLKD", values)
+        new = jnp.stack([k, v], axis=3).reshape(B, NB * page_size, C, D).astype(kv.dtype)
+        written = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
+        page = jnp.where(written, table[:, pos // page_size], kv.shape[0])  # else dropped
+        offset = jnp.broadcast_to(pos % page_size, page.shape)
+        return kv.at[page, offset].set(new, mode="drop")
+
+    write = per_group(write, mesh, kv_heads, ("R-H-", "RH--", "RH--", "R-", "R", "R"), "R-H-")
+    kv = tuple(
+        write(kv, keys, values, page_table, start, end)
+        for kv, (keys, values) in zip(pool.kv, pool.views, strict=True)
+    )
+    return PagePool(kv=kv)
+
+
 def _dense_attention(q, keys, values, positions):
     """Decode attention (T = 1) over the contiguous views: writes the step's K/V first."""
     B, T, N, D = q.shape
@@ -442,9 +474,12 @@ def paged_forward(
         kw = dict(page_table=table) if by_table else dict(pages=table)
         return write_slots(positions, valid, page_size, **kw)
 
-    write_at = per_group(where, mesh, K, ("R-", "R-", table_spec), ("R-", "R-"))(
-        positions, valid, table
-    )
+    # The dense path's steps write the views only (the chunk writes the pages at its end).
+    write_at = None
+    if attention != "dense":
+        write_at = per_group(where, mesh, K, ("R-", "R-", table_spec), ("R-", "R-"))(
+            positions, valid, table
+        )
 
     def write_and_attend(kv, new, q, positions, valid, page, offset, table):
         kv = _write_pages(kv, new, page, offset)
@@ -452,20 +487,21 @@ def paged_forward(
             return _pallas_attention(q, kv, positions, valid, table), kv
         return _xla_attention(q, kv, positions, table), kv
 
-    def write_and_attend_dense(kv, keys, values, new, q, positions, page, offset):
+    def write_and_attend_dense(keys, values, new, q, positions):
         if q.shape[1] != 1:
             raise ValueError(f"the dense paged attention path is for decode (T = 1), got {q.shape}")
-        kv = _write_pages(kv, new, page, offset)
         keys, values = _write_views(keys, values, new, positions)
-        return _dense_attention(q, keys, values, positions), (kv, keys, values)
+        return _dense_attention(q, keys, values, positions), (keys, values)
 
     if attention == "dense":
-        specs = ("R-H-", "RH--", "RH--", "R-H-", "R-H-", "R-", "R-", "R-")
-        outs = ("R-H-", ("R-H-", "RH--", "RH--"))
+        specs = ("RH--", "RH--", "R-H-", "R-H-", "R-")
+        outs = ("R-H-", ("RH--", "RH--"))
         group_dense = per_group(write_and_attend_dense, mesh, K, specs, outs)
 
-        def layer_kv(kv, new, q):
-            return group_dense(*kv, new, q, positions, *write_at)
+        def layer_kv(state, new, q):
+            kv, keys, values = state
+            attn, (keys, values) = group_dense(keys, values, new, q, positions)
+            return attn, (kv, keys, values)
 
         keys, values = zip(*pool.views, strict=True)
         layer_state = list(zip(pool.kv, keys, values, strict=True))

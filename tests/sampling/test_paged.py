@@ -58,8 +58,8 @@ def _flat(tables, rows, size):
 
 def test_dense_cpu_path_matches_oracle_after_writes():
     """The dense CPU path: views gathered from the page tables, one decode step's K/V written
-    into both the pages and the views, attention over the views == the oracle over the pages
-    with the new K/V (and the pages themselves hold it)."""
+    into the views, attention over the views == the oracle over the pages with the new K/V, and
+    the chunk's write-back puts exactly the written positions into the pages."""
     rng = np.random.default_rng(1)
     B, N, K, D, page_size, num_pages = 3, 4, 2, 8, 4, 24
     kv = rng.standard_normal((num_pages, page_size, 2 * K, D))
@@ -76,11 +76,11 @@ def test_dense_cpu_path_matches_oracle_after_writes():
     @jax.jit
     def step(kv, q, new, positions, table):
         pool = paged.dense_views(paged.PagePool(kv=(kv,)), table, None, K)
-        keys, values = pool.views[0]
-        page, offset = paged.write_slots(positions, positions >= 0, page_size, page_table=table)
-        kv = paged._write_pages(kv, new, page, offset)
-        keys, values = paged._write_views(keys, values, new, positions)
-        return paged._dense_attention(q, keys, values, positions), kv
+        keys, values = paged._write_views(*pool.views[0], new, positions)
+        out = paged._dense_attention(q, keys, values, positions)
+        pool = pool.replace(views=((keys, values),))
+        start = positions[:, 0]
+        return out, paged.views_to_pages(pool, table, start, start + 1, None, K).kv[0]
 
     got, pages = step(*(jnp.asarray(x, jnp.float32) for x in (kv, q, new)), positions, table)
     want_kv = kv.copy()
@@ -89,3 +89,25 @@ def test_dense_cpu_path_matches_oracle_after_writes():
     np.testing.assert_allclose(np.asarray(pages), want_kv, atol=1e-6)
     want = _oracle(q, want_kv, positions, tables, page_size)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+
+
+def test_dense_write_back_writes_only_the_chunk_positions():
+    """``views_to_pages`` copies positions [start, end) of each row's views into its pages;
+    every other position of every page (the scratch page included) keeps its contents."""
+    K, D, page_size, num_pages = 2, 4, 4, 10
+    kv = np.arange(num_pages * page_size * 2 * K * D, dtype=np.float32)
+    kv = kv.reshape(num_pages, page_size, 2 * K, D)
+    table = np.array([[3, 5, 0], [7, 2, 8], [9, 0, 0]], np.int32)
+    L = table.shape[1] * page_size
+    keys = np.full((3, K, D, L), -1.0, np.float32)  # what the rows' steps wrote, everywhere
+    values = np.full((3, K, L, D), -2.0, np.float32)
+    start, end = np.array([3, 0, 2]), np.array([6, 0, 3])  # row 1 wrote nothing
+    pool = paged.PagePool(kv=(jnp.asarray(kv),), views=((jnp.asarray(keys), jnp.asarray(values)),))
+    got = np.asarray(paged.views_to_pages(pool, table, start, end, None, K).kv[0])
+    want = kv.copy()
+    for b in range(3):
+        for pos in range(start[b], end[b]):
+            page, offset = table[b, pos // page_size], pos % page_size
+            want[page, offset, 0::2], want[page, offset, 1::2] = -1.0, -2.0
+    np.testing.assert_array_equal(got, want)
+    assert (got != kv).sum() == 4 * 2 * K * D  # positions 3, 4, 5 of row 0 and 2 of row 2
