@@ -502,11 +502,24 @@ def test_roofline_arithmetic_by_hand():
     P = plan_lib.ProgramMemory
     decode = P(0, 0, 0, 0, 0.0, flops=4e6, bytes_accessed=8e6)
     prefill = P(0, 0, 0, 0, 0.0, flops=3e9, bytes_accessed=1e6)
-    one = P(0, 0, 0, 0, 0.0, flops=5e9, bytes_accessed=2e9)
-    two = P(0, 0, 0, 0, 0.0, flops=7e9, bytes_accessed=3e9)
+    # The 1-layer step calls a splash forward twice (remat), dq and dkv once: rows of 48 tokens
+    # padded to 64, blocks of 32 (3 causal blocks of 2 x 2), 2 rows x 4 heads per device, bf16.
+    S = plan_lib.SplashCalls
+    one = P(0, 0, 0, 0, 0.0, flops=5e9, bytes_accessed=2e9, splash=S(2, 1, 1, (2, 4, 64, 16), 2))
+    two = P(0, 0, 0, 0, 0.0, flops=7e9, bytes_accessed=3e9, splash=S(4, 2, 2, (2, 4, 64, 16), 2))
+    block_flops = 2 * 32 * 32 * 16  # one [32, 16] x [16, 32] matmul
+    k1 = 2 * 4 * 3 * block_flops * (2 * 2 + 3 + 4)
+    k1_bytes = 2 * 4 * 2 * (3 * 2 * 32 * 16 * 4 + 2 * 32 * 16 * (2 * 2 + 3 + 4))
+    assert roofline.splash_cost(one.splash, 32) == (k1, k1_bytes)
+    assert roofline.splash_cost(two.splash, 128) == (
+        2 * 4 * 2 * 64 * 64 * 16 * 2 * 11,
+        pytest.approx(2 * 4 * 2 * (16 * 64 * 16 + 22 * 64 * 16)),
+    )  # one block of 64 (block > T: b = T)
+    assert roofline.splash_cost(None, 32) == (0.0, 0.0)
     st = roofline.estimate(
         mc, chip_name="v5p-8", chips=4, devices=4, decode=decode, prefill=prefill,
-        prefill_tokens=2 * 64, train_one=one, train_two=two, micro_batches=3, mini_batches=2,
+        prefill_tokens=2 * 64, train_one=one, train_two=two, attention_block=32,
+        micro_batches=3, mini_batches=2,
         micro_rows=8, useful_tokens=48, sequences_per_group=20, group_slots=8,
         prompts_per_group=5, prompt_len=16, mean_new=32, kv_heads=1, cache_itemsize=2,
         weight_bytes=1_000_000, steps=10,
@@ -517,7 +530,8 @@ def test_roofline_arithmetic_by_hand():
     assert st.decode_steps == 3 * 32  # ceil(20 / 8) rounds of 32 tokens
     assert st.decode_s == pytest.approx(96 * max(4e6 / peak, step_bytes / bw))
     assert st.prefill_s == pytest.approx(5 * 16 * max(3e9 / peak, 1e6 / bw) / 128)
-    flops, nbytes = 3 * (5e9 + 1 * 2e9), 3 * (2e9 + 1 * 1e9)  # 2 layers from 1 and 2
+    # 2 layers from 1 and 2, the kernels' cost added to each (it doubles from 1 to 2 layers)
+    flops, nbytes = 3 * (5e9 + 2e9 + 2 * k1), 3 * (2e9 + 1e9 + 2 * k1_bytes)
     assert (st.train_flops, st.train_bytes) == (flops, nbytes)
     model = 24 * (6 * mm * 48 + 6 * L * N * D * 48**2) / 4  # 3 x 8 rows over 4 devices
     assert st.update_s == pytest.approx(2 * max(flops / peak, nbytes / bw, model / peak))

@@ -39,7 +39,7 @@ MODEL = ModelConfig.tiny(
 )
 
 
-@pytest.mark.slow  # two TPU compiles
+@pytest.mark.slow  # three TPU compiles
 def test_tiny_splash_train_step_and_sampler_compile_for_v5p():
     config = load_config("configs/demo.yaml", OVERRIDES)
     splash = plan_lib.plan(config, "v5p-8", model_config=MODEL, search=False, compiler="tpu")
@@ -55,6 +55,12 @@ def test_tiny_splash_train_step_and_sampler_compile_for_v5p():
     # The engine's page pool is one of its (donated) buffers.
     assert splash.sampler.aliased >= splash.kv_cache_bytes > 0
     assert "TPU compiler" in splash.table().split("train temporaries")[1].splitlines()[0]
+    # The roofline's splash calls, read from the compiled HLO: [rows, heads, T, D] per chip, and a
+    # forward run twice when remat recomputes the block (no kernel in the dense program).
+    assert dense.splash is None and splash.train.splash.shape == (rows_per_chip, 8, T, 128)
+    one_layer = dict(num_layers=1, scan_layers=False, remat="block")
+    block = plan_lib.compile_train_step(config, "v5p-8", model_config=MODEL, **one_layer)
+    assert block.splash == plan_lib.SplashCalls(2, 1, 1, (rows_per_chip, 8, T, 128), 4)
 
 
 @pytest.mark.slow  # two TPU compiles

@@ -36,13 +36,14 @@ their table), :mod:`.cli` (``delta-jax plan``).
 from delta_jax.plan.cli import build_parser, main, run
 from delta_jax.plan.compiler import resolve_compiler, tpu_compiler_available, tpu_topology_devices
 from delta_jax.plan.models import KNOWN_MODELS, known_model_config, resolve_model_config
-from delta_jax.plan.report import PlanReport, ProgramMemory
+from delta_jax.plan.report import PlanReport, ProgramMemory, SplashCalls
 from delta_jax.plan.search import compile_train_step, largest_fitting, plan
 
 __all__ = [
     "KNOWN_MODELS",
     "PlanReport",
     "ProgramMemory",
+    "SplashCalls",
     "build_parser",
     "compile_train_step",
     "known_model_config",

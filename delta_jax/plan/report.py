@@ -3,9 +3,42 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 GiB = 1024**3
+
+# A splash-attention kernel call in an optimised HLO module (JAX names the custom calls after the
+# kernel: splash_mha_fwd..., splash_mha_dq..., splash_mha_dkv...) and the shapes it produces.
+_SPLASH = re.compile(r"%splash_mha_(fwd|dq|dkv)[\w.]* = \(?(.*?)\)? custom-call\(")
+_SHAPE = re.compile(r"(bf16|f16|f32)\[(\d+),(\d+),(\d+),(\d+)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class SplashCalls:
+    """The splash-attention kernel calls of one compiled program (per device): how many forward,
+    dq and dkv kernels it runs (a rematerialised forward counts twice), and the forward's output
+    ``[rows, heads, length, head_dim]`` (padded length) and its bytes per element."""
+
+    fwd: int
+    dq: int
+    dkv: int
+    shape: tuple[int, int, int, int]
+    itemsize: int
+
+    @classmethod
+    def of(cls, hlo: str) -> SplashCalls | None:
+        calls = {"fwd": 0, "dq": 0, "dkv": 0}
+        shape = None
+        for kind, outputs in _SPLASH.findall(hlo):
+            calls[kind] += 1
+            found = _SHAPE.search(outputs) if kind == "fwd" and shape is None else None
+            if found:
+                shape = (found.group(1), tuple(int(found.group(i)) for i in range(2, 6)))
+        if shape is None:
+            return None
+        dtype, dims = shape
+        return cls(**calls, shape=dims, itemsize=2 if dtype in ("bf16", "f16") else 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,7 +51,8 @@ class ProgramMemory:
     on-core memory (SMEM, VMEM) no HBM figure exists and the program does not fit at any budget.
 
     ``flops`` / ``bytes_accessed``: ``compiled.cost_analysis()`` per device (a loop body counts
-    once, whatever its trip count; see :mod:`.roofline`).
+    once, whatever its trip count; see :mod:`.roofline`). ``splash``: the splash-attention kernel
+    calls the program makes (:class:`SplashCalls`), whose inside the cost analysis does not see.
     """
 
     arguments: int
@@ -30,6 +64,7 @@ class ProgramMemory:
     refused: str = ""
     flops: float = 0.0
     bytes_accessed: float = 0.0
+    splash: SplashCalls | None = None
 
     @property
     def peak(self) -> int:
@@ -67,6 +102,7 @@ class ProgramMemory:
             compile_s=compile_s,
             flops=float(cost.get("flops", 0.0)),
             bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+            splash=SplashCalls.of(compiled.as_text()),
         )
 
 

@@ -16,7 +16,9 @@ all. So: the decode chunk's figures are one step (its layers are unrolled, its s
 once); the train step is compiled twice more with 1 and 2 unrolled layers and extrapolated to
 ``L`` (``layers_extrapolated``) and times its ``M`` micro-batches (the optimiser update, a few
 FLOPs per parameter, then counts ``M`` times: a small overcount); the ragged paged attention
-kernel's K/V reads (``kv_bytes_per_token``) are added to the decode's bytes.
+kernel's K/V reads (``kv_bytes_per_token``) are added to the decode's bytes, and the splash
+kernels the train step calls (counted in its HLO, a rematerialised forward twice) are added to
+its FLOPs and bytes (``splash_cost``: the causal mask's blocks, each the kernel's own matmuls).
 
 The model-FLOPs utilisation bound is the model's FLOPs (``6 N`` per token for the weight
 matmuls, ``N`` the matmul parameters, LM head included, plus causal attention's ``6 L Nq D T^2``
@@ -75,6 +77,30 @@ def kv_bytes_per_token(mc, context: float, kv_heads: int, cache_itemsize: int) -
 def layers_extrapolated(one: float, two: float, layers: int) -> float:
     """A figure of an ``L``-layer program from its 1- and 2-layer compiles (linear in layers)."""
     return one + (layers - 1) * (two - one)
+
+
+def splash_cost(calls, block: int) -> tuple[float, float]:
+    """``(FLOPs, HBM bytes)`` of a program's splash-attention kernel calls (``SplashCalls``).
+
+    With ``b = min(block, T)`` the kernels visit the causal mask's ``n (n + 1) / 2`` blocks of
+    ``n = T / b`` per row and query head; each block is ``2 b^2 D`` FLOPs per matmul: 2 in the
+    forward (``QK^T``, ``PV``), 3 in the dq kernel (``QK^T``, ``dO V^T``, ``dS K``) and 4 in the
+    dkv kernel (``QK^T``, ``dO V^T``, ``P^T dO``, ``dS^T Q``), as JAX's kernel computes them. Bytes:
+    each visited block streams two ``[b, D]`` operands (K and V, or Q and dO), and each row of
+    blocks reads and writes its own ``[b, D]`` arrays once (forward: Q, O; dq: Q, dO, dQ; dkv: K,
+    V, dK, dV).
+    """
+    if calls is None:
+        return 0.0, 0.0
+    B, N, T, D = calls.shape
+    b = min(block, T)
+    n = T // b
+    blocks = n * (n + 1) // 2
+    dots = 2 * calls.fwd + 3 * calls.dq + 4 * calls.dkv
+    flops = B * N * blocks * 2 * b * b * D * dots
+    streamed = blocks * 2 * b * D * (calls.fwd + calls.dq + calls.dkv)
+    own = n * b * D * (2 * calls.fwd + 3 * calls.dq + 4 * calls.dkv)
+    return float(flops), float(B * N * (streamed + own) * calls.itemsize)
 
 
 def bound(flops: float, nbytes: float, peak: float, bandwidth: float) -> float:
@@ -154,6 +180,7 @@ def estimate(
     prefill_tokens: int,
     train_one,
     train_two,
+    attention_block: int,
     micro_batches: int,
     mini_batches: int,
     micro_rows: int,
@@ -171,7 +198,8 @@ def estimate(
     """The step's bounds from compiled programs (per device figures, see the module).
 
     ``decode``/``prefill``/``train_one``/``train_two``: ``ProgramMemory`` with cost figures
-    (``train_one``/``train_two``: the train step with 1 and 2 unrolled layers); ``prefill_tokens``:
+    (``train_one``/``train_two``: the train step with 1 and 2 unrolled layers; their splash
+    kernels' cost, ``splash_cost`` with ``attention_block``, is added); ``prefill_tokens``:
     tokens one device's prefill program takes (its group's rows x chunk length); ``useful_tokens``:
     a train row's tokens the model FLOPs count; ``kv_heads``: KV heads a sampling device holds;
     ``weight_bytes``: the sampling weights one device reads per decode step.
@@ -185,9 +213,10 @@ def estimate(
     decode_steps = -(-sequences_per_group // group_slots) * math.ceil(mean_new)
     per_token = bound(prefill.flops, prefill.bytes_accessed, peak, bandwidth) / prefill_tokens
     L = mc.num_layers
-    train_flops = micro_batches * layers_extrapolated(train_one.flops, train_two.flops, L)
+    (f1, b1), (f2, b2) = (splash_cost(t.splash, attention_block) for t in (train_one, train_two))
+    train_flops = micro_batches * layers_extrapolated(train_one.flops + f1, train_two.flops + f2, L)
     train_bytes = micro_batches * layers_extrapolated(
-        train_one.bytes_accessed, train_two.bytes_accessed, L
+        train_one.bytes_accessed + b1, train_two.bytes_accessed + b2, L
     )
     model = train_model_flops(mc, micro_batches * micro_rows, round(useful_tokens)) / devices
     return StepTime(

@@ -312,6 +312,7 @@ def _step_time(planner: Planner, report: PlanReport, slots: int, mean_new, log):
         prefill_tokens=spec.prefill_rows // G * chunk,
         train_one=layers[1],
         train_two=layers[2],
+        attention_block=mc.attention_block,
         micro_batches=c.algo.micro_batches,
         mini_batches=c.algo.mini_batches,
         micro_rows=report.micro_batch_rows,
