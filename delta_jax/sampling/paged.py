@@ -320,14 +320,12 @@ def _dense_attention(q, keys, values, positions):
     return _attend_cache(q, keys.astype(q.dtype), values.astype(q.dtype), visible)
 
 
-def _write_views(keys, values, new, positions):
-    """Writes each sequence's new combined K/V [B, 1, 2K, D] at its position of the views
-    (an idle slot's stale position past the views is dropped)."""
-    B, _, C, D = new.shape
-    new = new.reshape(B, C // 2, 2, D).astype(keys.dtype)
-    rows, pos = jnp.arange(B), positions[:, 0]
-    keys = keys.at[rows, :, :, pos].set(new[:, :, 0], mode="drop")
-    values = values.at[rows, :, pos].set(new[:, :, 1], mode="drop")
+def _write_views(keys, values, k, v, positions):
+    """Writes each sequence's new K and V [B, 1, K, D] at its position of the views (an idle
+    slot's stale position past the views is dropped)."""
+    rows, pos = jnp.arange(k.shape[0]), positions[:, 0]
+    keys = keys.at[rows, :, :, pos].set(k[:, 0].astype(keys.dtype), mode="drop")
+    values = values.at[rows, :, pos].set(v[:, 0].astype(values.dtype), mode="drop")
     return keys, values
 
 
@@ -427,10 +425,8 @@ def _paged_block(cfg, dtype, p, x, cos, sin, kv, write_and_attend):
         q = _rms_norm(q, w["q_norm"], eps, dtype)
         k = _rms_norm(k, w["k_norm"], eps, dtype)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    B, T, K, D = k.shape
-    combined = jnp.stack([k, v], axis=3).reshape(B, T, 2 * K, D)  # keys even, values odd
-    attn, kv = write_and_attend(kv, combined, q)
-    N = attn.shape[2]
+    attn, kv = write_and_attend(kv, k, v, q)
+    B, T, N, D = attn.shape
     x = x + jnp.einsum("BTE,EH->BTH", attn.reshape(B, T, N * D), w["wo"].reshape(N * D, -1))
     h = _rms_norm(x, w["mlp_norm"], eps, dtype)
     gate = jnp.einsum("BTH,HF->BTF", h, w["w_gate"])
@@ -487,20 +483,20 @@ def paged_forward(
             return _pallas_attention(q, kv, positions, valid, table), kv
         return _xla_attention(q, kv, positions, table), kv
 
-    def write_and_attend_dense(keys, values, new, q, positions):
+    def write_and_attend_dense(keys, values, k, v, q, positions):
         if q.shape[1] != 1:
             raise ValueError(f"the dense paged attention path is for decode (T = 1), got {q.shape}")
-        keys, values = _write_views(keys, values, new, positions)
+        keys, values = _write_views(keys, values, k, v, positions)
         return _dense_attention(q, keys, values, positions), (keys, values)
 
     if attention == "dense":
-        specs = ("RH--", "RH--", "R-H-", "R-H-", "R-")
+        specs = ("RH--", "RH--", "R-H-", "R-H-", "R-H-", "R-")
         outs = ("R-H-", ("RH--", "RH--"))
         group_dense = per_group(write_and_attend_dense, mesh, K, specs, outs)
 
-        def layer_kv(state, new, q):
+        def layer_kv(state, k, v, q):
             kv, keys, values = state
-            attn, (keys, values) = group_dense(keys, values, new, q, positions)
+            attn, (keys, values) = group_dense(keys, values, k, v, q, positions)
             return attn, (kv, keys, values)
 
         keys, values = zip(*pool.views, strict=True)
@@ -509,7 +505,9 @@ def paged_forward(
         specs = ("R-H-", "R-H-", "R-H-", "R-", "R-", "R-", "R-", table_spec)
         group_layer = per_group(write_and_attend, mesh, K, specs, ("R-H-", "R-H-"))
 
-        def layer_kv(kv, new, q):
+        def layer_kv(kv, k, v, q):
+            B, T, K, D = k.shape
+            new = jnp.stack([k, v], axis=3).reshape(B, T, 2 * K, D)  # keys even, values odd
             return group_layer(kv, new, q, positions, valid, *write_at, table)
 
         layer_state = list(pool.kv)

@@ -76,7 +76,8 @@ def test_dense_cpu_path_matches_oracle_after_writes():
     @jax.jit
     def step(kv, q, new, positions, table):
         pool = paged.dense_views(paged.PagePool(kv=(kv,)), table, None, K)
-        keys, values = paged._write_views(*pool.views[0], new, positions)
+        k, v = new[:, :, 0::2], new[:, :, 1::2]  # the pool's layout: keys even, values odd
+        keys, values = paged._write_views(*pool.views[0], k, v, positions)
         out = paged._dense_attention(q, keys, values, positions)
         pool = pool.replace(views=((keys, values),))
         start = positions[:, 0]
