@@ -180,6 +180,12 @@ def write_slots(
     return jnp.where(valid, page, SCRATCH_PAGE), positions % page_size
 
 
+def _combined(k, v):
+    """K and V ``[B, T, K, D]`` in the pool's layout ``[B, T, 2K, D]``: keys even, values odd."""
+    B, T, K, D = k.shape
+    return jnp.stack([k, v], axis=3).reshape(B, T, 2 * K, D)
+
+
 def _write_pages(kv, new, page, offset):
     """Scatters each token's combined K/V [B, T, 2K, D] into (page, offset)."""
     flat = new.reshape(-1, *new.shape[2:]).astype(kv.dtype)
@@ -293,16 +299,13 @@ def views_to_pages(pool: PagePool, page_table, start, end, mesh: Mesh | None, kv
     """
 
     def write(kv, keys, values, table, start, end):
-        B, NB = table.shape
-        _, page_size, C, D = kv.shape
-        pos = jnp.arange(NB * page_size)
-        k = jnp.einsum("BKDL->BLKD", keys)
-        v = jnp.einsum("BKLD->BLKD", values)
-        new = jnp.stack([k, v], axis=3).reshape(B, NB * page_size, C, D).astype(kv.dtype)
+        page_size = kv.shape[1]
+        pos = jnp.arange(table.shape[1] * page_size)
+        new = _combined(jnp.einsum("BKDL->BLKD", keys), jnp.einsum("BKLD->BLKD", values))
         written = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
         page = jnp.where(written, table[:, pos // page_size], kv.shape[0])  # else dropped
         offset = jnp.broadcast_to(pos % page_size, page.shape)
-        return kv.at[page, offset].set(new, mode="drop")
+        return kv.at[page, offset].set(new.astype(kv.dtype), mode="drop")
 
     write = per_group(write, mesh, kv_heads, ("R-H-", "RH--", "RH--", "R-", "R", "R"), "R-H-")
     kv = tuple(
@@ -313,7 +316,7 @@ def views_to_pages(pool: PagePool, page_table, start, end, mesh: Mesh | None, kv
 
 
 def _dense_attention(q, keys, values, positions):
-    """Decode attention (T = 1) over the contiguous views: writes the step's K/V first."""
+    """Decode attention (T = 1) over the contiguous views (the step's K/V already written)."""
     B, T, N, D = q.shape
     L = keys.shape[-1]
     visible = jnp.arange(L)[None, None, :] <= positions[:, :, None]  # [B, T, L]
@@ -506,9 +509,7 @@ def paged_forward(
         group_layer = per_group(write_and_attend, mesh, K, specs, ("R-H-", "R-H-"))
 
         def layer_kv(kv, k, v, q):
-            B, T, K, D = k.shape
-            new = jnp.stack([k, v], axis=3).reshape(B, T, 2 * K, D)  # keys even, values odd
-            return group_layer(kv, new, q, positions, valid, *write_at, table)
+            return group_layer(kv, _combined(k, v), q, positions, valid, *write_at, table)
 
         layer_state = list(pool.kv)
 
