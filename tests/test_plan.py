@@ -530,8 +530,9 @@ def test_roofline_arithmetic_by_hand():
     assert st.decode_steps == 3 * 32  # ceil(20 / 8) rounds of 32 tokens
     assert st.decode_s == pytest.approx(96 * max(4e6 / peak, step_bytes / bw))
     assert st.prefill_s == pytest.approx(5 * 16 * max(3e9 / peak, 1e6 / bw) / 128)
-    # 2 layers from 1 and 2, the kernels' cost added to each (it doubles from 1 to 2 layers)
-    flops, nbytes = 3 * (5e9 + 2e9 + 2 * k1), 3 * (2e9 + 1e9 + 2 * k1_bytes)
+    # 2 layers from 1 and 2, the kernels' cost added to each (it doubles from 1 to 2 layers);
+    # the programs' figures are the whole step, its 3 micro-batches (loops at their trip counts)
+    flops, nbytes = 5e9 + 2e9 + 2 * k1, 2e9 + 1e9 + 2 * k1_bytes
     assert (st.train_flops, st.train_bytes) == (flops, nbytes)
     model = 24 * (6 * mm * 48 + 6 * L * N * D * 48**2) / 4  # 3 x 8 rows over 4 devices
     assert st.update_s == pytest.approx(2 * max(flops / peak, nbytes / bw, model / peak))

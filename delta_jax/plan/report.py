@@ -6,12 +6,15 @@ import dataclasses
 import re
 from typing import Any
 
+from delta_jax.plan.hlo import COMPUTATION_HEAD, loop_cost
+
 GiB = 1024**3
 
 # A splash-attention kernel call in an optimised HLO module (JAX names the custom calls after the
 # kernel: splash_mha_fwd..., splash_mha_dq..., splash_mha_dkv...) and the shapes it produces.
 _SPLASH = re.compile(r"%splash_mha_(fwd|dq|dkv)[\w.]* = \(?(.*?)\)? custom-call\(")
-_SHAPE = re.compile(r"(bf16|f16|f32)\[(\d+),(\d+),(\d+),(\d+)\]")
+# Its output [rows, heads, T, D], or [heads, T, D] when a device holds one row.
+_SHAPE = re.compile(r"(bf16|f16|f32)\[(\d+,)?(\d+),(\d+),(\d+)\]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,14 +30,23 @@ class SplashCalls:
     itemsize: int
 
     @classmethod
-    def of(cls, hlo: str) -> SplashCalls | None:
+    def of(cls, hlo: str, runs: dict[str, int] | None = None) -> SplashCalls | None:
+        """The calls in ``hlo``, each as many times as its computation runs (``runs``, from
+        :func:`.hlo.loop_cost`: a call in a loop body counts its trip count)."""
         calls = {"fwd": 0, "dq": 0, "dkv": 0}
-        shape = None
-        for kind, outputs in _SPLASH.findall(hlo):
-            calls[kind] += 1
+        shape, computation = None, ""
+        for line in hlo.splitlines():
+            head = COMPUTATION_HEAD.match(line)
+            computation = head.group(2) if head else computation
+            found = _SPLASH.search(line)
+            if not found:
+                continue
+            kind, outputs = found.groups()
+            calls[kind] += (runs or {}).get(computation, 1)
             found = _SHAPE.search(outputs) if kind == "fwd" and shape is None else None
             if found:
-                shape = (found.group(1), tuple(int(found.group(i)) for i in range(2, 6)))
+                rows = int(found.group(2)[:-1]) if found.group(2) else 1
+                shape = (found.group(1), (rows, *(int(found.group(i)) for i in range(3, 6))))
         if shape is None:
             return None
         dtype, dims = shape
@@ -50,9 +62,10 @@ class ProgramMemory:
     error message states and the other fields are 0, so ``peak`` is a lower bound; for an
     on-core memory (SMEM, VMEM) no HBM figure exists and the program does not fit at any budget.
 
-    ``flops`` / ``bytes_accessed``: ``compiled.cost_analysis()`` per device (a loop body counts
-    once, whatever its trip count; see :mod:`.roofline`). ``splash``: the splash-attention kernel
-    calls the program makes (:class:`SplashCalls`), whose inside the cost analysis does not see.
+    ``flops`` / ``bytes_accessed``: XLA's cost analysis per device, every loop body times its
+    trip count (:func:`.hlo.loop_cost`; ``loops_counted_once``: loops whose trip count was not
+    found, counted once). ``splash``: the splash-attention kernel calls the program makes
+    (:class:`SplashCalls`), whose inside the cost analysis does not see.
     """
 
     arguments: int
@@ -65,6 +78,7 @@ class ProgramMemory:
     flops: float = 0.0
     bytes_accessed: float = 0.0
     splash: SplashCalls | None = None
+    loops_counted_once: int = 0
 
     @property
     def peak(self) -> int:
@@ -89,20 +103,18 @@ class ProgramMemory:
     @classmethod
     def of(cls, compiled, compile_s: float) -> ProgramMemory:
         stats = compiled.memory_analysis()
-        try:
-            cost = compiled.cost_analysis() or {}
-        except Exception:  # not every backend offers it
-            cost = {}
-        cost = cost[0] if isinstance(cost, list | tuple) else cost
+        text = compiled.as_text()
+        cost = loop_cost(text)
         return cls(
             arguments=int(stats.argument_size_in_bytes),
             outputs=int(stats.output_size_in_bytes),
             aliased=int(stats.alias_size_in_bytes),
             temporaries=int(stats.temp_size_in_bytes),
             compile_s=compile_s,
-            flops=float(cost.get("flops", 0.0)),
-            bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-            splash=SplashCalls.of(compiled.as_text()),
+            flops=cost.flops,
+            bytes_accessed=cost.bytes_accessed,
+            splash=SplashCalls.of(text, cost.runs),
+            loops_counted_once=cost.unknown_trips,
         )
 
 

@@ -10,15 +10,17 @@ RL step:
 * update: ``algo.mini_batches`` train steps;
 * the run: ``run.steps`` of them, in hours and chip-hours.
 
-``compiled.cost_analysis()`` counts a loop body once, whatever its trip count (measured on
-libtpu 0.0.42.1: a ``fori_loop`` of 10 matmuls reports one), and a Pallas kernel's inside not at
-all. So: the decode chunk's figures are one step (its layers are unrolled, its step loop counts
-once); the train step is compiled twice more with 1 and 2 unrolled layers and extrapolated to
-``L`` (``layers_extrapolated``) and times its ``M`` micro-batches (the optimiser update, a few
-FLOPs per parameter, then counts ``M`` times: a small overcount); the ragged paged attention
-kernel's K/V reads (``kv_bytes_per_token``) are added to the decode's bytes, and the splash
-kernels the train step calls (counted in its HLO, a rematerialised forward twice) are added to
-its FLOPs and bytes (``splash_cost``: the causal mask's blocks, each the kernel's own matmuls).
+XLA's cost analysis counts a loop body once, whatever its trip count, and a Pallas kernel's
+inside not at all. The programs' figures (``ProgramMemory.flops``/``bytes_accessed``) count
+every loop body times its trip count where that is a constant (:mod:`.hlo`: the micro-batch
+loop, the chunked LM head, the partitioner's windowed matmul loops); a loop bounded at run time
+counts once, so the decode chunk's figures are one step (its step loop ends at a step argument
+or when its sequences end; its layers are unrolled). The train step is compiled twice more with
+1 and 2 unrolled layers and extrapolated to ``L`` (``layers_extrapolated``); the ragged paged
+attention kernel's K/V reads (``kv_bytes_per_token``) are added to the decode's bytes, and the
+splash kernels the train step calls (read from its HLO, each call as often as its loop runs, a
+rematerialised forward twice) are added to its FLOPs and bytes (``splash_cost``: the causal
+mask's blocks, each the kernel's own matmuls).
 
 The model-FLOPs utilisation bound is the model's FLOPs (``6 N`` per token for the weight
 matmuls, ``N`` the matmul parameters, LM head included, plus causal attention's ``6 L Nq D T^2``
@@ -198,7 +200,8 @@ def estimate(
     """The step's bounds from compiled programs (per device figures, see the module).
 
     ``decode``/``prefill``/``train_one``/``train_two``: ``ProgramMemory`` with cost figures
-    (``train_one``/``train_two``: the train step with 1 and 2 unrolled layers; their splash
+    (``decode``: the decode chunk, its step loop counted once; ``train_one``/``train_two``: the
+    train step of ``micro_batches`` micro-batches with 1 and 2 unrolled layers; their splash
     kernels' cost, ``splash_cost`` with ``attention_block``, is added); ``prefill_tokens``:
     tokens one device's prefill program takes (its group's rows x chunk length); ``useful_tokens``:
     a train row's tokens the model FLOPs count; ``kv_heads``: KV heads a sampling device holds;
@@ -209,13 +212,14 @@ def estimate(
     peak, bandwidth = peak * share, bandwidth * share
     context = prompt_len + mean_new / 2  # mean context of a decoded token
     kv = kv_bytes_per_token(mc, context, kv_heads, cache_itemsize)
+    step_flops = decode.flops
     step_bytes = decode.bytes_accessed + group_slots * kv
     decode_steps = -(-sequences_per_group // group_slots) * math.ceil(mean_new)
     per_token = bound(prefill.flops, prefill.bytes_accessed, peak, bandwidth) / prefill_tokens
     L = mc.num_layers
     (f1, b1), (f2, b2) = (splash_cost(t.splash, attention_block) for t in (train_one, train_two))
-    train_flops = micro_batches * layers_extrapolated(train_one.flops + f1, train_two.flops + f2, L)
-    train_bytes = micro_batches * layers_extrapolated(
+    train_flops = layers_extrapolated(train_one.flops + f1, train_two.flops + f2, L)
+    train_bytes = layers_extrapolated(
         train_one.bytes_accessed + b1, train_two.bytes_accessed + b2, L
     )
     model = train_model_flops(mc, micro_batches * micro_rows, round(useful_tokens)) / devices
@@ -224,10 +228,10 @@ def estimate(
         peak_flops=peak / share,
         hbm_bandwidth=bandwidth / share,
         mean_new_tokens=mean_new,
-        decode_step_flops=decode.flops,
+        decode_step_flops=step_flops,
         decode_step_bytes=step_bytes,
         decode_steps=decode_steps,
-        decode_s=decode_steps * bound(decode.flops, step_bytes, peak, bandwidth),
+        decode_s=decode_steps * bound(step_flops, step_bytes, peak, bandwidth),
         prefill_s=prompts_per_group * prompt_len * per_token,
         train_flops=train_flops,
         train_bytes=train_bytes,
