@@ -537,6 +537,9 @@ def test_roofline_arithmetic_by_hand():
     model = 24 * (6 * mm * 48 + 6 * L * N * D * 48**2) / 4  # 3 x 8 rows over 4 devices
     assert st.update_s == pytest.approx(2 * max(flops / peak, nbytes / bw, model / peak))
     assert st.mfu_bound == pytest.approx(model / flops)
+    train_s = max(flops / peak, nbytes / bw, model / peak)
+    assert st.update_mfu == pytest.approx(model / peak / train_s)
+    assert st.update_limit == ("HBM" if nbytes / bw > flops / peak else "FLOP/s")
     assert st.bytes_per_token == pytest.approx(step_bytes / 8)
     assert st.min_bytes_per_token == pytest.approx(1_000_000 / 8 + kv)
     assert st.run_hours == pytest.approx(10 * (st.decode_s + st.prefill_s + st.update_s) / 3600)

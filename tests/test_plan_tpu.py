@@ -93,3 +93,67 @@ def test_multiturn_continuation_programs_compile_for_v5p():
     tokens = out_rows // 2 * gen_len * 4  # a chip's rows of one int32 buffer
     assert write.alias_size_in_bytes >= 3 * tokens  # tokens, log-probs, untruncated log-probs
     assert write.temp_size_in_bytes < tokens
+
+
+def test_loop_cost_reads_tpu_loops():
+    """On the TPU compiler's HLO (no recorded trip count): JAX's loops, and the windowed
+    all-gather matmul loop the SPMD partitioner makes for an FSDP matmul over 8 chips, whose body
+    (4 of the 8 shards' matmuls) XLA's cost analysis counts once."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, SingleDeviceSharding
+    from jax.sharding import PartitionSpec as P
+
+    from delta_jax.plan.hlo import loop_cost
+
+    _, devices = plan_lib.tpu_topology_devices("v5p-8")
+    n = 256
+    x = jax.ShapeDtypeStruct((n, n), jnp.float32, sharding=SingleDeviceSharding(devices[0]))
+
+    def step(x):
+        return jnp.tanh(x @ x)
+
+    def inner(x):
+        return jax.lax.scan(lambda c, _: (step(c), None), x, None, length=4)[0]
+
+    loops = {
+        10: lambda x: jax.lax.fori_loop(0, 10, lambda i, x: step(x), x),
+        7: lambda x: jax.lax.fori_loop(2, 9, lambda i, x: step(x), x),
+        12: lambda x: jax.lax.scan(lambda c, _: (inner(c), None), x, None, length=3)[0],
+    }
+    for trips, fn in loops.items():
+        cost = loop_cost(jax.jit(fn).lower(x).compile().as_text())
+        assert cost.unknown_trips == 0
+        assert cost.flops == pytest.approx(trips * 2 * n**3, rel=1e-2)
+
+    _, devices = plan_lib.tpu_topology_devices("v5p-16")  # 8 chips
+    mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
+    B, T, H, F = 8, 2048, 4096, 8192
+    shard = NamedSharding(mesh, P("fsdp"))
+    xs = jax.ShapeDtypeStruct((B, T, H), jnp.bfloat16, sharding=shard)
+    ws = jax.ShapeDtypeStruct((H, F), jnp.bfloat16, sharding=shard)
+    matmul = jax.jit(lambda x, w: jnp.einsum("bth,hf->btf", x, w), out_shardings=shard)
+    compiled = matmul.lower(xs, ws).compile()
+    assert "windowed_dot_general_body" in compiled.as_text()
+    per_chip = 2 * B * T * H * F / 8
+    assert compiled.cost_analysis()["flops"] < 0.6 * per_chip
+    cost = loop_cost(compiled.as_text())
+    assert (cost.loops, cost.unknown_trips) == (1, 0)
+    assert cost.flops == pytest.approx(per_chip, rel=1e-2)
+
+
+@pytest.mark.slow  # two TPU compiles
+def test_train_step_figures_equal_with_layers_scanned_or_unrolled():
+    """Two micro-batches: the step's loop over them (and the scan over layers) at their trip
+    counts, so scanned and unrolled layers give the same FLOPs and splash calls."""
+    config = load_config("configs/demo.yaml", [*OVERRIDES[:-1], "algo.micro_batches=2"])
+    programs = [
+        plan_lib.compile_train_step(config, "v5p-8", model_config=MODEL, scan_layers=scan)
+        for scan in (True, False)
+    ]
+    scanned, unrolled = programs
+    assert scanned.loops_counted_once == unrolled.loops_counted_once == 0
+    assert scanned.flops == pytest.approx(unrolled.flops, rel=5e-3)
+    # 2 layers x 2 micro-batches, 1 row per chip ([heads, T, D] kernel shapes)
+    assert scanned.splash == unrolled.splash == plan_lib.SplashCalls(4, 4, 4, (1, 8, 2048, 128), 4)

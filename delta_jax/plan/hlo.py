@@ -138,7 +138,7 @@ def loop_cost(text: str) -> Cost:
     from jax._src.lib import _jax
     from jaxlib import _hlo
 
-    comps, entry = _computations(re.sub(r" stack_frame_id=\d+", "", text))
+    comps, entry = _computations(re.sub(r"\s?stack_frame_id=\d+", "", text))
     client = jax.local_devices(backend="cpu")[0].client
 
     @functools.cache

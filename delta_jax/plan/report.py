@@ -11,10 +11,11 @@ from delta_jax.plan.hlo import COMPUTATION_HEAD, loop_cost
 GiB = 1024**3
 
 # A splash-attention kernel call in an optimised HLO module (JAX names the custom calls after the
-# kernel: splash_mha_fwd..., splash_mha_dq..., splash_mha_dkv...) and the shapes it produces.
-_SPLASH = re.compile(r"%splash_mha_(fwd|dq|dkv)[\w.]* = \(?(.*?)\)? custom-call\(")
-# Its output [rows, heads, T, D], or [heads, T, D] when a device holds one row.
-_SHAPE = re.compile(r"(bf16|f16|f32)\[(\d+,)?(\d+),(\d+),(\d+)\]")
+# kernel: splash_mha_fwd..., splash_mha_dq..., splash_mha_dkv...) and the shapes it produces: the
+# forward's are its scratch buffers, its output [rows, heads, T, D] ([heads, T, D] when a device
+# holds one row) and, with residuals, the log-sum-exp last.
+_SPLASH = re.compile(r"%splash_mha_(fwd|dq|dkv)([\w.]*) = \(?(.*?)\)? custom-call\(")
+_SHAPE = re.compile(r"(bf16|f16|f32)\[([\d,]*)\]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +42,12 @@ class SplashCalls:
             found = _SPLASH.search(line)
             if not found:
                 continue
-            kind, outputs = found.groups()
+            kind, name, outputs = found.groups()
             calls[kind] += (runs or {}).get(computation, 1)
-            found = _SHAPE.search(outputs) if kind == "fwd" and shape is None else None
-            if found:
-                rows = int(found.group(2)[:-1]) if found.group(2) else 1
-                shape = (found.group(1), (rows, *(int(found.group(i)) for i in range(3, 6))))
+            if kind == "fwd" and shape is None:
+                dtype, dims = _SHAPE.findall(outputs)[-1 if "no_residuals" in name else -2]
+                dims = tuple(int(d) for d in dims.split(","))
+                shape = (dtype, dims if len(dims) == 4 else (1, *dims))
         if shape is None:
             return None
         dtype, dims = shape

@@ -126,6 +126,8 @@ class StepTime:
     train_bytes: float
     train_model_flops: float  # per device
     update_s: float  # every mini-batch
+    update_mfu: float  # the model's FLOPs at peak over update_s
+    update_limit: str  # what bounds the train step: "HBM" or "FLOP/s"
     bytes_per_token: float  # decode, per device and useful token
     min_bytes_per_token: float
     steps: int
@@ -162,7 +164,8 @@ class StepTime:
             f"  update >= {self.update_s:,.1f} s ({self.train_flops / 1e12:,.1f} TFLOP per device "
             f"per mini-batch compiled, {self.train_model_flops / 1e12:,.1f} the model's; "
             + (
-                f"model-FLOPs utilisation bound {self.mfu_bound:.0%})"
+                f"model-FLOPs utilisation bound {self.mfu_bound:.0%}; "
+                f"{self.update_mfu:.0%} at the update's bound, {self.update_limit}-bound)"
                 if self.mfu_bound <= 1
                 else "compiled below the model's: the cost analysis misses work, no MFU bound)"
             ),
@@ -223,6 +226,7 @@ def estimate(
         train_one.bytes_accessed + b1, train_two.bytes_accessed + b2, L
     )
     model = train_model_flops(mc, micro_batches * micro_rows, round(useful_tokens)) / devices
+    train_s = max(bound(train_flops, train_bytes, peak, bandwidth), model / peak)
     return StepTime(
         chip=gen,
         peak_flops=peak / share,
@@ -237,7 +241,9 @@ def estimate(
         train_bytes=train_bytes,
         train_model_flops=model,
         # Never below the model's own FLOPs at peak (the cost analysis can miss a kernel's).
-        update_s=mini_batches * max(bound(train_flops, train_bytes, peak, bandwidth), model / peak),
+        update_s=mini_batches * train_s,
+        update_mfu=model / peak / train_s,
+        update_limit="HBM" if train_bytes / bandwidth > train_flops / peak else "FLOP/s",
         bytes_per_token=step_bytes / group_slots,
         min_bytes_per_token=weight_bytes / group_slots + kv,
         steps=steps,
