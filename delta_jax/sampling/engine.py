@@ -868,29 +868,58 @@ class _Scheduler:
         for it are free now (no host round trip that could not change anything). When prompts
         are handed over as they end (``on_done``), a chunk does not run past the next prompt's
         end: up to its budget without stop ids, ``spec.steps`` with them. Multi-turn requests
-        run ``spec.steps``: any step may end a turn that the host should start answering."""
+        run ``spec.steps``: any step may end a turn that the host should start answering. A
+        tail chunk also ends where its sequences' budgets leave at most half its rows busy
+        (:meth:`_bucket`)."""
         if self.turns is not None or any(g.queue for g in self.groups):
             return self.spec.steps
-        left, per_prompt = 0, {}
+        left, per_prompt, rests = 0, {}, []
         for group in self.groups:
-            need = 0
+            need, rests = 0, [*rests, []]
             for slot, seq in group.running:
                 if self.on_done is not None and (seq.stops >= 0).any():
                     # Streaming: any step may end this prompt, whose rewards should start then.
                     return self.spec.steps
                 pos, rest = int(state["pos"][slot]), seq.max_new - int(state["count"][slot])
                 left = max(left, rest)
+                rests[-1].append(rest)
                 per_prompt[seq.prompt] = max(per_prompt.get(seq.prompt, 0), rest)
                 need += self._chunk_pages(seq, pos, seq.max_new) - len(seq.table)
             if need > group.alloc.num_free:
                 return self.spec.steps
         if self.on_done is not None:  # no stop ids: end the chunk where the next prompt ends
             left = min(per_prompt.values(), default=0)
+        # ... and where every group is down to half the chunk's rows (``_bucket``): the next
+        # chunk runs on half the slots.
+        B = self._bucket(max(map(len, rests)))
+        if B > self._bucket(1):  # steps until each group has at most B // 2 budgets left
+            until_half = [sorted(r, reverse=True)[B // 2] for r in rests if len(r) > B // 2]
+            left = min(left, max(until_half, default=left))
         return max(left, self.spec.steps)
+
+    def _bucket(self, occupied: int) -> int:
+        """Slots per group a decode chunk runs for ``occupied`` sequences in the fullest group:
+        the next power of two, from an eighth of the group's slots up to all of them (at most
+        four decode programs). Sequences are packed into the chunk's first rows, so a group
+        whose sequences are ending (the ragged tail of a rollout) stops paying for its idle
+        slots; a slot's row is host state (its page table, its RNG stream is the sequence's),
+        so which row a sequence decodes in changes nothing it draws."""
+        S = self.spec.group_slots
+        return min(S, max(-(-S // 8), _pow2(occupied)))
 
     def _decode(self, state: dict[str, np.ndarray], steps: int) -> None:
         spec = self.spec
-        tables = [[[] if s is None else s.table for s in g.slots] for g in self.groups]
+        occupied = [[i for i, s in enumerate(g.slots) if s is not None] for g in self.groups]
+        B = self._bucket(max(map(len, occupied)))
+        rows = []  # global slots in the chunk's rows: each group's sequences, then idle slots
+        for group, used in zip(self.groups, occupied, strict=True):
+            idle = [i for i in range(spec.group_slots) if group.slots[i] is None]
+            rows += [group.base + i for i in (used + idle)[:B]]
+        rows = np.asarray(rows)
+        tables = [
+            [[] if g.slots[i - g.base] is None else g.slots[i - g.base].table for i in part]
+            for g, part in zip(self.groups, rows.reshape(len(self.groups), B), strict=True)
+        ]
         if spec.attention in ("pallas", "dense"):
             floor = pages_for(spec.min_len, spec.page_size)
             widest = max(len(t) for group in tables for t in group)
@@ -898,26 +927,27 @@ class _Scheduler:
             if spec.attention == "dense":
                 # The CPU path gathers every table entry: never wider than the longest sequence.
                 nb = min(nb, spec.seq_pages)
-            table = np.zeros((spec.slots, nb), np.int32)
+            table = np.zeros((len(rows), nb), np.int32)
             for row, t in enumerate(t for group in tables for t in group):
                 table[row, : len(t)] = t
-            pages = _page_lists([[] for _ in self.groups], spec.group_slots, size=1)
+            pages = _page_lists([[] for _ in self.groups], B, size=1)
         else:
             # One list length for every chunk (every slot at the longest sequence): the XLA
             # path reads only the real entries, so a longer list costs nothing but its indices.
-            table = np.zeros((spec.slots, 1), np.int32)
-            size = spec.group_slots * spec.seq_pages
-            pages = _page_lists(tables, spec.group_slots, size)
+            table = np.zeros((len(rows), 1), np.int32)
+            pages = _page_lists(tables, B, B * spec.seq_pages)
         before = state["count"].copy()
-        fields = np.stack([state[name] for name in _SLOT_FIELDS], axis=1)
-        packed = np.concatenate([fields, state["stops"], state["recent"], table], axis=1)
+        fields = np.stack([state[name][rows] for name in _SLOT_FIELDS], axis=1)
+        packed = np.concatenate(
+            [fields, state["stops"][rows], state["recent"][rows], table], axis=1
+        )
         status = self.compile("decode", packed, pages, steps)
         self.stats.chunks += 1
         for i, name in enumerate(_STATUS_FIELDS):
-            state[name][:] = status[:, i]
-        state["recent"][:] = status[:, len(_STATUS_FIELDS) :]
+            state[name][rows] = status[:, i]
+        state["recent"][rows] = status[:, len(_STATUS_FIELDS) :]
         new = state["count"] - before
-        self.stats.decode_steps += int(new.max()) * spec.slots
+        self.stats.decode_steps += int(new.max()) * len(rows)
         turn_ends = []
         for group in self.groups:
             for slot, seq in group.running:

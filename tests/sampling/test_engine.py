@@ -292,6 +292,21 @@ def test_trainer_defaults_run_without_idle_slots_or_preemption(model, n):
     assert stats.free_pages_after == (stats.group_pages - 1,)
 
 
+def test_ragged_tail_decodes_on_fewer_rows(model):
+    """8 slots, a long sequence and 7 short ones: the first chunk ends where at most half its
+    rows are busy (4 steps, the chunk length), then the long one decodes on one row (the
+    smallest bucket, an eighth of the slots) instead of 8, and draws the same tokens as one
+    slot decoding the sequences one after another."""
+    prompts, budgets = [[4, 8, 15], [16, 23], [42, 7, 9, 1], [5]] * 2, [40] + [2] * 7
+    kw = dict(max_new_tokens=budgets, temperature=1.0, seed=5)
+    got = engine(model, decode_slots=8).generate(prompts, **kw)
+    want = engine(model, decode_slots=1).generate(prompts, **kw)
+    assert got.tokens == want.tokens and got.lengths == budgets
+    stats = got.engine_stats
+    assert stats.useful_steps == 40 + 7 * 2
+    assert stats.decode_steps == 8 * 4 + 1 * 36  # 8 rows x 40 steps without the buckets
+
+
 def test_one_decode_slot_with_the_default_pool(model):
     """One slot runs the sequences one after another; the default pool holds one sequence."""
     got = engine(model, decode_slots=1).generate(PROMPTS, max_new_tokens=BUDGETS, temperature=0.0)
