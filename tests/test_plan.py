@@ -1,5 +1,6 @@
 """Memory planner: search logic, known model shapes, and compiled reports (Qwen3-0.6B on v5e-1)."""
 
+import dataclasses
 import math
 
 import jax
@@ -516,14 +517,15 @@ def test_roofline_arithmetic_by_hand():
         pytest.approx(2 * 4 * 2 * (16 * 64 * 16 + 22 * 64 * 16)),
     )  # one block of 64 (block > T: b = T)
     assert roofline.splash_cost(None, 32) == (0.0, 0.0)
-    st = roofline.estimate(
-        mc, chip_name="v5p-8", chips=4, devices=4, decode=decode, prefill=prefill,
+    kw = dict(
+        mc=mc, chip_name="v5p-8", chips=4, devices=4, decode=decode, prefill=prefill,
         prefill_tokens=2 * 64, train_one=one, train_two=two, attention_block=32,
         micro_batches=3, mini_batches=2,
         micro_rows=8, useful_tokens=48, sequences_per_group=20, group_slots=8,
         prompts_per_group=5, prompt_len=16, mean_new=32, kv_heads=1, cache_itemsize=2,
         weight_bytes=1_000_000, steps=10,
     )  # fmt: skip
+    st = roofline.estimate(**kw)
     peak, bw = 459e12, 2765e9
     kv = L * 2 * 1 * D * 2 * (16 + 32 / 2)  # K and V of 32 mean context positions, bf16
     step_bytes = 8e6 + 8 * kv
@@ -545,5 +547,9 @@ def test_roofline_arithmetic_by_hand():
     assert st.run_hours == pytest.approx(10 * (st.decode_s + st.prefill_s + st.update_s) / 3600)
     text = "\n".join(st.lines())
     assert "459 TFLOP/s bf16, 2765 GB/s HBM" in text and "chip-hours on 4 chips" in text
+    assert st.train_loops_once == 0 and "loop(s) once" not in text
+    unknown = dataclasses.replace(one, loops_counted_once=1)
+    st = roofline.estimate(**{**kw, "train_one": unknown})
+    assert "counts 1 loop(s) once" in "\n".join(st.lines())
     with pytest.raises(ValueError, match="no chip constants for 'v9'"):
         roofline.chip("v9-8")

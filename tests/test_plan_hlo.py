@@ -61,3 +61,19 @@ def test_loop_bounded_at_run_time_counts_once(x, one_step):
 def test_program_without_loops_is_the_cost_analysis(x, one_step):
     once, cost = _costs(_step, x)
     assert cost.flops == once == one_step and cost.loops == 0
+
+
+def test_without_the_hlo_parser_the_cost_analysis_counts_loops_once(x, monkeypatch):
+    from delta_jax.plan import report
+
+    def missing(text):
+        raise ImportError("no HLO text parser")
+
+    compiled = jax.jit(lambda x: jax.lax.fori_loop(0, 10, lambda i, x: _step(x), x))
+    compiled = compiled.lower(x).compile()
+    full = report.ProgramMemory.of(compiled, 0.0)
+    monkeypatch.setattr(report, "loop_cost", missing)
+    once = report.ProgramMemory.of(compiled, 0.0)
+    assert (full.loops_counted_once, once.loops_counted_once) == (0, 1)
+    assert once.flops == compiled.cost_analysis()["flops"]
+    assert full.flops == pytest.approx(10 * once.flops, rel=1e-3)

@@ -128,6 +128,7 @@ class StepTime:
     update_s: float  # every mini-batch
     update_mfu: float  # the model's FLOPs at peak over update_s
     update_limit: str  # what bounds the train step: "HBM" or "FLOP/s"
+    train_loops_once: int  # loops of the train programs counted once (trip count not found)
     bytes_per_token: float  # decode, per device and useful token
     min_bytes_per_token: float
     steps: int
@@ -168,6 +169,14 @@ class StepTime:
                 f"{self.update_mfu:.0%} at the update's bound, {self.update_limit}-bound)"
                 if self.mfu_bound <= 1
                 else "compiled below the model's: the cost analysis misses work, no MFU bound)"
+            ),
+            *(
+                [
+                    f"  (the train step's cost counts {self.train_loops_once} loop(s) once: "
+                    "trip count not found; its figures are a lower bound)"
+                ]
+                if self.train_loops_once
+                else []
             ),
             f"  step >= {self.step_s:,.1f} s; {self.steps} steps >= {h:,.1f} h = "
             f"{h * self.chips:,.0f} chip-hours on {self.chips} chips",
@@ -244,6 +253,7 @@ def estimate(
         update_s=mini_batches * train_s,
         update_mfu=model / peak / train_s,
         update_limit="HBM" if train_bytes / bandwidth > train_flops / peak else "FLOP/s",
+        train_loops_once=train_one.loops_counted_once + train_two.loops_counted_once,
         bytes_per_token=step_bytes / group_slots,
         min_bytes_per_token=weight_bytes / group_slots + kv,
         steps=steps,
