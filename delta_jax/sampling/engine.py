@@ -875,7 +875,8 @@ class _Scheduler:
             return self.spec.steps
         left, per_prompt, rests = 0, {}, []
         for group in self.groups:
-            need, rests = 0, [*rests, []]
+            need = 0
+            rests.append([])
             for slot, seq in group.running:
                 if self.on_done is not None and (seq.stops >= 0).any():
                     # Streaming: any step may end this prompt, whose rewards should start then.
@@ -911,15 +912,13 @@ class _Scheduler:
         spec = self.spec
         occupied = [[i for i, s in enumerate(g.slots) if s is not None] for g in self.groups]
         B = self._bucket(max(map(len, occupied)))
-        rows = []  # global slots in the chunk's rows: each group's sequences, then idle slots
+        rows, tables = [], []  # the chunk's rows: each group's sequences, then idle slots
         for group, used in zip(self.groups, occupied, strict=True):
             idle = [i for i in range(spec.group_slots) if group.slots[i] is None]
-            rows += [group.base + i for i in (used + idle)[:B]]
+            local = (used + idle)[:B]
+            rows += [group.base + i for i in local]
+            tables.append([[] if group.slots[i] is None else group.slots[i].table for i in local])
         rows = np.asarray(rows)
-        tables = [
-            [[] if g.slots[i - g.base] is None else g.slots[i - g.base].table for i in part]
-            for g, part in zip(self.groups, rows.reshape(len(self.groups), B), strict=True)
-        ]
         if spec.attention in ("pallas", "dense"):
             floor = pages_for(spec.min_len, spec.page_size)
             widest = max(len(t) for group in tables for t in group)
@@ -932,8 +931,8 @@ class _Scheduler:
                 table[row, : len(t)] = t
             pages = _page_lists([[] for _ in self.groups], B, size=1)
         else:
-            # One list length for every chunk (every slot at the longest sequence): the XLA
-            # path reads only the real entries, so a longer list costs nothing but its indices.
+            # One list length per row bucket (every row at the longest sequence): the XLA path
+            # reads only the real entries, so a longer list costs nothing but its indices.
             table = np.zeros((len(rows), 1), np.int32)
             pages = _page_lists(tables, B, B * spec.seq_pages)
         before = state["count"].copy()
