@@ -41,3 +41,31 @@ def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per core, at most 4 (each holds a JAX runtime with 8 CPU
     devices and its compiled programs, 2-4 GB)."""
     return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+# The modules that take longest (seconds of one worker on the 2-core CI machine, measured
+# 2026-11-25 with `--durations`), longest first. Workers take whole modules (`--dist
+# loadscope`) in collection order, so these go first and the many short modules fill in at the
+# end: left to xdist's default order (most tests first), a 6-minute module with few tests was
+# handed out last and ran while the other worker sat idle.
+HEAVY_FIRST = (
+    "tests/rl/test_compare.py",  # ~390 s: two demo warm-ups and four RL runs
+    "tests/rl/test_loop.py",  # ~300 s
+    "tests/test_plan_tpu.py",  # ~260 s: TPU compiles
+    "tests/test_readme.py",  # ~230 s
+    "tests/test_multihost.py",  # ~220 s: runs of two processes
+    "tests/rl/test_train_step.py",
+    "tests/sampling/test_engine.py",
+    "tests/rl/test_trainer.py",
+    "tests/test_plan.py",
+    "tests/test_hub.py",
+    "tests/rl/test_multiturn_run.py",
+    "tests/test_sharding.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Heaviest modules first (``HEAVY_FIRST``), the rest in collection order; tests keep their
+    order within a module."""
+    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
