@@ -152,7 +152,7 @@ def test_killed_worker_takes_its_sandbox_down():
         batch = s.score(["p"], ["r"], [{}])
     assert batch.reasons == ["timeout"]
     deadline = time.monotonic() + 5.0
-    while sandbox_processes() and time.monotonic() < deadline:
+    while sandbox_processes([worker_pid]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert sandbox_processes() == []
+    assert sandbox_processes([worker_pid]) == []
     assert glob.glob(os.path.join(tempfile.gettempdir(), f"dj-sandbox-{worker_pid}-*")) == []
