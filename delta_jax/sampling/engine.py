@@ -212,6 +212,7 @@ def decode_chunk(
     out: dict[str, Array],
     slots: SlotState,
     limit: Int[Array, ""],
+    resumable: Bool[Array, ""],
     seed: Int[Array, ""],
     strategy: Greedy | Categorical,
     stop_sequences: Int[Array, "Q L"] | None = None,
@@ -234,6 +235,11 @@ def decode_chunk(
     drew in its turn (``slots.recent``, shifted every step) end with one of these rows,
     right-aligned and left-padded with -1 (a wildcard); None (single-turn requests) leaves the
     window out of the program and of the status.
+
+    ``resumable`` (multi-turn requests): a sequence that stops in this chunk may continue
+    later from its pages (a turn's end). The ``dense`` path writes the chunk's K/V back into
+    the pages only when a sequence may read them again: one still live after the chunk, or a
+    resumable one; the last chunk of a request skips the write-back.
 
     ``hoist_layers`` (the CPU path) slices the per-layer weights once before the loop, as the
     static sampler does; on accelerators the slices fuse into the matmuls inside the loop, where
@@ -309,7 +315,12 @@ def decode_chunk(
         cond, body, (jnp.zeros((), jnp.int32), pool, slots, out)
     )
     if attention == "dense":
-        pool = views_to_pages(pool, slots.page_table, start, slots.pos, mesh, K)
+        pool = jax.lax.cond(
+            resumable | jnp.any(slots.active),
+            lambda pool: views_to_pages(pool, slots.page_table, start, slots.pos, mesh, K),
+            lambda pool: pool.replace(views=None),
+            pool,
+        )
     pool = pool.replace(views=None)
     status = jnp.stack([getattr(slots, f).astype(jnp.int32) for f in _STATUS_FIELDS], axis=1)
     if stop_sequences is not None:
@@ -325,6 +336,7 @@ def decode_program(
     packed,
     pages,
     limit,
+    resumable,
     seed,
     strategy,
     stop_sequences=None,
@@ -341,6 +353,7 @@ def decode_program(
         out,
         unpack_slots(packed, pages, stop_width, window),
         limit,
+        resumable,
         seed,
         strategy,
         stop_sequences,
@@ -1175,9 +1188,11 @@ def engine_programs(
     rows,
     gen_len,
     stop_sequences: np.ndarray | None = None,
+    resumable: bool = False,
 ):
     """Returns ``call`` for :func:`run_engine` and ``results()``, compiling each program once
-    per key (``stop_sequences``: a multi-turn request's ``[Q, L]`` matrix, sent once).
+    per key (``stop_sequences``: a multi-turn request's ``[Q, L]`` matrix, sent once;
+    ``resumable``: a multi-turn request, whose sequences continue after a turn's end).
 
     Compiled programs are cached on the sampler (``sampler._programs``). The pool and the
     ``rows x gen_len`` output buffers live in the returned closure and are donated to every
@@ -1267,7 +1282,8 @@ def engine_programs(
             return None
         packed, pages, steps = place(arrays[0]), place(arrays[1]), jnp.int32(arrays[2])
         key = base + ("decode", packed.shape, pages.shape, rows, gen_len, *decode_key)
-        args = (params, rest, pool[0], out[0], packed, pages, steps, seed, strategy, *sequences)
+        args = (params, rest, pool[0], out[0], packed, pages, steps, jnp.bool_(resumable), seed)
+        args += (strategy, *sequences)
         result = build(key, decode, args, (2, 3))(*args)
         pool[0], out[0] = result["pool"], result["out"]
         return _to_host(result["status"])
@@ -1350,6 +1366,7 @@ def generate_continuous(
         spec.groups * block,
         request.gen_len,
         stop_sequences,
+        resumable=turns is not None,
     )
     on_done = None
     if on_prompt_done is not None:
@@ -1485,12 +1502,13 @@ def lower_decode(
     )
     scalar = NamedSharding(mesh, P())
     limit = jax.ShapeDtypeStruct((), i32, sharding=scalar)
+    resumable = jax.ShapeDtypeStruct((), jnp.bool_, sharding=scalar)
     seed = jax.ShapeDtypeStruct((), jnp.uint32, sharding=scalar)
     strategy = make_strategy(1.0)
     sequences = (jax.ShapeDtypeStruct((Q, L), i32, sharding=scalar),) if L else ()
     with jax.set_mesh(mesh), spmd.logical_axis_rules(rules):
         return jax.jit(fn, donate_argnums=(2, 3)).lower(
-            params, rest, pool, out, packed, pages, limit, seed, strategy, *sequences
+            params, rest, pool, out, packed, pages, limit, resumable, seed, strategy, *sequences
         )
 
 
