@@ -215,6 +215,7 @@ def decode_chunk(
     resumable: Bool[Array, ""],
     seed: Int[Array, ""],
     strategy: Greedy | Categorical,
+    layers: list[dict[str, Array]] | None = None,
     stop_sequences: Int[Array, "Q L"] | None = None,
     *,
     graphdef: nnx.GraphDef,
@@ -222,7 +223,6 @@ def decode_chunk(
     pad_id: int,
     attention: Attention,
     mesh: Mesh | None,
-    hoist_layers: bool,
 ) -> dict[str, Any]:
     """Up to ``limit`` decode steps of every live slot (exits early when none is live).
 
@@ -241,12 +241,12 @@ def decode_chunk(
     the pages only when a sequence may read them again: one still live after the chunk, or a
     resumable one; the last chunk of a request skips the write-back.
 
-    ``hoist_layers`` (the CPU path) slices the per-layer weights once before the loop, as the
-    static sampler does; on accelerators the slices fuse into the matmuls inside the loop, where
-    hoisting them would copy every weight once per chunk and hold that copy in memory.
+    ``layers`` (the CPU path): each layer's weights, sliced once per request
+    (:func:`engine_programs`) instead of at every step, which XLA:CPU does not reliably hoist
+    out of the loop; None (accelerators) slices them inside the loop, where the slices fuse
+    into the matmuls (a copy would hold every weight twice).
     """
     model: Transformer = nnx.merge(graphdef, params, rest)
-    hoisted = model.layer_params() if hoist_layers else None
     K = model.config.num_kv_heads
     pool = copy_pages(pool, slots.copy_src, slots.copy_dst, mesh, K)
     tied = model.config.tie_word_embeddings
@@ -262,7 +262,7 @@ def decode_chunk(
         i, pool, s, out = carry
         h, pool = paged_forward(
             model,
-            model.layer_params() if hoisted is None else hoisted,
+            model.layer_params() if layers is None else layers,
             s.last[:, None],
             s.pos[:, None],
             s.active[:, None],
@@ -339,6 +339,7 @@ def decode_program(
     resumable,
     seed,
     strategy,
+    layers=None,
     stop_sequences=None,
     *,
     stop_width,
@@ -356,6 +357,7 @@ def decode_program(
         resumable,
         seed,
         strategy,
+        layers,
         stop_sequences,
         **kw,
     )
@@ -404,13 +406,15 @@ def prefill_chunk(
     positions: Int[Array, "B T"],
     valid: Bool[Array, "B T"],
     pages: PageList,
+    layers: list[dict[str, Array]] | None = None,
     *,
     graphdef: nnx.GraphDef,
     mesh: Mesh | None,
 ) -> PagePool:
-    """Writes the K/V of a chunk of prompt tokens into the prompts' pages (no LM head)."""
+    """Writes the K/V of a chunk of prompt tokens into the prompts' pages (no LM head);
+    ``layers``: the per-layer weights sliced once per request (CPU), or None."""
     model: Transformer = nnx.merge(graphdef, params, rest)
-    layers = model.layer_params()
+    layers = model.layer_params() if layers is None else layers
     _, pool = paged_forward(model, layers, ids, positions, valid, pool, pages=pages, mesh=mesh)
     return pool
 
@@ -1241,13 +1245,20 @@ def engine_programs(
             )
         return compiled
 
-    model = nnx.merge(graphdef, params, rest)
+    model = sampler.model  # for its config and dtype
     make_pool = functools.partial(init_pool, model, spec.num_pages, spec.page_size, cache_dtype)
     hidden = model.config.hidden_size if spec.return_hidden else None
     make_out = functools.partial(init_outputs, rows, gen_len, hidden, model.dtype, spec.pad_id)
     pool = [build(base + ("pool",), make_pool, ())()]
     out = [build(base + ("outputs", rows, gen_len, hidden), make_out, ())()]
     platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
+    layers = None
+    if platform == "cpu":  # sliced once for every program of the request (see decode_chunk)
+
+        def slice_layers(params, rest):
+            return nnx.merge(graphdef, params, rest).layer_params()
+
+        layers = build(base + ("layers",), slice_layers, (params, rest))(params, rest)
     decode = functools.partial(
         decode_program,
         stop_width=width,
@@ -1256,7 +1267,6 @@ def engine_programs(
         pad_id=spec.pad_id,
         attention=spec.attention,
         mesh=mesh,
-        hoist_layers=platform == "cpu",
     )
     sequences = () if stop_sequences is None else (jnp.asarray(stop_sequences),)
     if sequences and mesh is not None:
@@ -1277,13 +1287,13 @@ def engine_programs(
             ids, positions, valid = (place(a) for a in arrays[:3])
             key = base + ("prefill", ids.shape, pages.page.shape)
             fn = functools.partial(prefill_chunk, graphdef=graphdef, mesh=mesh)
-            args = (params, rest, pool[0], ids, positions, valid, pages)
+            args = (params, rest, pool[0], ids, positions, valid, pages, layers)
             pool[0] = build(key, fn, args, (2,))(*args)
             return None
         packed, pages, steps = place(arrays[0]), place(arrays[1]), jnp.int32(arrays[2])
         key = base + ("decode", packed.shape, pages.shape, rows, gen_len, *decode_key)
         args = (params, rest, pool[0], out[0], packed, pages, steps, jnp.bool_(resumable), seed)
-        args += (strategy, *sequences)
+        args += (strategy, layers, *sequences)
         result = build(key, decode, args, (2, 3))(*args)
         pool[0], out[0] = result["pool"], result["out"]
         return _to_host(result["status"])
@@ -1498,7 +1508,6 @@ def lower_decode(
         pad_id=0,
         attention=attention,
         mesh=mesh,
-        hoist_layers=False,
     )
     scalar = NamedSharding(mesh, P())
     limit = jax.ShapeDtypeStruct((), i32, sharding=scalar)
@@ -1508,7 +1517,18 @@ def lower_decode(
     sequences = (jax.ShapeDtypeStruct((Q, L), i32, sharding=scalar),) if L else ()
     with jax.set_mesh(mesh), spmd.logical_axis_rules(rules):
         return jax.jit(fn, donate_argnums=(2, 3)).lower(
-            params, rest, pool, out, packed, pages, limit, resumable, seed, strategy, *sequences
+            params,
+            rest,
+            pool,
+            out,
+            packed,
+            pages,
+            limit,
+            resumable,
+            seed,
+            strategy,
+            None,
+            *sequences,
         )
 
 
