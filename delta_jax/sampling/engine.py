@@ -321,7 +321,6 @@ def decode_chunk(
             lambda pool: pool.replace(views=None),
             pool,
         )
-    pool = pool.replace(views=None)
     status = jnp.stack([getattr(slots, f).astype(jnp.int32) for f in _STATUS_FIELDS], axis=1)
     if stop_sequences is not None:
         status = jnp.concatenate([status, slots.recent], axis=1)
