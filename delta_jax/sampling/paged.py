@@ -39,7 +39,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
-from delta_jax.models import Transformer
+from delta_jax.models import Transformer, lora
 from delta_jax.models import axes as ax
 from delta_jax.models.attention import accumulation_dtype
 from delta_jax.models.transformer import _attend_cache, _rms_norm, _rope, _rope_tables
@@ -415,13 +415,15 @@ def copy_pages(pool: PagePool, src, dst, mesh: Mesh | None, kv_heads: int) -> Pa
 
 
 def _paged_block(cfg, dtype, p, x, cos, sin, kv, write_and_attend):
-    """One decoder block (the maths of ``transformer._block``) with paged K/V."""
+    """One decoder block (the maths of ``transformer._block``) with paged K/V; the projections
+    include the LoRA adapters when the block has them (the policy that is trained)."""
     eps = cfg.rms_norm_eps
     w = {k: v.astype(dtype) for k, v in p.items()}
+    s = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0  # LoRA scale (if adapters)
     h = _rms_norm(x, w["attn_norm"], eps, dtype)
-    q = jnp.einsum("BTH,HND->BTND", h, w["wq"])
-    k = jnp.einsum("BTH,HKD->BTKD", h, w["wk"])
-    v = jnp.einsum("BTH,HKD->BTKD", h, w["wv"])
+    q = lora.project("BTH,HND->BTND", h, w, "wq", s)
+    k = lora.project("BTH,HKD->BTKD", h, w, "wk", s)
+    v = lora.project("BTH,HKD->BTKD", h, w, "wv", s)
     if cfg.qkv_bias:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     if cfg.qk_norm:
@@ -430,11 +432,12 @@ def _paged_block(cfg, dtype, p, x, cos, sin, kv, write_and_attend):
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     attn, kv = write_and_attend(kv, k, v, q)
     B, T, N, D = attn.shape
-    x = x + jnp.einsum("BTE,EH->BTH", attn.reshape(B, T, N * D), w["wo"].reshape(N * D, -1))
+    wo = dict(w, wo=w["wo"].reshape(N * D, -1))
+    x = x + lora.project("BTE,EH->BTH", attn.reshape(B, T, N * D), wo, "wo", s)
     h = _rms_norm(x, w["mlp_norm"], eps, dtype)
-    gate = jnp.einsum("BTH,HF->BTF", h, w["w_gate"])
-    up = jnp.einsum("BTH,HF->BTF", h, w["w_up"])
-    x = x + jnp.einsum("BTF,FH->BTH", jax.nn.silu(gate) * up, w["w_down"])
+    gate = lora.project("BTH,HF->BTF", h, w, "w_gate", s)
+    up = lora.project("BTH,HF->BTF", h, w, "w_up", s)
+    x = x + lora.project("BTF,FH->BTH", jax.nn.silu(gate) * up, w, "w_down", s)
     return x, kv
 
 
