@@ -205,6 +205,29 @@ def _write_rows(out, row, count, cols, mesh, kv_heads):
     return new
 
 
+def _write_column(buf, col, i):
+    """Column ``i`` of a chunk-local buffer ``[S, G, ...]`` set to ``col`` (every slot)."""
+    return jax.lax.dynamic_update_slice_in_dim(buf, col[:, None].astype(buf.dtype), i, 1)
+
+
+def _write_chunk(out, local, row, first, count, mesh, kv_heads):
+    """The dense path's chunk-local outputs into the request's buffers: slot ``s``'s first
+    ``count[s]`` columns (its live steps) at its row, from its token index ``first[s]`` on;
+    the rest (idle slots, steps after a slot stopped) is dropped. Per data group on a mesh."""
+
+    def write(buf, local, row, first, count):
+        j = jnp.arange(local.shape[1])[None, :]
+        rows = jnp.where(j < count[:, None], row[:, None], buf.shape[0])  # else out of range
+        return buf.at[rows, first[:, None] + j].set(local.astype(buf.dtype), mode="drop")
+
+    new = {}
+    for name, buf in out.items():
+        spec = "R" + "-" * (buf.ndim - 1)
+        fn = per_group(write, mesh, kv_heads, (spec, spec, "R", "R", "R"), spec)
+        new[name] = fn(buf, local[name], row, first, count)
+    return new
+
+
 def decode_chunk(
     params: nnx.State,
     rest: nnx.State,
@@ -284,8 +307,11 @@ def decode_chunk(
         )
         if return_hidden:
             cols["hidden"] = h
-        rows = jnp.where(live, s.row, out["tokens"].shape[0])  # idle: out of range, dropped
-        out = _write_rows(out, rows, s.count, cols, mesh, K)
+        if buffered:  # every slot at the step's column; the chunk's end writes the live ones
+            out = {name: _write_column(out[name], col, i) for name, col in cols.items()}
+        else:
+            rows = jnp.where(live, s.row, out["tokens"].shape[0])  # idle: out of range, dropped
+            out = _write_rows(out, rows, s.count, cols, mesh, K)
         count = s.count + live
         stopped = jnp.any(token[:, None] == s.stops, axis=-1) | (count >= s.max_new)
         recent = s.recent
@@ -308,12 +334,29 @@ def decode_chunk(
         i, _, s, _ = carry
         return (i < limit) & jnp.any(s.active)
 
-    if attention == "dense":
+    # The dense (CPU) path collects the chunk's outputs in chunk-local [slots, gen_len]
+    # buffers, written by one dynamic-update-slice per field and step, and writes them into the
+    # request's buffers once at the chunk's end: per step a scatter of each slot's value at its
+    # row and token index (what the other paths do) costs XLA:CPU more than the step's column.
+    buffered = attention == "dense"
+    start, first = slots.pos, slots.count
+    steps_out = out
+    if buffered:
         pool = dense_views(pool, slots.page_table, mesh, K)
-    start = slots.pos
-    _, pool, slots, out = jax.lax.while_loop(
-        cond, body, (jnp.zeros((), jnp.int32), pool, slots, out)
+        S, G = slots.row.shape[0], out["tokens"].shape[1]
+        steps_out = {
+            name: ax.constrain(
+                jnp.zeros((S, G, *buf.shape[2:]), buf.dtype), (ax.BATCH,) + (None,) * (buf.ndim - 1)
+            )
+            for name, buf in out.items()
+        }
+    _, pool, slots, steps_out = jax.lax.while_loop(
+        cond, body, (jnp.zeros((), jnp.int32), pool, slots, steps_out)
     )
+    if buffered:
+        out = _write_chunk(out, steps_out, slots.row, first, slots.count - first, mesh, K)
+    else:
+        out = steps_out
     if attention == "dense":
         pool = jax.lax.cond(
             resumable | jnp.any(slots.active),
