@@ -1261,10 +1261,11 @@ def engine_programs(
         param_avals,
     )
 
-    def place(x: np.ndarray) -> jax.Array:
-        """Per-row arrays and per-group page lists, split over the data groups."""
+    def place(x: np.ndarray) -> jax.Array | np.ndarray:
+        """Per-row arrays and per-group page lists, split over the data groups (without a
+        mesh the host array goes to the compiled call as it is: no separate transfer call)."""
         if mesh is None:
-            return jnp.asarray(x)
+            return x
         names = ("batch",) + (None,) * (x.ndim - 1)
         return jax.device_put(x, NamedSharding(mesh, logical_to_mesh(names, rules, mesh, x.shape)))
 
@@ -1291,16 +1292,18 @@ def engine_programs(
     make_pool = functools.partial(init_pool, model, spec.num_pages, spec.page_size, cache_dtype)
     hidden = model.config.hidden_size if spec.return_hidden else None
     make_out = functools.partial(init_outputs, rows, gen_len, hidden, model.dtype, spec.pad_id)
-    pool = [build(base + ("pool",), make_pool, ())()]
-    out = [build(base + ("outputs", rows, gen_len, hidden), make_out, ())()]
     platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
-    layers = None
-    if platform == "cpu":  # sliced once for every program of the request (see decode_chunk)
+    cpu = platform == "cpu"
 
-        def slice_layers(params, rest):
-            return nnx.merge(graphdef, params, rest).layer_params()
+    def setup(params, rest):
+        """The pool, the output buffers and, on CPU, each layer's weights sliced once for every
+        program of the request (see :func:`decode_chunk`): one call."""
+        layers = nnx.merge(graphdef, params, rest).layer_params() if cpu else None
+        return make_pool(), make_out(), layers
 
-        layers = build(base + ("layers",), slice_layers, (params, rest))(params, rest)
+    key = base + ("setup", rows, gen_len, hidden, cpu)
+    pool, out, layers = build(key, setup, (params, rest))(params, rest)
+    pool, out = [pool], [out]
     decode = functools.partial(
         decode_program,
         stop_width=width,
@@ -1332,9 +1335,9 @@ def engine_programs(
             args = (params, rest, pool[0], ids, positions, valid, pages, layers)
             pool[0] = build(key, fn, args, (2,))(*args)
             return None
-        packed, pages, steps = place(arrays[0]), place(arrays[1]), jnp.int32(arrays[2])
+        packed, pages, steps = place(arrays[0]), place(arrays[1]), np.int32(arrays[2])
         key = base + ("decode", packed.shape, pages.shape, rows, gen_len, *decode_key)
-        args = (params, rest, pool[0], out[0], packed, pages, steps, jnp.bool_(resumable), seed)
+        args = (params, rest, pool[0], out[0], packed, pages, steps, np.bool_(resumable), seed)
         args += (strategy, layers, *sequences)
         result = build(key, decode, args, (2, 3))(*args)
         pool[0], out[0] = result["pool"], result["out"]
@@ -1358,9 +1361,11 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 
 @functools.partial(jax.jit, static_argnames="pad_id")
-def _assemble(buffers, index, lengths, *, pad_id):
-    """The request's rows of the output buffers in row order; positions at or after a row's
-    length hold ``pad_id`` / 0 (a preempted sequence's first run may have written there)."""
+def _assemble(buffers, index, lengths, prompt_ids, prompt_mask, repeat, *, pad_id):
+    """The request's rows of the output buffers in row order (positions at or after a row's
+    length hold ``pad_id`` / 0: a preempted sequence's first run may have written there), its
+    lengths and longest length, and each row's prompt (``repeat``: its prompt's index); one
+    call for everything the output holds."""
     G = buffers["tokens"].shape[1]
     valid = jnp.arange(G)[None, :] < lengths[:, None]
     out = {}
@@ -1368,6 +1373,9 @@ def _assemble(buffers, index, lengths, *, pad_id):
         rows = jnp.take(buf, index, axis=0)
         mask = valid.reshape(valid.shape + (1,) * (rows.ndim - 2))
         out[name] = jnp.where(mask, rows, pad_id if name == "tokens" else 0)
+    out["lengths"], out["steps"] = lengths, jnp.max(lengths)
+    out["prompt_ids"] = jnp.take(prompt_ids, repeat, axis=0)
+    out["prompt_mask"] = jnp.take(prompt_mask, repeat, axis=0)
     return out
 
 
@@ -1442,17 +1450,25 @@ def generate_continuous(
     lengths = np.array([s.length for s in seqs], np.int32)
     # Global buffer row of each request row: its group's block, then its row in the block.
     index = np.array([owner[r // n] * block + local[r] for r in range(rows)], np.int32)
-    out = _assemble(results(), index, lengths, pad_id=spec.pad_id)
-    repeat = np.repeat(np.arange(len(prompts)), n)
+    repeat = np.repeat(np.arange(len(prompts)), n).astype(np.int32)
+    out = _assemble(
+        results(),
+        index,
+        lengths,
+        request.prompt_ids,
+        request.prompt_mask,
+        repeat,
+        pad_id=spec.pad_id,
+    )
     output = SamplerOutput(
         token_array=out["tokens"],
         logprob_array=out["logprobs"],
         untruncated_logprob_array=out["untruncated"],
-        length_array=jnp.asarray(lengths),
+        length_array=out["lengths"],
         hidden_array=out.get("hidden"),
-        prompt_array=jnp.asarray(request.prompt_ids[repeat]),
-        prompt_mask_array=jnp.asarray(request.prompt_mask[repeat]),
-        num_steps=jnp.asarray(lengths.max(), jnp.int32),
+        prompt_array=out["prompt_ids"],
+        prompt_mask_array=out["prompt_mask"],
+        num_steps=out["steps"],
         num_rows=rows,
     )
     if turns is not None:

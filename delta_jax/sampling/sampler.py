@@ -506,7 +506,7 @@ class Sampler:
         from delta_jax.sampling import engine
 
         arrays = [np.asarray(p, np.int32) for p in prompts]
-        seed = jnp.asarray(np.uint32(seed % 2**32))
+        seed = np.uint32(seed % 2**32)
         out, stats = engine.generate_continuous(
             self, request, arrays, n, strategy, seed, return_hidden, params, on_prompt_done, turns
         )
