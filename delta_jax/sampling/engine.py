@@ -447,17 +447,26 @@ def prefill_chunk(
     ids: Int[Array, "B T"],
     positions: Int[Array, "B T"],
     valid: Bool[Array, "B T"],
-    pages: PageList,
+    pages: PageList | Int[Array, "B NB"],
     layers: list[dict[str, Array]] | None = None,
     *,
     graphdef: nnx.GraphDef,
     mesh: Mesh | None,
+    attention: Attention = "xla",
 ) -> PagePool:
-    """Writes the K/V of a chunk of prompt tokens into the prompts' pages (no LM head);
-    ``layers``: the per-layer weights sliced once per request (CPU), or None."""
+    """Writes the K/V of a chunk of prompt tokens into the prompts' pages (no LM head).
+
+    ``pages``: the rows' pages as a flat list (``xla``), or as page tables from position 0
+    (``dense``, the CPU path: each row's pages gathered once per layer and attended to in one
+    batched attention, where the list's block loop runs as many small steps); ``layers``: the
+    per-layer weights sliced once per request (CPU), or None.
+    """
     model: Transformer = nnx.merge(graphdef, params, rest)
     layers = model.layer_params() if layers is None else layers
-    _, pool = paged_forward(model, layers, ids, positions, valid, pool, pages=pages, mesh=mesh)
+    where = dict(page_table=pages) if attention == "dense" else dict(pages=pages)
+    _, pool = paged_forward(
+        model, layers, ids, positions, valid, pool, attention=attention, mesh=mesh, **where
+    )
     return pool
 
 
@@ -828,8 +837,16 @@ class _Scheduler:
                     [table[: pages_for(first + offset + T, ps)] for _, first, table in jobs]
                     for jobs in batch
                 ]
-                used = max(sum(map(len, t)) for t in tables)
-                pages = _page_lists(tables, rows, _pow2(max(used, rows * pages_for(T, ps))))
+                if spec.attention == "dense":  # page tables (see prefill_chunk)
+                    widest = max(len(t) for group in tables for t in group)
+                    nb = min(spec.max_table, _pow2(max(widest, pages_for(spec.min_len, ps))))
+                    pages = np.zeros((spec.prefill_rows, nb), np.int32)
+                    for g, group in enumerate(tables):
+                        for r, t in enumerate(group):
+                            pages[g * rows + r, : len(t)] = t
+                else:
+                    used = max(sum(map(len, t)) for t in tables)
+                    pages = _page_lists(tables, rows, _pow2(max(used, rows * pages_for(T, ps))))
                 self.compile("prefill", ids, positions, valid, pages)
                 self.stats.prefill_calls += 1
 
@@ -1158,7 +1175,8 @@ def run_engine(
     ended (``seqs``: them; their outputs are final), while the others are still being decoded.
 
     ``call(kind, *arrays)`` runs the compiled program on the pool and the output buffers (which
-    it owns): ``"prefill"`` (ids, positions, valid, page list) returns nothing, ``"write"``
+    it owns): ``"prefill"`` (ids, positions, valid, page list; page tables on the ``dense``
+    path) returns nothing, ``"write"``
     (per-slot output row or -1, first column, ids, valid) writes observation ids into the
     output buffers, ``"decode"`` (packed slot matrix, page list, steps) returns the slots'
     ``[S, 4 + L]`` status (``_STATUS_FIELDS``, then the stop-sequence window of multi-turn
@@ -1328,10 +1346,14 @@ def engine_programs(
             out[0] = build(key, fn, args, (0,))(*args)
             return None
         if kind == "prefill":
-            pages = PageList(*(place(arrays[-1][:, i]) for i in range(3)))
+            if spec.attention == "dense":  # page tables
+                pages = place(arrays[-1])
+            else:
+                pages = PageList(*(place(arrays[-1][:, i]) for i in range(3)))
             ids, positions, valid = (place(a) for a in arrays[:3])
-            key = base + ("prefill", ids.shape, pages.page.shape)
-            fn = functools.partial(prefill_chunk, graphdef=graphdef, mesh=mesh)
+            key = base + ("prefill", ids.shape, jax.tree.leaves(pages)[0].shape)
+            prefill = "dense" if spec.attention == "dense" else "xla"  # pallas: decode only
+            fn = functools.partial(prefill_chunk, graphdef=graphdef, mesh=mesh, attention=prefill)
             args = (params, rest, pool[0], ids, positions, valid, pages, layers)
             pool[0] = build(key, fn, args, (2,))(*args)
             return None

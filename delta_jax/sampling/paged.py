@@ -12,12 +12,13 @@ writes their K/V into the pages those positions fall in, and attends over the se
 * ``xla``: the pages in use, as one flat list (a power-of-two bucket of the total), each
   attended to on its own and merged per sequence with the flash-attention rescaling, so the
   work grows with the sum of the actual lengths, not with the longest one or the pool; used on
-  CPU and GPU, and for prefill everywhere;
+  GPU, and for prefill on accelerators;
 * ``pallas``: JAX's ``ragged_paged_attention`` TPU kernel (one query per sequence, decode);
 * ``dense``: the CPU path (XLA:CPU, where per-op overheads dominate small decode steps): every
   sequence's page-table pages gathered into one contiguous view and attended to at once with
   the static sampler's attention, a handful of ops per layer instead of a loop over page
-  blocks (decode).
+  blocks (decode: once per chunk, into views the steps write; prefill: once per layer, after
+  the chunk's K/V are written into the pages).
 
 On a mesh the pool is split like the sequences: the page axis over the row (data) axes, so each
 data group of the sampling mesh holds its own share of the pages next to its own slots, and the
@@ -277,15 +278,18 @@ def dense_views(pool: PagePool, page_table, mesh: Mesh | None, kv_heads: int) ->
     at the scratch page and are masked like positions past the query.
     """
 
-    def gather(kv, table):
-        B, NB = table.shape
-        _, page_size, C, D = kv.shape
-        ctx = jnp.take(kv, table, axis=0, mode="clip").reshape(B, NB * page_size, C // 2, 2, D)
-        keys = jnp.transpose(ctx[..., 0, :], (0, 2, 3, 1))  # [B, K, D, L]
-        return keys, jnp.swapaxes(ctx[..., 1, :], 1, 2)  # [B, K, L, D]
-
-    gather = per_group(gather, mesh, kv_heads, ("R-H-", "R-"), ("RH--", "RH--"))
+    gather = per_group(_gather_views, mesh, kv_heads, ("R-H-", "R-"), ("RH--", "RH--"))
     return pool.replace(views=tuple(gather(kv, page_table) for kv in pool.kv))
+
+
+def _gather_views(kv, table):
+    """Every sequence's table pages as contiguous keys ``[B, K, D, L]`` and values
+    ``[B, K, L, D]`` (``L = NB * page_size``), the static sampler's cache layout."""
+    B, NB = table.shape
+    _, page_size, C, D = kv.shape
+    ctx = jnp.take(kv, table, axis=0, mode="clip").reshape(B, NB * page_size, C // 2, 2, D)
+    keys = jnp.transpose(ctx[..., 0, :], (0, 2, 3, 1))  # [B, K, D, L]
+    return keys, jnp.swapaxes(ctx[..., 1, :], 1, 2)  # [B, K, L, D]
 
 
 def views_to_pages(pool: PagePool, page_table, start, end, mesh: Mesh | None, kv_heads: int):
@@ -316,8 +320,8 @@ def views_to_pages(pool: PagePool, page_table, start, end, mesh: Mesh | None, kv
 
 
 def _dense_attention(q, keys, values, positions):
-    """Decode attention (T = 1) over the contiguous views (the step's K/V already written)."""
-    B, T, N, D = q.shape
+    """Attention of ``q [B, T, N, D]`` over contiguous views from position 0 on (the new K/V
+    already written): each query sees the positions up to its own."""
     L = keys.shape[-1]
     visible = jnp.arange(L)[None, None, :] <= positions[:, :, None]  # [B, T, L]
     return _attend_cache(q, keys.astype(q.dtype), values.astype(q.dtype), visible)
@@ -476,9 +480,11 @@ def paged_forward(
         kw = dict(page_table=table) if by_table else dict(pages=table)
         return write_slots(positions, valid, page_size, **kw)
 
-    # The dense path's steps write the views only (the chunk writes the pages at its end).
+    # The dense path's decode steps write the views only (the chunk writes the pages at its
+    # end); its prefill (no views) writes the pages, then attends over the gathered table.
+    decode_views = attention == "dense" and pool.views is not None
     write_at = None
-    if attention != "dense":
+    if not decode_views:
         write_at = per_group(where, mesh, K, ("R-", "R-", table_spec), ("R-", "R-"))(
             positions, valid, table
         )
@@ -487,6 +493,8 @@ def paged_forward(
         kv = _write_pages(kv, new, page, offset)
         if pallas:
             return _pallas_attention(q, kv, positions, valid, table), kv
+        if attention == "dense":  # a prefill chunk on CPU: one gather, one batched attention
+            return _dense_attention(q, *_gather_views(kv, table), positions), kv
         return _xla_attention(q, kv, positions, table), kv
 
     def write_and_attend_dense(keys, values, k, v, q, positions):
@@ -495,7 +503,7 @@ def paged_forward(
         keys, values = _write_views(keys, values, k, v, positions)
         return _dense_attention(q, keys, values, positions), (keys, values)
 
-    if attention == "dense":
+    if decode_views:
         specs = ("RH--", "RH--", "R-H-", "R-H-", "R-H-", "R-")
         outs = ("R-H-", ("RH--", "RH--"))
         group_dense = per_group(write_and_attend_dense, mesh, K, specs, outs)
@@ -524,7 +532,7 @@ def paged_forward(
         x, state = _paged_block(cfg, dtype, layers[layer], x, cos, sin, state, layer_kv)
         new.append(state)
     hidden = _rms_norm(x, model.final_norm[...], cfg.rms_norm_eps, dtype)
-    if attention == "dense":
+    if decode_views:
         kv = tuple(ax.constrain(kv, PAGE_AXES) for kv, _, _ in new)
         return hidden, PagePool(kv=kv, views=tuple((k, v) for _, k, v in new))
     return hidden, PagePool(kv=tuple(ax.constrain(kv, PAGE_AXES) for kv in new))

@@ -361,3 +361,17 @@ def test_lora_adapters_are_sampled():
     np.testing.assert_allclose(
         np.asarray(got.logprob_array), np.asarray(want.logprob_array), atol=1e-5
     )
+
+
+@pytest.mark.parametrize("attention", ["dense", "xla"])
+def test_prompts_prefilled_in_several_chunks(model, attention):
+    """Prompts longer than ``prefill_chunk`` are prefilled in chunks whose tokens attend to
+    the earlier chunks' pages (page tables on the dense CPU path, page lists on the XLA path):
+    the same tokens as the static sampler."""
+    prompts = [list(range(1, 24)), [5, 9, 2], list(range(40, 59))]
+    kw = dict(max_new_tokens=6, temperature=0.0)
+    want = Sampler(model, stop_token_ids=()).generate(prompts, **kw)
+    sampler = engine(model, prefill_chunk=4, attention=attention, buckets=Buckets(min_length=4))
+    got = sampler.generate(prompts, **kw)
+    assert got.engine_stats.prefill_calls >= 6  # 22 prefix tokens in chunks of 4
+    assert got.tokens == want.tokens
