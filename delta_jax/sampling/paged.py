@@ -463,7 +463,8 @@ def paged_forward(
     Token ``(b, t)`` is written at ``positions[b, t]`` (when ``valid``) and attends to positions
     ``<= positions[b, t]`` of its sequence, which must all have been written before or in this
     call. The sequences' pages come as a flat :class:`PageList` (``xla``) or as a page table
-    ``[B, NB]`` listing each sequence's pages from position 0 on (``pallas``), in group-local
+    ``[B, NB]`` listing each sequence's pages from position 0 on (``pallas``, ``dense``: its
+    decode steps read ``pool.views``, its prefill gathers the table), in group-local
     page indices: with a ``mesh``, rows, page lists and pool pages are split over the data
     groups (the ``batch`` rule) and each group's writes and attention run on its own share.
 
