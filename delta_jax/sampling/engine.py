@@ -215,17 +215,12 @@ def _write_chunk(out, local, row, first, count, mesh, kv_heads):
     ``count[s]`` columns (its live steps) at its row, from its token index ``first[s]`` on;
     the rest (idle slots, steps after a slot stopped) is dropped. Per data group on a mesh."""
 
-    def write(buf, local, row, first, count):
-        j = jnp.arange(local.shape[1])[None, :]
-        rows = jnp.where(j < count[:, None], row[:, None], buf.shape[0])  # else out of range
-        return buf.at[rows, first[:, None] + j].set(local.astype(buf.dtype), mode="drop")
-
-    new = {}
-    for name, buf in out.items():
-        spec = "R" + "-" * (buf.ndim - 1)
-        fn = per_group(write, mesh, kv_heads, (spec, spec, "R", "R", "R"), spec)
-        new[name] = fn(buf, local[name], row, first, count)
-    return new
+    S, G = local["tokens"].shape
+    j = jnp.arange(G)[None, :]
+    rows = jnp.where(j < count[:, None], row[:, None], out["tokens"].shape[0])  # else dropped
+    cols = first[:, None] + j
+    values = {name: buf.reshape(S * G, *buf.shape[2:]) for name, buf in local.items()}
+    return _write_rows(out, rows.reshape(-1), cols.reshape(-1), values, mesh, kv_heads)
 
 
 def decode_chunk(
@@ -838,17 +833,28 @@ class _Scheduler:
                     for jobs in batch
                 ]
                 if spec.attention == "dense":  # page tables (see prefill_chunk)
-                    widest = max(len(t) for group in tables for t in group)
-                    nb = min(spec.max_table, _pow2(max(widest, pages_for(spec.min_len, ps))))
-                    pages = np.zeros((spec.prefill_rows, nb), np.int32)
-                    for g, group in enumerate(tables):
-                        for r, t in enumerate(group):
-                            pages[g * rows + r, : len(t)] = t
+                    pages = self._page_tables(tables, rows)
                 else:
                     used = max(sum(map(len, t)) for t in tables)
                     pages = _page_lists(tables, rows, _pow2(max(used, rows * pages_for(T, ps))))
                 self.compile("prefill", ids, positions, valid, pages)
                 self.stats.prefill_calls += 1
+
+    def _page_tables(self, tables: list[list[list[int]]], rows: int) -> np.ndarray:
+        """Every group's per-row page tables (group ``g``'s in rows ``g * rows`` on) as one
+        int32 array, as wide as the widest up to a power of two of pages (from the length
+        bucket's floor up to ``max_table``); unused entries hold the scratch page."""
+        spec = self.spec
+        widest = max(len(t) for group in tables for t in group)
+        nb = min(spec.max_table, _pow2(max(widest, pages_for(spec.min_len, spec.page_size))))
+        if spec.attention == "dense":
+            # The CPU path gathers every table entry: never wider than the longest sequence.
+            nb = min(nb, spec.seq_pages)
+        table = np.full((len(tables) * rows, nb), SCRATCH_PAGE, np.int32)
+        for g, group in enumerate(tables):
+            for r, t in enumerate(group):
+                table[g * rows + r, : len(t)] = t
+        return table
 
     def _prefill_prompts(self, per_group: list[list[int]]) -> None:
         """Prefills the new prompts (all but their last token) into their pages."""
@@ -996,15 +1002,7 @@ class _Scheduler:
             tables.append([[] if group.slots[i] is None else group.slots[i].table for i in local])
         rows = np.asarray(rows)
         if spec.attention in ("pallas", "dense"):
-            floor = pages_for(spec.min_len, spec.page_size)
-            widest = max(len(t) for group in tables for t in group)
-            nb = min(spec.max_table, _pow2(max(widest, floor)))
-            if spec.attention == "dense":
-                # The CPU path gathers every table entry: never wider than the longest sequence.
-                nb = min(nb, spec.seq_pages)
-            table = np.zeros((len(rows), nb), np.int32)
-            for row, t in enumerate(t for group in tables for t in group):
-                table[row, : len(t)] = t
+            table = self._page_tables(tables, B)
             pages = _page_lists([[] for _ in self.groups], B, size=1)
         else:
             # One list length per row bucket (every row at the longest sequence): the XLA path
