@@ -7,8 +7,10 @@ scored by a reward whose sandboxed program takes about 1 s per item
 
 * **after the last token** (what the rollout did before streaming): the whole batch is scored
   once sampling has ended; the step waits for all of it;
-* **streaming** (``collect_rollout``, the trainer's path): each prompt's samples are scored as
-  soon as they end, while the others decode; the step waits only for ``time/reward_tail``.
+* **streaming** (``collect_rollout``, the trainer's path): each row is scored as soon as it
+  ends (a per-item reward; a batched one takes a prompt's rows once they all have), while the
+  others decode, and the pool takes each submission as soon as a worker is free; the step
+  waits only for ``time/reward_tail``.
 
 Both score the same responses (asserted equal).
 

@@ -44,6 +44,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import hashlib
+import itertools
 import logging
 import math
 import multiprocessing as mp
@@ -307,6 +308,8 @@ class RewardScorer:
         self._closed = False
         self._jobs: list[_Job] = []
         self._wakeup = threading.Condition()
+        # One byte per submission wakes the pool loop, which waits on the workers' pipes too.
+        self._wake_r, self._wake_w = mp.Pipe(duplex=False)
         self._dispatcher: threading.Thread | None = None
         self._unit_fn = _make_unit_fn(kind, self._options)
         # In this process: serial (num_workers=0), or with deadlines when the callable cannot
@@ -414,107 +417,142 @@ class RewardScorer:
             return job.future
         with self._wakeup:
             self._jobs.append(job)
+            self._wake_w.send_bytes(b"")
             if self._dispatcher is None:
                 self._dispatcher = threading.Thread(target=self._dispatch, daemon=True)
                 self._dispatcher.start()
             self._wakeup.notify()
         return job.future
 
+    def unit(self, group_size: int) -> int:
+        """The smallest submission: a batched function's group (``group_size`` items), else 1."""
+        return group_size if self.batched else 1
+
     def finish(self, batch: RewardBatch, prompts, responses) -> RewardBatch:
         """What the scorer does to a whole batch once all of it is scored: nothing here."""
         return batch
 
+    def _take_jobs(self, block: bool) -> list[_Job] | None:
+        """The jobs submitted since the last take (``block``: waits for one); None once closed."""
+        with self._wakeup:
+            while block and not self._jobs and not self._closed:
+                self._wakeup.wait()
+            while self._wake_r.poll():  # one byte per job taken here (sent under this lock)
+                self._wake_r.recv_bytes()
+            if self._closed:
+                return None
+            jobs, self._jobs = self._jobs, []
+            return jobs
+
     def _dispatch(self) -> None:
-        """The background thread: scores every job waiting, together, until the scorer closes."""
-        while True:
-            with self._wakeup:
-                while not self._jobs and not self._closed:
-                    self._wakeup.wait()
-                if self._closed:
-                    return
-                jobs, self._jobs = self._jobs, []
-            tasks, owner = [], {}
-            for job in jobs:  # task ids: the tasks' places in this round's list
-                for start, *args in job.tasks:
-                    owner[len(tasks)] = (job, start)
-                    tasks.append((len(tasks), *args))
-
-            def finish(tid: int, results: Sequence, owner=owner) -> None:
-                job, start = owner[tid]
-                job.finish(start, results)
-
-            try:
-                if self.in_process:
-                    for tid, *args in tasks:
-                        done, results = _call_with_deadline(
-                            lambda args=args: self._unit_fn(*args), self.deadline_s
-                        )
-                        finish(tid, results if done else [(0.0, "timeout")] * len(args[0]))
-                else:
-                    self._run_pool(tasks, finish)
-            except BaseException as e:  # noqa: BLE001 - a broken pool fails its jobs, loudly
+        """The background thread: scores jobs as they come, until the scorer closes."""
+        while (jobs := self._take_jobs(block=True)) is not None:
+            if self.in_process:
                 for job in jobs:
-                    job.future.set_exception(e)
-                continue
-            for job in jobs:
+                    self._run_in_process(job)
+            else:
+                self._run_pool(jobs)
+
+    def _run_in_process(self, job: _Job) -> None:
+        try:
+            for start, *args in job.tasks:
+                done, results = _call_with_deadline(
+                    lambda args=args: self._unit_fn(*args), self.deadline_s
+                )
+                job.finish(start, results if done else [(0.0, "timeout")] * len(args[0]))
+        except BaseException as e:  # noqa: BLE001 - a broken scorer fails its job, loudly
+            job.future.set_exception(e)
+            return
+        job.future.set_result(job.batch())
+
+    def _run_pool(self, jobs: list[_Job]) -> None:
+        """Scores ``jobs`` and every job submitted while they run, in one stream of tasks over
+        the workers: a job's items start as soon as a worker is free, not after the jobs before
+        it, and each job's future is set as soon as its own items are scored."""
+        todo: collections.deque = collections.deque()
+        owner: dict[int, tuple[_Job, int, int]] = {}  # task id -> (job, start, items)
+        left: dict[_Job, int] = {}  # tasks still to score, per job
+        ids = itertools.count()
+
+        def add(new: list[_Job]) -> None:
+            for job in new:
+                if not job.tasks:  # an empty batch
+                    job.future.set_result(job.batch())
+                    continue
+                left[job] = len(job.tasks)
+                for start, *args in job.tasks:
+                    tid = next(ids)
+                    owner[tid] = (job, start, len(args[0]))
+                    todo.append((tid, *args))
+
+        def finish(tid: int, results: Sequence) -> None:
+            job, start, _ = owner.pop(tid)
+            job.finish(start, results)
+            left[job] -= 1
+            if not left[job]:
+                del left[job]
                 job.future.set_result(job.batch())
 
-    def _run_pool(self, tasks: list[tuple], finish: Callable[[int, Sequence], None]) -> None:
-        todo = collections.deque(tasks)
-        size = {task[0]: len(task[1]) for task in tasks}
+        def fail(tid: int, reason: str) -> None:
+            finish(tid, [(0.0, reason)] * owner[tid][2])
 
-        def fail(start: int, reason: str) -> None:
-            finish(start, [(0.0, reason)] * size[start])
+        add(jobs)
+        try:
+            while todo or any(w.task is not None for w in self._workers):
+                self._pool_round(todo, finish, fail)
+                if self._wake_r.poll():  # jobs submitted meanwhile join the stream
+                    add(self._take_jobs(block=False) or [])
+        except BaseException as e:  # noqa: BLE001 - a broken pool fails its jobs, loudly
+            for job in left:
+                job.future.set_exception(e)
 
-        while todo or any(w.task is not None for w in self._workers):
-            for worker in list(self._workers):
-                if worker.ready and worker.task is None and todo:
-                    task = todo.popleft()
-                    try:
-                        worker.conn.send(task)
-                    except (BrokenPipeError, OSError):
-                        todo.appendleft(task)  # Not this item's fault: the worker was gone.
-                        self._replace(worker)
-                        continue
-                    worker.task, worker.deadline = task[0], time.monotonic() + self.deadline_s
-            now = time.monotonic()
-            wake = min(
-                w.deadline if w.ready else w.started + _STARTUP_TIMEOUT_S for w in self._workers
-            )
-            waitables = [w.conn for w in self._workers] + [
-                w.process.sentinel for w in self._workers
-            ]
-            timeout = None if math.isinf(wake) else max(0.0, wake - now)
-            ready = set(mp.connection.wait(waitables, timeout=timeout))
-            for worker in list(self._workers):
-                if worker.conn in ready:
-                    try:
-                        msg = worker.conn.recv()
-                    except (EOFError, OSError):
-                        msg = None
-                    if msg is None:
-                        if worker.task is not None:
-                            fail(worker.task, "worker_died")
-                        self._replace(worker)
-                    elif msg[0] == "ready":
-                        worker.ready, self._startup_failures = True, 0
-                    elif msg[0] == "init_error":
-                        raise RuntimeError(f"reward worker failed to start: {msg[1]}")
-                    else:
-                        finish(*msg)
-                        worker.task, worker.deadline = None, math.inf
-                elif worker.process.sentinel in ready:
+    def _pool_round(self, todo: collections.deque, finish, fail) -> None:
+        """Gives idle workers the next tasks, then waits for a result, a dead worker, a deadline
+        or a new submission, and handles what came."""
+        for worker in list(self._workers):
+            if worker.ready and worker.task is None and todo:
+                task = todo.popleft()
+                try:
+                    worker.conn.send(task)
+                except (BrokenPipeError, OSError):
+                    todo.appendleft(task)  # Not this item's fault: the worker was gone.
+                    self._replace(worker)
+                    continue
+                worker.task, worker.deadline = task[0], time.monotonic() + self.deadline_s
+        now = time.monotonic()
+        wake = min(w.deadline if w.ready else w.started + _STARTUP_TIMEOUT_S for w in self._workers)
+        waitables = [w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
+        timeout = None if math.isinf(wake) else max(0.0, wake - now)
+        ready = set(mp.connection.wait([*waitables, self._wake_r], timeout=timeout))
+        for worker in list(self._workers):
+            if worker.conn in ready:
+                try:
+                    msg = worker.conn.recv()
+                except (EOFError, OSError):
+                    msg = None
+                if msg is None:
                     if worker.task is not None:
                         fail(worker.task, "worker_died")
                     self._replace(worker)
-            now = time.monotonic()
-            for worker in list(self._workers):
-                if worker.task is not None and now > worker.deadline:
-                    fail(worker.task, "timeout")
-                    worker.ready = True  # A hang while scoring is not a start-up failure.
-                    self._replace(worker)
-                elif not worker.ready and now > worker.started + _STARTUP_TIMEOUT_S:
-                    self._replace(worker)
+                elif msg[0] == "ready":
+                    worker.ready, self._startup_failures = True, 0
+                elif msg[0] == "init_error":
+                    raise RuntimeError(f"reward worker failed to start: {msg[1]}")
+                else:
+                    finish(*msg)
+                    worker.task, worker.deadline = None, math.inf
+            elif worker.process.sentinel in ready:
+                if worker.task is not None:
+                    fail(worker.task, "worker_died")
+                self._replace(worker)
+        now = time.monotonic()
+        for worker in list(self._workers):
+            if worker.task is not None and now > worker.deadline:
+                fail(worker.task, "timeout")
+                worker.ready = True  # A hang while scoring is not a start-up failure.
+                self._replace(worker)
+            elif not worker.ready and now > worker.started + _STARTUP_TIMEOUT_S:
+                self._replace(worker)
 
     def wait_ready(self, timeout_s: float = _STARTUP_TIMEOUT_S) -> None:
         """Blocks until every worker has started (imports done), e.g. before timing a batch."""
@@ -554,6 +592,9 @@ class RewardScorer:
                 worker.process.join()
             worker.conn.close()
         self._workers = []
+        if self._dispatcher is None or not self._dispatcher.is_alive():
+            self._wake_r.close()
+            self._wake_w.close()
 
     def __enter__(self) -> RewardScorer:
         return self

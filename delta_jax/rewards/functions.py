@@ -107,6 +107,10 @@ class RewardSet:
         futures = [s.submit(prompts, responses, items, group_size=group_size) for s in self.scorers]
         return PendingRewards(self, futures)
 
+    def unit(self, group_size: int) -> int:
+        """The smallest submission: a group (``group_size``) if any function is batched, else 1."""
+        return max(s.unit(group_size) for s in self.scorers)
+
     def finish(self, batch: RewardBatch, prompts, responses) -> RewardBatch:
         """What the scorer does to a whole batch once all of it is scored: nothing here."""
         return batch

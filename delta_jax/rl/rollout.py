@@ -202,17 +202,21 @@ def _sample_and_score(
     items = [{"answer": r.answer, "tests": r.tests, **r.extra} for r in records]
     prompts = [r.prompt for r in records]
     texts: list[str] = [""] * len(records)
-    pending: list = [None] * len(pairs)
+    # Rewards stream: each unit (a row, or a prompt's rows for a batched function) goes to the
+    # reward pool as soon as its rows have ended, while the engine decodes the others.
+    unit = scorer.unit(n)
+    pending: list = [None] * (len(records) // unit)
+    ended = [0] * len(pending)
 
-    def score_group(i: int, tokens: list[list[int]]) -> None:
-        # Called as soon as prompt i's samples have all ended: its rewards are computed in the
-        # reward pool while the engine decodes the others (the host's only read of tokens).
-        rows = slice(i * n, (i + 1) * n)
-        if episodes is not None:  # their last turns, for environments that score episodes
-            for j, ids in enumerate(tokens):
-                episodes.finish(i * n + j, ids)
-        texts[rows] = tokenizer.batch_decode(tokens, skip_special_tokens=True)
-        pending[i] = scorer.submit(prompts[rows], texts[rows], items[rows], group_size=n)
+    def score_sample(row: int, tokens: list[int]) -> None:  # the host's only read of tokens
+        if episodes is not None:  # its last turn, for environments that score episodes
+            episodes.finish(row, tokens)
+        texts[row] = tokenizer.batch_decode([tokens], skip_special_tokens=True)[0]
+        u = row // unit
+        ended[u] += 1
+        if ended[u] == unit:
+            rows = slice(u * unit, (u + 1) * unit)
+            pending[u] = scorer.submit(prompts[rows], texts[rows], items[rows], group_size=unit)
 
     out = sampler.generate(
         [ids for ids, _ in pairs],
@@ -221,7 +225,7 @@ def _sample_and_score(
         seed=seed,
         return_hidden=hidden,
         params=params,
-        on_prompt_done=score_group,
+        on_sample_done=score_sample,
         turns=None if episodes is None else episodes.turns,
         **sampling,
     )

@@ -170,6 +170,7 @@ _SLOT_FIELDS = ("last", "pos", "count", "active", "max_new", "prompt", "sample",
 _SLOT_FIELDS += ("copy_src", "copy_dst")
 # What the host reads back after a chunk, one [S, 4 + L] matrix (then the window ``recent``).
 _STATUS_FIELDS = ("last", "pos", "count", "active")
+_READ_ROWS = 8  # rows per host read of finished outputs (one compiled gather)
 
 
 def unpack_slots(
@@ -648,12 +649,13 @@ class _Scheduler:
         self.groups = [_Group(g * Sg, Sg, Pg, seqs) for g, seqs in enumerate(groups)]
         self.compile = compile_fn
         self.stats = stats
-        self.on_done = on_done  # on_done(p, its sequences) once all of prompt p's ended
+        self.on_done = on_done  # on_done(sequences) with those that ended in a host round
         self.turns = turns
         self.turn_ids, self.stop_sequences = _turn_stops(turns)
         self.read = read  # read(seqs) -> their tokens [:length] (multi-turn hand-overs)
         self.admitted = 0
         self.done: list[_Seq] = []
+        self.ended: list[_Seq] = []  # ended since the last report (on_done)
 
     # ---- pages -------------------------------------------------------------------------------
 
@@ -947,31 +949,30 @@ class _Scheduler:
     def _tail_steps(self, state: dict[str, np.ndarray]) -> int:
         """Steps of the next chunk: ``spec.steps``, or, once every queue is empty (no slot can
         be refilled), all that the running sequences have left in one chunk, when their pages
-        for it are free now (no host round trip that could not change anything). When prompts
-        are handed over as they end (``on_done``), a chunk does not run past the next prompt's
+        for it are free now (no host round trip that could not change anything). When sequences
+        are handed over as they end (``on_done``), a chunk does not run past the next one's
         end: up to its budget without stop ids, ``spec.steps`` with them. Multi-turn requests
         run ``spec.steps``: any step may end a turn that the host should start answering. A
         tail chunk also ends where its sequences' budgets leave at most half its rows busy
         (:meth:`_bucket`)."""
         if self.turns is not None or any(g.queue for g in self.groups):
             return self.spec.steps
-        left, per_prompt, rests = 0, {}, []
+        left, rests = 0, []
         for group in self.groups:
             need = 0
             rests.append([])
             for slot, seq in group.running:
                 if self.on_done is not None and (seq.stops >= 0).any():
-                    # Streaming: any step may end this prompt, whose rewards should start then.
+                    # Streaming: any step may end this sequence, whose reward should start then.
                     return self.spec.steps
                 pos, rest = int(state["pos"][slot]), seq.max_new - int(state["count"][slot])
                 left = max(left, rest)
                 rests[-1].append(rest)
-                per_prompt[seq.prompt] = max(per_prompt.get(seq.prompt, 0), rest)
                 need += self._chunk_pages(seq, pos, seq.max_new) - len(seq.table)
             if need > group.alloc.num_free:
                 return self.spec.steps
-        if self.on_done is not None:  # no stop ids: end the chunk where the next prompt ends
-            left = min(per_prompt.values(), default=0)
+        if self.on_done is not None:  # no stop ids: end the chunk where the next one ends
+            left = min(min(r, default=left) for r in rests)
         # ... and where every group is down to half the chunk's rows (``_bucket``): the next
         # chunk runs on half the slots.
         B = self._bucket(max(map(len, rests)))
@@ -1035,6 +1036,7 @@ class _Scheduler:
                     self._finish(group, seq)
         if turn_ends:
             self._hand_over(turn_ends)
+        self._report()
 
     # ---- turns -------------------------------------------------------------------------------
 
@@ -1095,6 +1097,7 @@ class _Scheduler:
                     seq.length += obs.size
                     self.stats.observation_tokens += obs.size
                 group.queue.appendleft(seq)
+        self._report()
 
     def _finish(self, group: _Group, seq: _Seq) -> None:
         if seq.table:  # else preempted while it waited: its pages and prompt hold are gone
@@ -1102,11 +1105,16 @@ class _Scheduler:
         prompt = self.prompts[seq.prompt]
         prompt.left -= 1
         self.done.append(seq)
+        self.ended.append(seq)
         if prompt.left == 0:
             group.alloc.free(prompt.pages or [])
             prompt.pages = None
-            if self.on_done is not None:
-                self.on_done(seq.prompt, [s for s in self.done if s.prompt == seq.prompt])
+
+    def _report(self) -> None:
+        """Hands the sequences that ended in this host round over (one ``on_done`` call)."""
+        if self.on_done is not None and self.ended:
+            self.on_done(self.ended)
+        self.ended = []
 
 
 def _page_lists(tables: list[list[list[int]]], rows: int, size: int) -> np.ndarray:
@@ -1169,8 +1177,8 @@ def run_engine(
 ) -> tuple[list[_Seq], EngineStats]:
     """Runs every (prompt, sample) sequence to its end; returns them in row order and stats.
 
-    ``on_done(p, seqs)``, when given, is called as soon as every sample of prompt ``p`` has
-    ended (``seqs``: them; their outputs are final), while the others are still being decoded.
+    ``on_done(seqs)``, when given, is called with the sequences that ended in each host round
+    (their outputs are final), while the others are still being decoded.
 
     ``call(kind, *arrays)`` runs the compiled program on the pool and the output buffers (which
     it owns): ``"prefill"`` (ids, positions, valid, page list; page tables on the ``dense``
@@ -1368,8 +1376,15 @@ def engine_programs(
         return buffers
 
     def peek(rows: np.ndarray) -> np.ndarray:
-        """Tokens ``[len(rows), G]`` of finished buffer rows, on the host."""
-        return _to_host(jnp.take(out[0]["tokens"], place(rows), axis=0))
+        """Tokens ``[len(rows), G]`` of finished buffer rows, on the host: read in blocks of
+        ``_READ_ROWS`` rows (one shape, whatever number of rows a round hands over: the gather
+        compiles once)."""
+        pad = np.resize(rows, -(-len(rows) // _READ_ROWS) * _READ_ROWS).astype(np.int32)
+        blocks = [
+            _to_host(jnp.take(out[0]["tokens"], place(pad[i : i + _READ_ROWS]), axis=0))
+            for i in range(0, len(pad), _READ_ROWS)
+        ]
+        return np.concatenate(blocks)[: len(rows)]
 
     return call, results, peek
 
@@ -1408,13 +1423,13 @@ def generate_continuous(
     seed,
     return_hidden,
     params,
-    on_prompt_done=None,
+    on_sample_done=None,
     turns: Turns | None = None,
 ):
     """The engine behind ``Sampler(engine="continuous").generate``; same output as the static one.
 
-    ``on_prompt_done(p, tokens)`` gets prompt ``p``'s samples (token lists, sample order) as soon
-    as the last of them ends, while the others decode. ``turns``: a multi-turn request
+    ``on_sample_done(row, tokens)`` gets each request row's generated ids as soon as it ends,
+    while the others decode. ``turns``: a multi-turn request
     (:class:`Turns`); the output's ``action_mask_array`` then marks the sampled tokens.
 
     Returns:
@@ -1448,19 +1463,18 @@ def generate_continuous(
         stop_sequences,
         resumable=turns is not None,
     )
-    on_done = None
-    if on_prompt_done is not None:
-
-        def on_done(p: int, seqs: list[_Seq]) -> None:
-            mine = sorted(seqs, key=lambda s: s.sample)
-            rows = np.array([owner[p] * block + local[p * n + s.sample] for s in mine], np.int32)
-            tokens = peek(rows)
-            on_prompt_done(p, [tokens[i, : s.length].tolist() for i, s in enumerate(mine)])
 
     def read(seqs: list[_Seq]) -> list[list[int]]:
         rows = np.array([owner[s.prompt] * block + local[s.index] for s in seqs], np.int32)
         tokens = peek(rows)
         return [tokens[i, : s.length].tolist() for i, s in enumerate(seqs)]
+
+    on_done = None
+    if on_sample_done is not None:
+
+        def on_done(seqs: list[_Seq]) -> None:  # one read of the rows that ended this round
+            for seq, tokens in zip(seqs, read(seqs), strict=True):
+                on_sample_done(seq.index, tokens)
 
     seqs, stats = run_engine(
         spec, prompts, n, request.max_new, stop_ids, call, on_done, turns, read

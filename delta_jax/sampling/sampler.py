@@ -394,7 +394,7 @@ class Sampler:
         stop_token_ids: list[int] | list[list[int]] | None = None,
         return_hidden: bool = False,
         params: nnx.State | None = None,
-        on_prompt_done: Callable[[int, list[list[int]]], None] | None = None,
+        on_sample_done: Callable[[int, list[int]], None] | None = None,
         turns: Any = None,
     ) -> SamplerOutput:
         """Samples ``n`` continuations of every prompt.
@@ -416,10 +416,10 @@ class Sampler:
           return_hidden: also return the final hidden state that produced each token.
           params: the ``nnx.Param`` state to sample with (e.g. the trainer's current one, used
             without a copy); None splits the model's current parameters.
-          on_prompt_done: called as ``on_prompt_done(i, tokens)`` with prompt ``i``'s samples
-            (generated ids, sample order) once they have all ended: by the continuous engine as
-            soon as that happens, while other rows still decode (so their rewards can be
-            computed meanwhile); by the static sampler for every prompt after the batch ends.
+          on_sample_done: called as ``on_sample_done(row, tokens)`` with a row's generated ids
+            once it has ended: by the continuous engine as soon as that happens, while other
+            rows still decode (so their rewards can be computed meanwhile); by the static
+            sampler for every row, in row order, after the batch ends.
           turns: a multi-turn request (:class:`~delta_jax.sampling.engine.Turns`: the ids and
             id sequences that end a turn, the turn limit, and the host's ``submit(row, turn)``
             returning a future of the observation's ids); continuous engine only. Observations
@@ -452,7 +452,7 @@ class Sampler:
             _validate_turns(turns, self.engine, config.vocab_size)
         if self.engine == "continuous":
             return self._generate_continuous(
-                prompts, request, n, strategy, seed, return_hidden, params, on_prompt_done, turns
+                prompts, request, n, strategy, seed, return_hidden, params, on_sample_done, turns
             )
         graphdef, own_params, rest = nnx.split(self.model, nnx.Param, ...)
         params = own_params if params is None else params
@@ -482,10 +482,9 @@ class Sampler:
             num_steps=out["steps"],
             num_rows=request.num_rows,
         )
-        if on_prompt_done is not None:
-            tokens = output.tokens
-            for i in range(len(prompts)):
-                on_prompt_done(i, tokens[i * n : (i + 1) * n])
+        if on_sample_done is not None:
+            for row, tokens in enumerate(output.tokens):
+                on_sample_done(row, tokens)
         return output
 
     def __post_init__(self):
@@ -501,14 +500,14 @@ class Sampler:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
     def _generate_continuous(
-        self, prompts, request, n, strategy, seed, return_hidden, params, on_prompt_done, turns
+        self, prompts, request, n, strategy, seed, return_hidden, params, on_sample_done, turns
     ):
         from delta_jax.sampling import engine
 
         arrays = [np.asarray(p, np.int32) for p in prompts]
         seed = np.uint32(seed % 2**32)
         out, stats = engine.generate_continuous(
-            self, request, arrays, n, strategy, seed, return_hidden, params, on_prompt_done, turns
+            self, request, arrays, n, strategy, seed, return_hidden, params, on_sample_done, turns
         )
         return dataclasses.replace(out, engine_stats=stats)
 

@@ -10,6 +10,8 @@ def by_mode(prompt, response, item):
     mode = item.get("mode", "ok")
     if mode == "sleep":
         time.sleep(3600)
+    if mode == "nap":
+        time.sleep(item["seconds"])
     if mode == "raise":
         return 1 / 0
     if mode == "exit":

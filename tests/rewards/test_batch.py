@@ -63,6 +63,18 @@ def test_two_hangs_at_once_with_two_workers(math_scorer):
     assert batch.reasons == ["timeout", "timeout", "correct"]
 
 
+def test_a_job_submitted_while_another_runs_starts_on_a_free_worker(custom_scorer):
+    """Submissions stream into the pool: a second job's item takes the idle worker at once and
+    its future is set while the first job's item still runs (streaming rewards rely on it)."""
+    custom_scorer.wait_ready()
+    slow = custom_scorer.submit(["q"], ["r"], [{"mode": "nap", "seconds": 1.5, "value": 1.0}])
+    time.sleep(0.1)
+    fast = custom_scorer.submit(["q"], ["r"], [{"mode": "nap", "seconds": 0.0, "value": 2.0}])
+    assert fast.result(timeout=10).rewards.tolist() == [2.0]
+    assert not slow.done()
+    assert slow.result(timeout=10).rewards.tolist() == [1.0]
+
+
 def test_custom_misbehaviour_gives_zero_with_reason(custom_scorer):
     modes = ["ok", "raise", "exit", "segfault", "nan", "str", "sleep", "ok"]
     items = [{"mode": m, "value": 0.25 * (i + 1)} for i, m in enumerate(modes)]

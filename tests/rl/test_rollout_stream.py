@@ -1,5 +1,6 @@
-"""Streaming rewards: a group is scored as soon as its samples end; the result is exactly the
-rewards scored after the last token (same values, order, flips and advantages)."""
+"""Streaming rewards: a row is scored as soon as it ends (a group once its rows have, for a
+batched function); the result is exactly the rewards scored after the last token (same values,
+order, flips and advantages)."""
 
 import numpy as np
 import pytest
@@ -18,14 +19,29 @@ def brevity(prompts, completions, **columns):
     return [1.0 / (1 + len(c)) for c in completions]
 
 
+class Recorded:
+    """A scorer that records the size of each submission."""
+
+    def __init__(self, scorer):
+        self.scorer, self.sizes = scorer, []
+
+    def __getattr__(self, name):
+        return getattr(self.scorer, name)
+
+    def submit(self, prompts, responses, items, **kwargs):
+        self.sizes.append(len(responses))
+        return self.scorer.submit(prompts, responses, items, **kwargs)
+
+
+@pytest.mark.parametrize("fns", [["math", brevity], ["math"]], ids=["batched", "per_item"])
 @pytest.mark.parametrize("engine", ["continuous", "static"])
-def test_streamed_rewards_equal_rewards_scored_after_the_last_token(demo_model_dir, engine):
+def test_streamed_rewards_equal_rewards_scored_after_the_last_token(demo_model_dir, engine, fns):
     model, tok = from_pretrained(str(demo_model_dir)), load_tokenizer(str(demo_model_dir))
     records = arithmetic_records(4, seed=3)
     enc = encode_prompts(records, tok, max_prompt_length=16, template="{prompt}")
     sampler = Sampler(model, pad_token_id=0, engine=engine, decode_slots=8, decode_chunk=2)
-    rewards = RewardSet(["math", brevity], [1.0, 0.5], num_workers=2)
-    scorer = FlippedRewards(rewards, 0.3, seed=1)
+    rewards = RewardSet(fns, [1.0, 0.5][: len(fns)], num_workers=2)
+    scorer = Recorded(FlippedRewards(rewards, 0.3, seed=1))
     with rewards:
         ro = collect_rollout(
             sampler=sampler,
@@ -45,9 +61,12 @@ def test_streamed_rewards_equal_rewards_scored_after_the_last_token(demo_model_d
         )
         items = [{"answer": r.answer, "tests": r.tests, **r.extra} for r in ro.records]
         want = scorer.score([r.prompt for r in ro.records], ro.responses, items, group_size=4)
-    assert len(set(ro.lengths.tolist())) > 1  # ragged: groups end at different steps
+    assert len(set(ro.lengths.tolist())) > 1  # ragged: rows end at different steps
+    unit = 4 if brevity in fns else 1  # one submission per row, per group if a function is batched
+    assert scorer.sizes == [unit] * (16 // unit)
     np.testing.assert_array_equal(ro.rewards, want.rewards)
     np.testing.assert_array_equal(ro.advantages, np.asarray(grpo_advantages(want.rewards, 4)))
-    assert ro.stats["reward/brevity"] == pytest.approx(float(np.mean(want.components["brevity"])))
+    for name, values in want.components.items():
+        assert ro.stats[f"reward/{name}"] == pytest.approx(float(np.mean(values)))
     assert ro.stats["reward_reason/flipped"] == want.counts["flipped"]
     assert ro.stats["time/reward_tail"] >= 0

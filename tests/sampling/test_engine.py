@@ -317,15 +317,16 @@ def test_one_decode_slot_with_the_default_pool(model):
     assert got.engine_stats.preemptions == 0
 
 
-def test_prompts_are_handed_over_as_soon_as_their_samples_end(model, small):
-    """on_prompt_done: the continuous engine reports each prompt when its last sample ends, while
-    the others decode (here all run at once: in budget order); the static sampler after the
-    batch, in prompt order; both with the tokens of the returned output."""
-    # One step per chunk, so that the hand-over order is the order in which prompts end.
+def test_samples_are_handed_over_as_soon_as_they_end(model, small):
+    """on_sample_done: the continuous engine reports each row when it ends, while the others
+    decode (here all run at once: in budget order); the static sampler after the batch, in row
+    order; both with the tokens of the returned output."""
+    # One step per chunk, so that the hand-over order is the order in which rows end.
     runs = {
         "continuous": engine(model, decode_slots=10, decode_chunk=1),
         "static": Sampler(model, stop_token_ids=()),
     }
+    budgets = np.repeat(BUDGETS, 2)
     for name, sampler in runs.items():
         calls = []
         out = sampler.generate(
@@ -333,12 +334,16 @@ def test_prompts_are_handed_over_as_soon_as_their_samples_end(model, small):
             n=2,
             max_new_tokens=BUDGETS,
             temperature=0.0,
-            on_prompt_done=lambda i, tokens, calls=calls: calls.append((i, tokens)),
+            on_sample_done=lambda row, tokens, calls=calls: calls.append((row, tokens)),
         )
-        for i, tokens in calls:
-            assert tokens == out.tokens[2 * i : 2 * i + 2]
-        order = np.argsort(BUDGETS) if name == "continuous" else np.arange(len(PROMPTS))
-        assert [i for i, _ in calls] == order.tolist(), name
+        rows = [row for row, _ in calls]
+        assert sorted(rows) == list(range(len(budgets))), name
+        for row, tokens in calls:
+            assert tokens == out.tokens[row]
+        if name == "continuous":
+            assert (np.diff(budgets[rows]) >= 0).all(), rows
+        else:
+            assert rows == list(range(len(budgets)))
 
 
 def test_lora_adapters_are_sampled():
