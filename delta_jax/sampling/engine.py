@@ -290,6 +290,7 @@ def decode_chunk(
             page_table=s.page_table,
             attention=attention,
             mesh=mesh,
+            view_shift=shift,
         )
         h = h[:, 0]
         logits = jnp.einsum(head_spec, h, head, preferred_element_type=acc)
@@ -336,9 +337,14 @@ def decode_chunk(
     # row and token index (what the other paths do) costs XLA:CPU more than the step's column.
     buffered = attention == "dense"
     start, first = slots.pos, slots.count
-    steps_out = out
+    steps_out, shift = out, None
     if buffered:
-        pool = dense_views(pool, slots.page_table, mesh, K)
+        # Right-aligned views (PagePool): every live slot feeds its next token at column
+        # ``base`` (the longest context), so a step writes one column of all of them. The host
+        # sized the page table for ``base`` plus the chunk's steps.
+        base = jnp.max(jnp.where(slots.active, slots.pos, 0))
+        shift = jnp.where(slots.active, base - slots.pos, 0)
+        pool = dense_views(pool, slots.page_table, shift, mesh, K)
         S, G = slots.row.shape[0], out["tokens"].shape[1]
         steps_out = {
             name: ax.constrain(
@@ -356,7 +362,7 @@ def decode_chunk(
     if attention == "dense":
         pool = jax.lax.cond(
             resumable | jnp.any(slots.active),
-            lambda pool: views_to_pages(pool, slots.page_table, start, slots.pos, mesh, K),
+            lambda pool: views_to_pages(pool, slots.page_table, start, slots.pos, shift, mesh, K),
             lambda pool: pool.replace(views=None),
             pool,
         )
@@ -842,12 +848,13 @@ class _Scheduler:
                 self.compile("prefill", ids, positions, valid, pages)
                 self.stats.prefill_calls += 1
 
-    def _page_tables(self, tables: list[list[list[int]]], rows: int) -> np.ndarray:
+    def _page_tables(self, tables: list[list[list[int]]], rows: int, least: int = 0) -> np.ndarray:
         """Every group's per-row page tables (group ``g``'s in rows ``g * rows`` on) as one
-        int32 array, as wide as the widest up to a power of two of pages (from the length
-        bucket's floor up to ``max_table``); unused entries hold the scratch page."""
+        int32 array, as wide as the widest (and ``least`` pages) up to a power of two of pages
+        (from the length bucket's floor up to ``max_table``); unused entries hold the scratch
+        page."""
         spec = self.spec
-        widest = max(len(t) for group in tables for t in group)
+        widest = max(least, *(len(t) for group in tables for t in group))
         nb = min(spec.max_table, _pow2(max(widest, pages_for(spec.min_len, spec.page_size))))
         if spec.attention == "dense":
             # The CPU path gathers every table entry: never wider than the longest sequence.
@@ -1002,8 +1009,18 @@ class _Scheduler:
             rows += [group.base + i for i in local]
             tables.append([[] if group.slots[i] is None else group.slots[i].table for i in local])
         rows = np.asarray(rows)
+        least = 0
+        if spec.attention == "dense":
+            # Right-aligned views (decode_chunk): the longest context plus the steps the chunk
+            # runs must fit in the views, as wide as the page table; a chunk that would not fit
+            # in the widest table runs fewer steps.
+            live = state["active"][rows].astype(bool)
+            base = int(state["pos"][rows][live].max(initial=0))
+            steps = max(1, min(steps, min(spec.max_table, spec.seq_pages) * spec.page_size - base))
+            left = (state["max_new"] - state["count"])[rows][live]
+            least = pages_for(base + min(steps, int(left.max(initial=1))), spec.page_size)
         if spec.attention in ("pallas", "dense"):
-            table = self._page_tables(tables, B)
+            table = self._page_tables(tables, B, least)
             pages = _page_lists([[] for _ in self.groups], B, size=1)
         else:
             # One list length per row bucket (every row at the longest sequence): the XLA path

@@ -79,10 +79,13 @@ class PagePool:
     """K/V pages of every layer: a tuple of L arrays ``[pages, page_size, 2K, D]``.
 
     ``views``: the ``dense`` CPU path's per-sequence contiguous copies of the pages, one
-    ``(keys [B, K, D, NB * page_size], values [B, K, NB * page_size, D])`` pair per layer,
+    ``(keys [B, K, D, W], values [B, K, W, D])`` pair per layer (``W = NB * page_size``),
     built once per decode chunk (:func:`dense_views`); the chunk's steps write the views only,
     and :func:`views_to_pages` writes what they wrote into the pages once the chunk ends. None
-    outside a decode chunk.
+    outside a decode chunk. The views are right-aligned as the static sampler's left-padded
+    cache is: sequence ``b``'s position ``p`` sits in column ``p + shift[b]``, so that every
+    sequence feeds its next token at the same column and a step writes one column of all of
+    them (a dynamic-update-slice, not a scatter at per-sequence positions).
     """
 
     kv: tuple[Float[Array, "P S C D"], ...]
@@ -267,9 +270,10 @@ def _segment_sum(x, segments, num):
     return jax.ops.segment_sum(x, segments, num_segments=num, indices_are_sorted=True)
 
 
-def dense_views(pool: PagePool, page_table, mesh: Mesh | None, kv_heads: int) -> PagePool:
+def dense_views(pool: PagePool, page_table, shift, mesh: Mesh | None, kv_heads: int) -> PagePool:
     """The ``dense`` CPU path: ``pool`` with every sequence's table pages gathered once into
-    contiguous key and value views in the static sampler's cache layout.
+    contiguous key and value views in the static sampler's cache layout, sequence ``b``'s
+    position ``p`` in column ``p + shift[b]`` (right-aligned, :class:`PagePool`).
 
     XLA:CPU runs a decode step of a small batch as a few dozen small ops, and gathering the
     pages at every step (plus transposing them to batch-leading layouts for the dots) costs
@@ -278,61 +282,83 @@ def dense_views(pool: PagePool, page_table, mesh: Mesh | None, kv_heads: int) ->
     at the scratch page and are masked like positions past the query.
     """
 
-    gather = per_group(_gather_views, mesh, kv_heads, ("R-H-", "R-"), ("RH--", "RH--"))
-    return pool.replace(views=tuple(gather(kv, page_table) for kv in pool.kv))
+    specs = ("R-H-", "R-", "R")
+    gather = per_group(_gather_views, mesh, kv_heads, specs, ("RH--", "RH--"))
+    return pool.replace(views=tuple(gather(kv, page_table, shift) for kv in pool.kv))
 
 
-def _gather_views(kv, table):
+def _gather_views(kv, table, shift=None):
     """Every sequence's table pages as contiguous keys ``[B, K, D, L]`` and values
-    ``[B, K, L, D]`` (``L = NB * page_size``), the static sampler's cache layout."""
+    ``[B, K, L, D]`` (``L = NB * page_size``), the static sampler's cache layout; with
+    ``shift [B]``, position ``p`` of sequence ``b`` in column ``p + shift[b]`` (one gather of
+    positions; columns before ``shift[b]`` hold position 0 and are never visible)."""
     B, NB = table.shape
     _, page_size, C, D = kv.shape
-    ctx = jnp.take(kv, table, axis=0, mode="clip").reshape(B, NB * page_size, C // 2, 2, D)
+    L = NB * page_size
+    if shift is None:
+        ctx = jnp.take(kv, table, axis=0, mode="clip").reshape(B, L, C, D)
+    else:
+        pos = jnp.clip(jnp.arange(L)[None, :] - shift[:, None], 0, L - 1)  # [B, L]
+        flat = jnp.take_along_axis(table, pos // page_size, axis=1) * page_size + pos % page_size
+        ctx = jnp.take(kv.reshape(-1, C, D), flat, axis=0, mode="clip")  # [B, L, C, D]
+    ctx = ctx.reshape(B, L, C // 2, 2, D)
     keys = jnp.transpose(ctx[..., 0, :], (0, 2, 3, 1))  # [B, K, D, L]
     return keys, jnp.swapaxes(ctx[..., 1, :], 1, 2)  # [B, K, L, D]
 
 
-def views_to_pages(pool: PagePool, page_table, start, end, mesh: Mesh | None, kv_heads: int):
+def views_to_pages(pool: PagePool, page_table, start, end, shift, mesh: Mesh | None, kv_heads: int):
     """The ``dense`` path's write-back, once per chunk: positions ``[start[b], end[b])`` of
-    sequence ``b`` (those its steps wrote) from its views into its pages; nothing else is
-    written (shared prompt pages, other positions and the scratch page keep their contents).
+    sequence ``b`` (those its steps wrote, in columns ``shift[b]`` on) from its views into its
+    pages; nothing else is written (shared prompt pages, other positions and the scratch page
+    keep their contents).
 
     Writing each step's K/V into the pages as well made XLA:CPU copy a layer's pool share at
     every step of the loop; the views are what the steps read, the pages what later chunks
     gather and the prefill continues.
     """
 
-    def write(kv, keys, values, table, start, end):
-        page_size = kv.shape[1]
+    def write(kv, keys, values, table, start, end, shift):
+        page_size, L = kv.shape[1], keys.shape[-1]
         pos = jnp.arange(table.shape[1] * page_size)
         new = _combined(jnp.einsum("BKDL->BLKD", keys), jnp.einsum("BKLD->BLKD", values))
+        cols = jnp.clip(pos[None, :] + shift[:, None], 0, L - 1)  # [B, NB * page_size]
+        new = jnp.take_along_axis(new, cols[:, :, None, None], axis=1)
         written = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
         page = jnp.where(written, table[:, pos // page_size], kv.shape[0])  # else dropped
         offset = jnp.broadcast_to(pos % page_size, page.shape)
         return kv.at[page, offset].set(new.astype(kv.dtype), mode="drop")
 
-    write = per_group(write, mesh, kv_heads, ("R-H-", "RH--", "RH--", "R-", "R", "R"), "R-H-")
+    specs = ("R-H-", "RH--", "RH--", "R-", "R", "R", "R")
+    write = per_group(write, mesh, kv_heads, specs, "R-H-")
     kv = tuple(
-        write(kv, keys, values, page_table, start, end)
+        write(kv, keys, values, page_table, start, end, shift)
         for kv, (keys, values) in zip(pool.kv, pool.views, strict=True)
     )
     return PagePool(kv=kv)
 
 
-def _dense_attention(q, keys, values, positions):
-    """Attention of ``q [B, T, N, D]`` over contiguous views from position 0 on (the new K/V
-    already written): each query sees the positions up to its own."""
-    L = keys.shape[-1]
-    visible = jnp.arange(L)[None, None, :] <= positions[:, :, None]  # [B, T, L]
+def _dense_attention(q, keys, values, visible):
+    """Attention of ``q [B, T, N, D]`` over contiguous views (the new K/V already written),
+    each query over the columns ``visible [B, T, L]`` marks."""
     return _attend_cache(q, keys.astype(q.dtype), values.astype(q.dtype), visible)
 
 
-def _write_views(keys, values, k, v, positions):
-    """Writes each sequence's new K and V [B, 1, K, D] at its position of the views (an idle
-    slot's stale position past the views is dropped)."""
-    rows, pos = jnp.arange(k.shape[0]), positions[:, 0]
-    keys = keys.at[rows, :, :, pos].set(k[:, 0].astype(keys.dtype), mode="drop")
-    values = values.at[rows, :, pos].set(v[:, 0].astype(values.dtype), mode="drop")
+def _view_mask(shift: Int[Array, " B"], columns: Int[Array, " B"], width: int):
+    """``[B, 1, width]``: the view columns a decode query of sequence ``b`` sees, its positions
+    from column ``shift[b]`` up to its own column ``columns[b]``."""
+    j = jnp.arange(width)[None, None, :]
+    return (j >= shift[:, None, None]) & (j <= columns[:, None, None])
+
+
+def _write_views(keys, values, k, v, col):
+    """Writes every sequence's new K and V ``[B, 1, K, D]`` at column ``col`` of the
+    right-aligned views (one dynamic-update-slice each)."""
+    keys = jax.lax.dynamic_update_slice_in_dim(
+        keys, jnp.einsum("BTKD->BKDT", k).astype(keys.dtype), col, axis=3
+    )
+    values = jax.lax.dynamic_update_slice_in_dim(
+        values, jnp.einsum("BTKD->BKTD", v).astype(values.dtype), col, axis=2
+    )
     return keys, values
 
 
@@ -457,6 +483,7 @@ def paged_forward(
     page_table: Int[Array, "B NB"] | None = None,
     attention: Attention = "xla",
     mesh: Mesh | None = None,
+    view_shift: Int[Array, " B"] | None = None,
 ) -> tuple[Float[Array, "B T H"], PagePool]:
     """Runs the decoder on ``T`` tokens per sequence over its pages.
 
@@ -467,6 +494,10 @@ def paged_forward(
     decode steps read ``pool.views``, its prefill gathers the table), in group-local
     page indices: with a ``mesh``, rows, page lists and pool pages are split over the data
     groups (the ``batch`` rule) and each group's writes and attention run on its own share.
+
+    ``view_shift [B]``: the ``dense`` decode's view columns (:class:`PagePool`): token ``b``
+    is written and attends at column ``positions[b] + view_shift[b]``, the same for every
+    sequence that is live.
 
     Returns:
       The final RMS-normed hidden states [B, T, H] and the updated pool.
@@ -495,23 +526,32 @@ def paged_forward(
         if pallas:
             return _pallas_attention(q, kv, positions, valid, table), kv
         if attention == "dense":  # a prefill chunk on CPU: one gather, one batched attention
-            return _dense_attention(q, *_gather_views(kv, table), positions), kv
+            keys, values = _gather_views(kv, table)
+            visible = jnp.arange(keys.shape[-1])[None, None, :] <= positions[:, :, None]
+            return _dense_attention(q, keys, values, visible), kv
         return _xla_attention(q, kv, positions, table), kv
 
-    def write_and_attend_dense(keys, values, k, v, q, positions):
+    def write_and_attend_dense(keys, values, k, v, q, visible, col):
         if q.shape[1] != 1:
             raise ValueError(f"the dense paged attention path is for decode (T = 1), got {q.shape}")
-        keys, values = _write_views(keys, values, k, v, positions)
-        return _dense_attention(q, keys, values, positions), (keys, values)
+        keys, values = _write_views(keys, values, k, v, col)
+        return _dense_attention(q, keys, values, visible), (keys, values)
 
     if decode_views:
-        specs = ("RH--", "RH--", "R-H-", "R-H-", "R-H-", "R-")
+        if view_shift is None:
+            raise ValueError("the dense decode path needs view_shift (the views' columns)")
+        # Every live sequence feeds its token at the same column; it sees its own positions
+        # (from column view_shift on) up to that one.
+        columns = positions[:, 0] + view_shift
+        col = jnp.max(jnp.where(valid[:, 0], columns, 0))
+        visible = _view_mask(view_shift, columns, pool.views[0][0].shape[-1])
+        specs = ("RH--", "RH--", "R-H-", "R-H-", "R-H-", "R--", "")
         outs = ("R-H-", ("RH--", "RH--"))
         group_dense = per_group(write_and_attend_dense, mesh, K, specs, outs)
 
         def layer_kv(state, k, v, q):
             kv, keys, values = state
-            attn, (keys, values) = group_dense(keys, values, k, v, q, positions)
+            attn, (keys, values) = group_dense(keys, values, k, v, q, visible, col)
             return attn, (kv, keys, values)
 
         keys, values = zip(*pool.views, strict=True)

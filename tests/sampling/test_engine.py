@@ -307,6 +307,22 @@ def test_ragged_tail_decodes_on_fewer_rows(model):
     assert stats.decode_steps == 8 * 4 + 1 * 36  # 8 rows x 40 steps without the buckets
 
 
+def test_late_sequence_next_to_a_long_context_on_the_dense_path(model):
+    """The dense path's right-aligned views put every slot's next token at the column of the
+    longest context: a sequence that joins next to one near its end (here next to the 13-token
+    prompt's sequence at position 24, in chunks of 12 steps) needs more columns than the
+    widest table has, so that chunk runs fewer steps. Same draws as 5 slots at once."""
+    prompts = [list(range(30, 43)), [7, 1, 4], [20, 5], [9, 9, 2, 6], [11]]
+    kw = dict(max_new_tokens=16, temperature=1.0, seed=12, stop_token_ids=list(range(0, 96, 9)))
+    got = engine(model, decode_slots=2, decode_chunk=12).generate(prompts, **kw)
+    want = engine(model, decode_slots=5).generate(prompts, **kw)
+    assert got.lengths == [16, 2, 11, 16, 16]
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(
+        np.asarray(got.logprob_array), np.asarray(want.logprob_array), atol=1e-5
+    )
+
+
 def test_one_decode_slot_with_the_default_pool(model):
     """One slot runs the sequences one after another; the default pool holds one sequence."""
     got = engine(model, decode_slots=1).generate(PROMPTS, max_new_tokens=BUDGETS, temperature=0.0)

@@ -73,15 +73,20 @@ def test_dense_cpu_path_matches_oracle_after_writes():
     for b, t in enumerate(tables):
         table[b, : len(t)] = t
 
+    # Right-aligned views: every row's position at column 14, the longest context.
+    shift = positions.max() - positions[:, 0]
+
     @jax.jit
     def step(kv, q, new, positions, table):
-        pool = paged.dense_views(paged.PagePool(kv=(kv,)), table, None, K)
+        pool = paged.dense_views(paged.PagePool(kv=(kv,)), table, shift, None, K)
         k, v = new[:, :, 0::2], new[:, :, 1::2]  # the pool's layout: keys even, values odd
-        keys, values = paged._write_views(*pool.views[0], k, v, positions)
-        out = paged._dense_attention(q, keys, values, positions)
+        columns = positions[:, 0] + shift
+        keys, values = paged._write_views(*pool.views[0], k, v, columns[0])
+        visible = paged._view_mask(shift, columns, keys.shape[-1])
+        out = paged._dense_attention(q, keys, values, visible)
         pool = pool.replace(views=((keys, values),))
         start = positions[:, 0]
-        return out, paged.views_to_pages(pool, table, start, start + 1, None, K).kv[0]
+        return out, paged.views_to_pages(pool, table, start, start + 1, shift, None, K).kv[0]
 
     got, pages = step(*(jnp.asarray(x, jnp.float32) for x in (kv, q, new)), positions, table)
     want_kv = kv.copy()
@@ -93,22 +98,28 @@ def test_dense_cpu_path_matches_oracle_after_writes():
 
 
 def test_dense_write_back_writes_only_the_chunk_positions():
-    """``views_to_pages`` copies positions [start, end) of each row's views into its pages;
-    every other position of every page (the scratch page included) keeps its contents."""
+    """``views_to_pages`` copies positions [start, end) of each row's views (from columns
+    ``shift`` on) into its pages; every other position of every page (the scratch page
+    included) keeps its contents."""
     K, D, page_size, num_pages = 2, 4, 4, 10
     kv = np.arange(num_pages * page_size * 2 * K * D, dtype=np.float32)
     kv = kv.reshape(num_pages, page_size, 2 * K, D)
     table = np.array([[3, 5, 0], [7, 2, 8], [9, 0, 0]], np.int32)
     L = table.shape[1] * page_size
-    keys = np.full((3, K, D, L), -1.0, np.float32)  # what the rows' steps wrote, everywhere
-    values = np.full((3, K, L, D), -2.0, np.float32)
+    # What the rows' steps wrote, everywhere: minus the view column (keys), minus 100 more
+    # (values), so the test sees which column went where (position p is column p + shift).
+    column = np.arange(L, dtype=np.float32)
+    keys = np.broadcast_to(-column, (3, K, D, L)).copy()
+    values = np.broadcast_to(-100.0 - column[:, None], (3, K, L, D)).copy()
     start, end = np.array([3, 0, 2]), np.array([6, 0, 3])  # row 1 wrote nothing
+    shift = np.array([2, 5, 0])
     pool = paged.PagePool(kv=(jnp.asarray(kv),), views=((jnp.asarray(keys), jnp.asarray(values)),))
-    got = np.asarray(paged.views_to_pages(pool, table, start, end, None, K).kv[0])
+    got = np.asarray(paged.views_to_pages(pool, table, start, end, shift, None, K).kv[0])
     want = kv.copy()
     for b in range(3):
         for pos in range(start[b], end[b]):
             page, offset = table[b, pos // page_size], pos % page_size
-            want[page, offset, 0::2], want[page, offset, 1::2] = -1.0, -2.0
+            col = pos + shift[b]
+            want[page, offset, 0::2], want[page, offset, 1::2] = -col, -100.0 - col
     np.testing.assert_array_equal(got, want)
     assert (got != kv).sum() == 4 * 2 * K * D  # positions 3, 4, 5 of row 0 and 2 of row 2
