@@ -185,7 +185,10 @@ def make_mesh(
         devices = devices[:chips]
     shape = resolve_mesh_shape((data, fsdp, tensor), len(devices))
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))
-    if devices[0].platform == "tpu" and topology_name is None:
+    # JAX lays meshes out over the physical torus for one device per chip; a slice with one
+    # device per TensorCore (v4's compile-only topology: two per chip) keeps the id order.
+    per_chip = all(getattr(d, "core_on_chip", 0) == 0 for d in devices)
+    if devices[0].platform == "tpu" and topology_name is None and per_chip:
         from jax.experimental import mesh_utils
 
         grid = mesh_utils.create_device_mesh(shape, devices)

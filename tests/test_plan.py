@@ -245,6 +245,17 @@ def test_chip_grids_of_slices():
         chip_grid(6, 2)
 
 
+def test_meshes_on_compile_only_slices():
+    """The run's mesh on a slice's compile-only TPU devices: v5p has one device per chip (the
+    physical layout), v4's topology one per TensorCore (two per chip; id order)."""
+    for topology, devices in (("v5p-16", 8), ("v4-32", 32)):
+        _, found = plan_compiler.tpu_topology_devices(topology)
+        assert len(found) == devices
+        mesh = sh.make_mesh(1, -1, 4, devices=found)
+        assert dict(mesh.shape) == {"data": 1, "fsdp": devices // 4, "tensor": 4}
+        assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in found)
+
+
 def test_engine_pool_follows_the_config():
     """The planner sizes the engine's pool as the rollout does: by the engine's rule, or as
     ``rollout.num_pages`` says (no compilation)."""
