@@ -1,4 +1,5 @@
-"""Prompt data given as Python objects: a ``datasets.Dataset``, a list of dicts, or a stream.
+"""Prompt data given as Python objects: a ``datasets.Dataset``, a list of dicts, a reasoning-gym
+data set, or a stream.
 
 The same adapters as files turn rows into :class:`~delta_jax.data.PromptRecord`; with the
 ``generic`` adapter every column it does not map is kept in ``record.extra``, so that batched
@@ -6,6 +7,9 @@ reward functions receive the data set's other fields (``fn(prompts, completions,
 
 * A **map-style** object (``datasets.Dataset``, a list or tuple of dicts) is read whole, like a
   file, and drawn by the checkpointable :class:`~delta_jax.data.PromptPipeline`: resume is exact.
+  So is a reasoning-gym data set (``reasoning_gym.create_dataset(...)``, sized and indexed
+  although it is not a ``Sequence``), whose entries become records without an adapter
+  (:func:`delta_jax.data.gym.records_from_gym_dataset`).
 * A **stream** (``datasets.IterableDataset``, or any iterable of dicts that is not a sequence)
   is read as it goes by :class:`StreamPrompts`. Its state is the epoch and the number of rows
   read in it; a resume re-reads the epoch from its start and skips those rows. That is exact
@@ -23,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from delta_jax.data.adapters import Adapter, BadRowError, resolve_adapter
+from delta_jax.data.gym import is_gym_dataset, records_from_gym_dataset
 from delta_jax.data.sources import LoadResult, PromptRecord
 
 Encoder = Callable[[list[PromptRecord]], Any]  # records -> EncodedPrompts
@@ -34,6 +39,8 @@ def is_stream(data: Any) -> bool:
 
     if isinstance(data, datasets.IterableDataset):
         return True
+    if is_gym_dataset(data):  # iterable, not a Sequence, but sized and indexed
+        return False
     return not isinstance(data, datasets.Dataset | Sequence | Mapping) and isinstance(
         data, Iterable
     )
@@ -95,14 +102,17 @@ def records_from_object(
     """Records of a map-style data object (or the first ``limit`` rows of a stream).
 
     Args:
-      data: a ``datasets.Dataset``, a list of dicts, or a stream (then ``limit`` rows are read;
-        all of them when ``limit`` is None, so a stream must end).
+      data: a ``datasets.Dataset``, a list of dicts, a reasoning-gym data set (its entries,
+        whatever ``adapter`` says), or a stream (then ``limit`` rows are read; all of them
+        when ``limit`` is None, so a stream must end).
       adapter, fields, on_bad_row, limit: as for :func:`~delta_jax.data.load_records`.
       label: the name given to the rows' source in records and messages.
 
     Returns:
       A :class:`~delta_jax.data.LoadResult`.
     """
+    if is_gym_dataset(data):
+        return LoadResult(records_from_gym_dataset(data, label=label, limit=limit), 0, {})
     _check_object(data, label)
     convert = RowConverter(adapter, fields, label, on_bad_row)
     rows = iter(data) if limit is None else itertools.islice(iter(data), limit)

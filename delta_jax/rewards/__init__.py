@@ -1,4 +1,5 @@
-"""Verifiable rewards: math (math-verify), sandboxed code execution, format, custom functions.
+"""Verifiable rewards: math (math-verify), sandboxed code execution, format, reasoning-gym
+tasks' own verifiers, custom functions.
 
 :class:`RewardSet` sums several named functions with weights (callables in the batched TRL /
 Tunix convention included); :class:`RewardScorer` scores a whole rollout batch in a process pool
@@ -13,6 +14,7 @@ from delta_jax.rewards.code import CodeResult, ExecResult, execute, extract_code
 from delta_jax.rewards.custom import load_reward_fn
 from delta_jax.rewards.format import format_reward, score_format
 from delta_jax.rewards.functions import RewardSet, reward_name
+from delta_jax.rewards.gym import extract_gym_answer, score_gym
 from delta_jax.rewards.math import extract_last_boxed, math_reward, score_math
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "RewardSet",
     "execute",
     "extract_code",
+    "extract_gym_answer",
     "extract_last_boxed",
     "format_reward",
     "load_reward_fn",
@@ -31,6 +34,7 @@ __all__ = [
     "reward_name",
     "run_code",
     "score_format",
+    "score_gym",
     "concat_batches",
     "score_math",
 ]

@@ -16,7 +16,8 @@ So one bad item never takes the run down nor blocks the pool. Reasons of success
 come from the reward kind: ``"correct"`` / ``"wrong"`` / ``"no_answer"`` / ... for math
 (:func:`~delta_jax.rewards.math.score_math`), :class:`~delta_jax.rewards.CodeResult` reasons
 and ``"no_code"`` for code, :func:`~delta_jax.rewards.format.score_format` reasons for format,
-``"ok"`` for a custom function.
+``"correct"`` / ``"partial"`` / ``"wrong"`` for reasoning_gym
+(:func:`~delta_jax.rewards.gym.score_gym`), ``"ok"`` for a custom function.
 
 Two calling conventions:
 
@@ -62,10 +63,11 @@ import numpy as np
 from delta_jax.rewards.code import cleanup_sandboxes_of, extract_code, run_code
 from delta_jax.rewards.custom import as_reward, load_reward_fn
 from delta_jax.rewards.format import score_format
+from delta_jax.rewards.gym import GYM_ENTRY, import_reasoning_gym, score_gym
 from delta_jax.rewards.math import score_math
 
-_BUILTIN = ("math", "code", "format")
-_REQUIRED_FIELD = {"math": "answer", "code": "tests"}
+_BUILTIN = ("math", "code", "format", "reasoning_gym")
+_REQUIRED_FIELD = {"math": "answer", "code": "tests", "reasoning_gym": GYM_ENTRY}
 _CODE_GRACE_S = 10.0  # Pool deadline past run_code's own timeout: sandbox start and clean-up.
 _STARTUP_TIMEOUT_S = 120.0
 _MAX_STARTUP_FAILURES = 3
@@ -112,6 +114,11 @@ def _make_score_fn(kind: str | Callable[..., Any], options: Mapping[str, Any]) -
             return float(result.passed), result.reason
 
         return score_code
+    if kind == "reasoning_gym":
+        # Imported now: a missing package fails the scorer's construction (one line), and a
+        # worker pays the import before it is ready, not within an item's deadline.
+        import_reasoning_gym()
+        return lambda prompt, response, item: score_gym(response, item[GYM_ENTRY])
     fn = load_reward_fn(kind) if isinstance(kind, str) else kind
     return lambda prompt, response, item: (as_reward(fn(prompt, response, item)), "ok")
 
@@ -251,9 +258,11 @@ class RewardScorer:
 
     Args:
       kind: ``"math"`` (items need ``"answer"``), ``"code"`` (items need ``"tests"``; the code
-        is the response's last fenced block), ``"format"``, a ``"package.module:function"``
-        path, or a callable: ``(prompt, response, item) -> float``, or with ``batched=True``
-        ``(prompts, completions, **columns) -> list[float | None]`` (module docstring).
+        is the response's last fenced block), ``"format"``, ``"reasoning_gym"`` (items need
+        ``"gym_entry"``, a reasoning-gym entry: :mod:`delta_jax.rewards.gym`), a
+        ``"package.module:function"`` path, or a callable: ``(prompt, response, item) -> float``,
+        or with ``batched=True`` ``(prompts, completions, **columns) -> list[float | None]``
+        (module docstring).
       num_workers: worker processes; None for one per CPU, 0 for serial in-process scoring
         (no timeout, no crash isolation).
       timeout_s: wall-clock seconds per item (per group call when batched). For ``"code"`` it
@@ -364,7 +373,8 @@ class RewardScorer:
         Args:
           prompts: ``[N]`` prompt texts.
           responses: ``[N]`` response texts.
-          items: ``[N]`` data set rows (with ``"answer"`` for math, ``"tests"`` for code).
+          items: ``[N]`` data set rows (with ``"answer"`` for math, ``"tests"`` for code,
+            ``"gym_entry"`` for reasoning_gym).
           group_size: items per call of a batched function (a prompt's samples); must divide N.
 
         Returns:

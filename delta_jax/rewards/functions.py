@@ -1,6 +1,6 @@
 """Several reward functions with weights: the reward of a response is their weighted sum.
 
-Each function is a built-in kind (``"math"``, ``"code"``, ``"format"``), a
+Each function is a built-in kind (``"math"``, ``"code"``, ``"format"``, ``"reasoning_gym"``), a
 ``"package.module:function"`` path (both scored per item), or a Python callable in the batched
 convention of TRL and Tunix, ``fn(prompts, completions, **columns) -> list[float | None]``.
 Each runs in its own :class:`~delta_jax.rewards.RewardScorer` (a worker pool, or this process

@@ -21,6 +21,7 @@ import numpy as np
 from delta_jax import sharding as sh
 from delta_jax.config import Config, ConfigError
 from delta_jax.data import PromptPipeline, PromptRecord, encode_prompts, load_records
+from delta_jax.data.gym import GYM_ENTRY, is_gym_source
 from delta_jax.data.objects import RowConverter, StreamPrompts, is_stream, records_from_object
 
 if TYPE_CHECKING:
@@ -178,10 +179,32 @@ def load_model(config: Config, run_dir: Path, *, model=None, tokenizer=None):
     return model, tokenizer
 
 
+def _gym_records(config: Config, source: str, *, eval_set: bool) -> list[PromptRecord]:
+    """A reasoning-gym task's entries: ``data.gym_size`` for training, ``run.eval_prompts``
+    held out from a disjoint seed (delta_jax.data.gym), with ``data.gym_options`` for the
+    training task; ``data.limit`` caps both, as it does a file's rows."""
+    from delta_jax.data.gym import EVAL_SEED_OFFSET, eval_gym_options, gym_records, gym_task
+
+    d, run = config.data, config.run
+    seed = run.seed if d.gym_seed is None else d.gym_seed
+    try:
+        if eval_set:
+            count, seed, options = run.eval_prompts, seed + EVAL_SEED_OFFSET, eval_gym_options(d)
+        else:
+            count, options = d.gym_size, d.gym_options
+        size = min(count, d.limit or count)
+        return gym_records(gym_task(source), size=size, seed=seed, options=options)
+    except (ValueError, ImportError) as e:
+        key = "data.eval_source" if eval_set else "data.source"
+        raise ConfigError(f"{key}={source}: {e}") from None
+
+
 def _load_records(config: Config, source: str, split: str, *, eval_set: bool):
     from delta_jax.demo import arithmetic_records, product_records
 
     d = config.data
+    if is_gym_source(source):
+        return _gym_records(config, source, eval_set=eval_set)
     if source in DEMO_SOURCES:
         # Disjoint seeds: the held-out problems are drawn independently of the training ones;
         # as many as the evaluation uses (``run.eval_prompts``).
@@ -286,8 +309,9 @@ def prompt_sets(config: Config, tokenizer, train_dataset=None, eval_dataset=None
         limit = config.run.eval_prompts
         evals = encode(_object_records(config, eval_dataset, label="eval_dataset", limit=limit))
     else:
-        from_demo = d.source in DEMO_SOURCES and train_dataset is None
-        eval_source = d.eval_source or (d.source if from_demo else None)
+        # Generated sources hold out their own problems (another seed) unless told otherwise.
+        generated = d.source in DEMO_SOURCES or is_gym_source(d.source)
+        eval_source = d.eval_source or (d.source if generated and train_dataset is None else None)
         if eval_source:
             held_out = _load_records(config, eval_source, d.eval_split, eval_set=True)
             evals = encode(held_out[: config.run.eval_prompts])
@@ -297,6 +321,23 @@ def prompt_sets(config: Config, tokenizer, train_dataset=None, eval_dataset=None
             "set data.eval_source, or set run.eval_every=0"
         )
     return train, evals
+
+
+def check_gym_entries(kinds, train, evals) -> None:
+    """The ``reasoning_gym`` reward kind scores against each record's entry: prompts that carry
+    none (a file, a list of dicts) are a configuration error now, not at the first reward.
+    ``kinds``: ``reward.kind`` or ``reward_fns``; a stream's records are not known yet."""
+    kinds = [kinds] if isinstance(kinds, str) or callable(kinds) else list(kinds)
+    if "reasoning_gym" not in kinds:
+        return
+    for what, records in (("training", getattr(train, "records", None)),
+                          ("held-out", evals.records if evals else None)):  # fmt: skip
+        if records and GYM_ENTRY not in records[0].extra:
+            raise ConfigError(
+                f"the reasoning_gym reward needs reasoning-gym prompts, but the {what} prompts "
+                f"({records[0].source}) carry no {GYM_ENTRY!r}: use data.source: "
+                "reasoning_gym:<task> or a reasoning_gym data set object"
+            )
 
 
 def episode_runner(config: Config, tokenizer, stop_ids, environment=None):
@@ -371,7 +412,7 @@ def make_scorers(
     fns = r.kind if reward_fns is None else reward_fns
     try:
         scorer = RewardSet(fns, reward_weights, num_workers=r.num_workers, timeout_s=r.timeout_s)
-    except ValueError as e:
+    except (ValueError, ImportError) as e:
         raise ConfigError(f"reward: {e}") from None
     if r.flip_fraction > 0:
         return FlippedRewards(scorer, r.flip_fraction, config.run.seed), scorer
@@ -400,6 +441,7 @@ def build_run_parts(
     episodes = episode_runner(config, tokenizer, stop_ids, environment)
     try:
         train, evals = prompt_sets(config, tokenizer, train_dataset, eval_dataset, episodes)
+        check_gym_entries(config.reward.kind if reward_fns is None else reward_fns, train, evals)
     except BaseException:
         if episodes is not None:
             episodes.close()

@@ -150,12 +150,13 @@ class Trainer:
         ``model.path``; used as it is (``model.lora_rank > 0`` adds adapters if it has none).
       tokenizer: any Hugging Face tokenizer (added tokens included), instead of the one in
         ``model.path``.
-      train_dataset: a ``datasets.Dataset``, a ``datasets.IterableDataset`` or a list of dicts,
-        instead of ``data.source``; read with ``data.adapter`` and ``data.template`` as a file
+      train_dataset: a ``datasets.Dataset``, a ``datasets.IterableDataset``, a list of dicts
+        or a reasoning-gym data set (``reasoning_gym.create_dataset(...)``), instead of
+        ``data.source``; read with ``data.adapter`` and ``data.template`` as a file
         would be (:mod:`delta_jax.data.objects` says what a resume promises for each).
       eval_dataset: the held-out prompts, likewise, instead of ``data.eval_source``.
       reward_fns: reward functions instead of ``reward.kind``: kinds (``"math"``, ``"code"``,
-        ``"format"``), ``"module:function"`` paths, or callables
+        ``"format"``, ``"reasoning_gym"``), ``"module:function"`` paths, or callables
         ``fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]``
         (``columns``: the rows' other fields as lists; ``None``: does not apply, reward 0).
       reward_weights: one weight per reward function (default 1 each); the reward is the sum.

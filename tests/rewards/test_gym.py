@@ -1,0 +1,64 @@
+"""The ``reasoning_gym`` reward kind, through the real RewardSet / RewardScorer."""
+
+import pickle
+import sys
+
+import pytest
+
+from delta_jax.config import ConfigError, load_config
+from delta_jax.data.gym import gym_records
+from delta_jax.rewards import RewardScorer, RewardSet, extract_gym_answer
+from delta_jax.rewards.gym import GYM_ENTRY
+from delta_jax.rl.setup import make_scorers
+
+RECORDS = gym_records("basic_arithmetic", size=3, seed=0) + gym_records(
+    "leg_counting", size=1, seed=0
+)
+ITEMS = [{"answer": r.answer, "tests": r.tests, **r.extra} for r in RECORDS]
+A, B, C, LEGS = (r.answer for r in RECORDS)
+
+
+@pytest.mark.parametrize(
+    "response, answer",
+    [
+        ("  42 \n", "42"),
+        ("Working: 6 * 7\n\n42\n\n", "42"),
+        ("<answer>1</answer> then <answer>\n 42 \n</answer> done", "42"),
+        ("<think>a\nb</think><answer>x\n42\n</answer>", "42"),
+        ("<answer>unclosed 42", "<answer>unclosed 42"),
+        ("", ""),
+    ],
+)
+def test_the_answer_is_the_last_tag_else_the_last_line(response, answer):
+    assert extract_gym_answer(response) == answer
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_scores_by_the_task_of_each_entry(num_workers):
+    responses = [A, f"I think\n<answer>{B}</answer>\n", "nope", f"{LEGS}0"]
+    with RewardSet("reasoning_gym", num_workers=num_workers, timeout_s=30) as rewards:
+        batch = rewards.score([r.prompt for r in RECORDS], responses, ITEMS)
+    assert batch.reasons == ["correct", "correct", "wrong", "partial"]
+    assert batch.rewards[:3].tolist() == [1.0, 1.0, 0.0]
+    assert 0 < batch.rewards[3] < 1  # leg_counting: the answer inside a longer one
+    assert batch.components["reasoning_gym"].tolist() == batch.rewards.tolist()
+    assert pickle.loads(pickle.dumps(ITEMS)) == ITEMS  # what the workers receive
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_missing_entry_is_an_error(num_workers):
+    with RewardScorer("reasoning_gym", num_workers=num_workers, timeout_s=30) as scorer:
+        batch = scorer.score(["p", "p"], [A, A], [ITEMS[0], {**ITEMS[0], GYM_ENTRY: None}])
+        assert batch.reasons == ["correct", "error:ValueError"]
+        assert batch.rewards.tolist() == [1.0, 0.0]
+        with pytest.raises(ValueError, match="items\\[0\\] must be a mapping with key 'gym_entry'"):
+            scorer.submit(["p"], [A], [{"answer": A, "tests": None}])
+
+
+def test_a_missing_package_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # `import reasoning_gym` fails
+    with pytest.raises(ImportError, match=r'pip install "delta_jax\[gym\]"'):
+        RewardScorer("reasoning_gym", num_workers=0)
+    config = load_config(None, ["reward.kind=reasoning_gym", "reward.num_workers=0"])
+    with pytest.raises(ConfigError, match=r"^reward: reasoning_gym is not installed: pip install"):
+        make_scorers(config)
