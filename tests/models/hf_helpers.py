@@ -54,16 +54,16 @@ FAMILIES = {
 }
 
 
-def build_hf_model(kind: str, seed: int = 0):
+def build_hf_model(kind: str, seed: int = 0, **overrides):
     """A random-initialised ``transformers`` model of ``kind`` (float32, eval mode).
 
-    Norm weights and biases are perturbed away from their 1 / 0 init so that a misplaced norm or
-    bias changes the logits.
+    ``overrides`` replace config values. Norm weights and biases are perturbed away from their
+    1 / 0 init so that a misplaced norm or bias changes the logits.
     """
     import transformers
 
     cfg_name, model_name, extra = FAMILIES[kind]
-    kwargs = dict(_COMMON, **extra)
+    kwargs = dict(_COMMON, **extra) | overrides
     if "rope_theta" in kwargs and "rope_scaling" not in kwargs:
         kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta")}
     config = getattr(transformers, cfg_name)(**kwargs)
