@@ -7,8 +7,10 @@ scored as reasoning-gym means them to be. The task comes from the entry, not fro
 config: a composite data set's entries each name their own task.
 
 The answer is the content of the response's last ``<answer>...</answer>`` (the convention of
-reasoning-gym's own system prompt), else the whole response stripped; if that still spans
-several lines, its last non-empty line (the final answer after the working).
+reasoning-gym's own system prompt), else the whole response stripped. Where the entry's answer
+is a number, the answer is the last number in that text (as GSM8K-style evaluations read a
+final answer: "15 + 27 = 42" answers 42); otherwise, if the text spans several lines, its last
+non-empty line (the final answer after the working).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ GYM_ENTRY = "gym_entry"  # the item field (PromptRecord.extra key) holding the w
 INSTALL_HINT = 'reasoning_gym is not installed: pip install "delta_jax[gym]"'
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def import_reasoning_gym() -> Any:
@@ -33,10 +36,15 @@ def import_reasoning_gym() -> Any:
     return reasoning_gym
 
 
-def extract_gym_answer(response: str) -> str:
-    """The answer a response gives (module docstring): tagged, else the last non-empty line."""
+def extract_gym_answer(response: str, expected: str | None = None) -> str:
+    """The answer a response gives (module docstring): tagged, else the whole response; the
+    last number in it when ``expected`` (the entry's answer) is a number, else its last
+    non-empty line."""
     tagged = _ANSWER_TAG.findall(response)
     text = (tagged[-1] if tagged else response).strip()
+    if expected is not None and _NUMBER.fullmatch(str(expected).strip()):
+        numbers = _NUMBER.findall(text.replace(",", ""))
+        return numbers[-1] if numbers else text
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[-1] if len(lines) > 1 else text
 
@@ -57,5 +65,6 @@ def score_gym(response: str, entry: Any) -> tuple[float, str]:
     if not isinstance(entry, Mapping):
         raise ValueError(f"no reasoning_gym entry to score against (got {type(entry).__name__})")
     task = entry["metadata"]["source_dataset"]
-    score = float(_task_scorer(task)(extract_gym_answer(response), dict(entry)))
+    answer = extract_gym_answer(response, entry.get("answer"))
+    score = float(_task_scorer(task)(answer, dict(entry)))
     return score, "correct" if score >= 1.0 else "partial" if score > 0.0 else "wrong"

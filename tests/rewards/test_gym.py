@@ -33,9 +33,24 @@ def test_the_answer_is_the_last_tag_else_the_last_line(response, answer):
     assert extract_gym_answer(response) == answer
 
 
+@pytest.mark.parametrize(
+    "response, answer",
+    [
+        ("21 - 62 = -41", "-41"),
+        ("The final answer is 1,234.", "1234"),
+        ("<answer>x = 7</answer> and 9 more", "7"),
+        ("5-3=2\n", "2"),
+        ("no number at all", "no number at all"),
+    ],
+)
+def test_a_numeric_answer_is_the_last_number(response, answer):
+    assert extract_gym_answer(response, expected="-3") == answer
+    assert extract_gym_answer("It is 12.\nDone", expected="word") == "Done"
+
+
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_scores_by_the_task_of_each_entry(num_workers):
-    responses = [A, f"I think\n<answer>{B}</answer>\n", "nope", f"{LEGS}0"]
+    responses = [f"1 + 1 = {A}", f"I think\n<answer>{B}</answer>\n", "nope", f"{LEGS}0"]
     with RewardSet("reasoning_gym", num_workers=num_workers, timeout_s=30) as rewards:
         batch = rewards.score([r.prompt for r in RECORDS], responses, ITEMS)
     assert batch.reasons == ["correct", "correct", "wrong", "partial"]
