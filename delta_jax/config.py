@@ -91,6 +91,10 @@ class DataConfigSection:
     split: str = "train"
     eval_source: str | None = None
     eval_split: str = "test"
+    # More held-out sets, reported beside eval_source's as eval_<name>/avg@1 ... (name: the
+    # task of a reasoning_gym:<task> source, else the file or data set name), each with
+    # run.eval_prompts prompts, the same template and reward.
+    extra_eval_sources: tuple[str, ...] | None = None
     max_prompt_length: int = 16
     truncation: Literal["drop", "left"] = "drop"
     template: str | None = None
@@ -460,6 +464,10 @@ def validate(config: Config) -> None:
                 f"data.demo_template={d.demo_template} does not fit data.source={d.source} "
                 "(demo:products goes with the tool template, demo:arithmetic with short / long)"
             )
+    if config.data.extra_eval_sources and not run.eval_every:
+        raise ConfigError(
+            "data.extra_eval_sources are evaluated every run.eval_every steps: set run.eval_every"
+        )
     if r.environment and r.engine != "continuous":
         raise ConfigError(
             f"rollout.environment={r.environment!r} needs rollout.engine=continuous (a turn "
@@ -587,14 +595,17 @@ def _check_gym(d: DataConfigSection) -> None:
     """The gym keys are read only with a reasoning_gym: source, and the tasks and options they
     name exist (checked by reasoning-gym itself, so a typo fails at load, not at setup)."""
     train_gym = d.source.startswith(GYM_PREFIX)
-    eval_gym = d.eval_source is not None and d.eval_source.startswith(GYM_PREFIX)
+    eval_gym = any(
+        s is not None and s.startswith(GYM_PREFIX)
+        for s in (d.eval_source, *(d.extra_eval_sources or ()))
+    )
     defaults = DataConfigSection()
     unused = [
         (key, needs)
         for key, needs, idle in (
             ("gym_options", "data.source", not train_gym),
             ("gym_size", "data.source", not train_gym),
-            ("gym_seed", "data.source or data.eval_source", not (train_gym or eval_gym)),
+            ("gym_seed", "data.source or a held-out source", not (train_gym or eval_gym)),
         )
         if idle and getattr(d, key) != getattr(defaults, key)
     ]
@@ -608,11 +619,12 @@ def _check_gym(d: DataConfigSection) -> None:
         return
     from delta_jax.data.gym import check_task, eval_gym_options, gym_task
 
-    for key, source, used in (("data.source", d.source, train_gym),
-                              ("data.eval_source", d.eval_source, eval_gym)):  # fmt: skip
+    sources = [("data.source", d.source), ("data.eval_source", d.eval_source)]
+    sources += [("data.extra_eval_sources", s) for s in d.extra_eval_sources or ()]
+    for key, source in sources:
         try:
-            if used:
-                options = d.gym_options if key == "data.source" else eval_gym_options(d)
+            if source is not None and source.startswith(GYM_PREFIX):
+                options = d.gym_options if key == "data.source" else eval_gym_options(d, source)
                 check_task(gym_task(source), options)
         except (ValueError, ImportError) as e:
             raise ConfigError(f"{key}={source}: {e}") from None

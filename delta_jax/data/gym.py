@@ -46,11 +46,12 @@ def gym_task(source: str) -> str:
     return task
 
 
-def eval_gym_options(data_config: Any) -> dict[str, Any]:
-    """The options of the held-out set of ``data.eval_source`` (``data.source`` when unset):
-    ``data.gym_options`` when it is the task of ``data.source``, else none (the defaults)."""
+def eval_gym_options(data_config: Any, source: str | None = None) -> dict[str, Any]:
+    """The options of a held-out set, ``source`` (default ``data.eval_source``, else
+    ``data.source``): ``data.gym_options`` when it is the task of ``data.source``, else none
+    (the task's defaults)."""
     d = data_config
-    held_out = d.eval_source or d.source
+    held_out = source or d.eval_source or d.source
     same = is_gym_source(d.source) and gym_task(held_out) == gym_task(d.source)
     return dict(d.gym_options) if same else {}
 

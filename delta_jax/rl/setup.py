@@ -80,28 +80,36 @@ class RunParts:
     prompt_len: int
     stop_token_ids: tuple[int, ...]
     episodes: EpisodeRunner | None = None  # multi-turn: the environments (None: one turn)
+    # data.extra_eval_sources: encoded held-out sets by name, reported as eval_<name>/...
+    extra_evals: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def evaluate(self, params, step: int) -> dict[str, float]:
-        """Mean reward on the held-out prompts (the sampling settings of the run)."""
+        """Mean reward on the held-out prompts (the sampling settings of the run), then on
+        each extra held-out set under its own prefix."""
         from delta_jax.eval import evaluate_prompts
 
         cfg = self.config
-        return evaluate_prompts(
-            sampler=self.sampler,
-            params=params,
-            scorer=self.eval_scorer,
-            tokenizer=self.tokenizer,
-            prompt_ids=self.eval_prompt_ids,
-            records=self.eval_records,
-            k=1,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            stop_token_ids=self.stop_token_ids,
-            seed=cfg.run.seed * 31 + step,
-            prefix="eval/",
-            episodes=self.episodes,
-        )
+        sets = [("eval/", self.eval_prompt_ids, self.eval_records)]
+        sets += [(f"eval_{name}/", s.ids, s.records) for name, s in self.extra_evals.items()]
+        metrics: dict[str, float] = {}
+        for prefix, prompt_ids, records in sets:
+            metrics |= evaluate_prompts(
+                sampler=self.sampler,
+                params=params,
+                scorer=self.eval_scorer,
+                tokenizer=self.tokenizer,
+                prompt_ids=prompt_ids,
+                records=records,
+                k=1,
+                max_new_tokens=cfg.rollout.max_new_tokens,
+                temperature=cfg.rollout.temperature,
+                top_p=cfg.rollout.top_p,
+                stop_token_ids=self.stop_token_ids,
+                seed=cfg.run.seed * 31 + step,
+                prefix=prefix,
+                episodes=self.episodes,
+            )
+        return metrics
 
     def close(self) -> None:
         self.eval_scorer.close()  # the training scorer wraps the same pools
@@ -189,7 +197,8 @@ def _gym_records(config: Config, source: str, *, eval_set: bool) -> list[PromptR
     seed = run.seed if d.gym_seed is None else d.gym_seed
     try:
         if eval_set:
-            count, seed, options = run.eval_prompts, seed + EVAL_SEED_OFFSET, eval_gym_options(d)
+            count, seed = run.eval_prompts, seed + EVAL_SEED_OFFSET
+            options = eval_gym_options(d, source)
         else:
             count, options = d.gym_size, d.gym_options
         size = min(count, d.limit or count)
@@ -323,6 +332,26 @@ def prompt_sets(config: Config, tokenizer, train_dataset=None, eval_dataset=None
     return train, evals
 
 
+def extra_eval_sets(config: Config, tokenizer, episodes=None) -> dict[str, Any]:
+    """``data.extra_eval_sources`` by metric name (``eval_<name>/``): encoded held-out sets."""
+    d, encode, sets = config.data, _encoder(config, tokenizer, episodes), {}
+    for source in d.extra_eval_sources or ():
+        name = eval_set_name(source)
+        if name in sets:
+            raise ConfigError(f"data.extra_eval_sources: two sets are named {name!r}")
+        records = _load_records(config, source, d.eval_split, eval_set=True)
+        sets[name] = encode(records[: config.run.eval_prompts])
+    return sets
+
+
+def eval_set_name(source: str) -> str:
+    """A metric-friendly name of a held-out source: its task, or its file / data set name."""
+    from delta_jax.data.gym import gym_task
+
+    raw = gym_task(source) if is_gym_source(source) else Path(source.rstrip("/")).stem
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in raw) or "extra"
+
+
 def check_gym_entries(kinds, train, evals) -> None:
     """The ``reasoning_gym`` reward kind scores against each record's entry: prompts that carry
     none (a file, a list of dicts) are a configuration error now, not at the first reward.
@@ -441,7 +470,10 @@ def build_run_parts(
     episodes = episode_runner(config, tokenizer, stop_ids, environment)
     try:
         train, evals = prompt_sets(config, tokenizer, train_dataset, eval_dataset, episodes)
-        check_gym_entries(config.reward.kind if reward_fns is None else reward_fns, train, evals)
+        extra_evals = extra_eval_sets(config, tokenizer, episodes)
+        kinds = config.reward.kind if reward_fns is None else reward_fns
+        for held_out in (evals, *extra_evals.values()):
+            check_gym_entries(kinds, train, held_out)
     except BaseException:
         if episodes is not None:
             episodes.close()
@@ -473,4 +505,5 @@ def build_run_parts(
         prompt_len=config.data.max_prompt_length,
         stop_token_ids=stop_ids,
         episodes=episodes,
+        extra_evals=extra_evals,
     )

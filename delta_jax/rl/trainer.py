@@ -120,7 +120,9 @@ def as_config(config: Config | str | Path | Mapping[str, Any] | None) -> Config:
     if isinstance(config, Mapping):
         flat = []
         for key, value in config.items():
-            items = value.items() if isinstance(value, Mapping) else [(None, value)]
+            # {"data": {...}} is a section; {"data.gym_options": {...}} a key whose value is one.
+            section = isinstance(value, Mapping) and "." not in str(key)
+            items = value.items() if section else [(None, value)]
             for sub, v in items:
                 dotted = key if sub is None else f"{key}.{sub}"
                 flat.append((dotted, v))
