@@ -2,6 +2,9 @@
 
 ``tiny``: vocab 4096, hidden 256, 4 layers, 4 heads / 2 KV heads, head dim 64, MLP 768.
 ``small``: vocab 32000, hidden 1024, 8 layers, 16 / 8 heads, head dim 64, MLP 3072.
+``smollm2``: SmolLM2-135M's shapes (Llama): vocab 49152, hidden 576, 30 layers, 9 / 3 heads,
+head dim 64, MLP 1536 (random weights of the real model's size; ``configs/smollm2_arith.yaml``
+runs the real weights).
 """
 
 from delta_jax.models import ModelConfig
@@ -25,12 +28,25 @@ SIZES = {
         head_dim=64,
         intermediate_size=3072,
     ),
+    "smollm2": dict(
+        family="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        rope_theta=100000.0,
+        rope_scaling=None,
+    ),
 }
 
 
 def bench_config(name: str) -> ModelConfig:
-    """A Qwen3-style config of the named size with tied embeddings."""
-    return ModelConfig.tiny("qwen3", tie_word_embeddings=True, **SIZES[name])
+    """A config of the named size (Qwen3-style unless it names its family), tied embeddings."""
+    size = dict(SIZES[name])
+    return ModelConfig.tiny(size.pop("family", "qwen3"), tie_word_embeddings=True, **size)
 
 
 def one_second_program(prompt: str, response: str, item) -> float:

@@ -55,9 +55,10 @@ def hf_config(name: str):
     """The transformers config of a benchmark size: the same hyperparameters as ours."""
     import transformers
 
-    hf = bench_config(name).to_hf()
+    cfg = bench_config(name)
+    hf = cfg.to_hf()
     hf.update(max_position_embeddings=1024, pad_token_id=0, bos_token_id=None, eos_token_id=None)
-    return transformers.Qwen3Config(**hf)
+    return transformers.AutoConfig.for_model(**hf)
 
 
 def matmul_weights(name: str) -> int:
