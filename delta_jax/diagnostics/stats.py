@@ -67,14 +67,72 @@ def frequent_token_share(batch: CoefficientBatch, *, top_types: int = 20) -> dic
     order = np.lexsort((types, -counts))  # most frequent first, then smaller id
     top = np.isin(ids, types[order[:top_types]])
     out: dict[str, float] = {"top_types": float(min(top_types, len(types)))}
-    for suffix, sel in (("", np.ones_like(top)), ("_pos", adv > 0), ("_neg", adv < 0)):
-        t, w = top[sel], lam[sel]
+    names = ("count_share", "weight_share", "mean_top", "mean_rest")
+    return out | _class_shares(top, lam, adv, names)
+
+
+def _class_shares(in_class, lam, adv, names: Sequence[str]) -> dict[str, float]:
+    """Count share, coefficient-weight share and mean ``λ̄`` in / out of a token class, over
+    all tokens and per side (``_pos``: ``Â > 0``, ``_neg``: ``Â < 0``); NaN where a set is
+    empty. ``names``: the four quantities' names, in that order."""
+    count, weight, mean_in, mean_out = names
+    out: dict[str, float] = {}
+    for suffix, sel in (("", np.ones_like(in_class)), ("_pos", adv > 0), ("_neg", adv < 0)):
+        t, w = in_class[sel], lam[sel]
         total = w.sum()
-        out[f"count_share{suffix}"] = float(t.mean()) if t.size else float("nan")
-        out[f"weight_share{suffix}"] = float(w[t].sum() / total) if total > 0 else float("nan")
-        out[f"mean_top{suffix}"] = float(w[t].mean()) if t.any() else float("nan")
-        out[f"mean_rest{suffix}"] = float(w[~t].mean()) if (~t).any() else float("nan")
+        out[f"{count}{suffix}"] = float(t.mean()) if t.size else float("nan")
+        out[f"{weight}{suffix}"] = float(w[t].sum() / total) if total > 0 else float("nan")
+        out[f"{mean_in}{suffix}"] = float(w[t].mean()) if t.any() else float("nan")
+        out[f"{mean_out}{suffix}"] = float(w[~t].mean()) if (~t).any() else float("nan")
     return out
+
+
+def group_shared_share(batch: CoefficientBatch) -> dict[str, float]:
+    r"""Coefficient weight on what both sides of a group write vs where they differ.
+
+    In each group (``group_size`` consecutive rows) holding responses of both sides
+    (``Â > 0`` and ``Â < 0``), a valid token is *shared* when the same token after the same
+    previous token (a bigram; the first token's previous is the response start) also occurs in
+    a response of the other side: the end-of-turn token, the group's common opening, restated
+    problem text, phrases every response uses. The other tokens are where right and wrong
+    responses differ. With ``S`` the shared tokens, over the valid tokens of those groups::
+
+      shared_count_share  = |S| / |valid|
+      shared_weight_share = Σ_{t ∈ S} λ̄_t / Σ_t λ̄_t
+      mean_shared         = mean λ̄ over S,   mean_distinct = over the others
+
+    and the same per side. Under plain DAPO (``λ̄ ≡ 1``) the weight share equals the count
+    share; DelTA damping shared tokens shows as ``shared_weight_share < shared_count_share``.
+    ``groups`` is the number of groups with both sides.
+    """
+    mask = np.asarray(batch.mask, bool)
+    ids = np.asarray(batch.token_ids)
+    adv = np.asarray(batch.advantages)
+    n = batch.group_size
+    shared, lam, side = [], [], []
+    groups = 0
+    for g in range(len(adv) // n):
+        rows = range(g * n, (g + 1) * n)
+        if not (
+            (adv[rows.start : rows.stop] > 0).any() and (adv[rows.start : rows.stop] < 0).any()
+        ):
+            continue
+        groups += 1
+        bigrams = {
+            i: list(zip([-1, *ids[i][mask[i]][:-1]], ids[i][mask[i]], strict=True)) for i in rows
+        }
+        by_side = {s: set() for s in (1, -1)}
+        for i in rows:
+            if adv[i] != 0:
+                by_side[int(np.sign(adv[i]))].update(bigrams[i])
+        for i in rows:
+            other = by_side[-int(np.sign(adv[i]))] if adv[i] != 0 else set()
+            shared += [b in other for b in bigrams[i]]
+            lam += list(np.asarray(batch.coefficients, np.float64)[i][mask[i]])
+            side += [adv[i]] * len(bigrams[i])
+    names = ("shared_count_share", "shared_weight_share", "mean_shared", "mean_distinct")
+    shares = _class_shares(np.asarray(shared, bool), np.asarray(lam), np.asarray(side), names)
+    return {"groups": float(groups)} | shares
 
 
 def side_values(batch: CoefficientBatch) -> dict[str, np.ndarray]:
@@ -307,14 +365,6 @@ def answer_token_share(batch: CoefficientBatch) -> dict[str, float]:
     for i, pieces in enumerate(batch.pieces):
         answer[i, np.flatnonzero(mask[i])] = answer_token_mask(pieces)
     lam = np.asarray(batch.coefficients, np.float64)[mask]
-    a = answer[mask]
     adv = np.broadcast_to(np.asarray(batch.advantages)[:, None], mask.shape)[mask]
-    out: dict[str, float] = {}
-    for suffix, sel in (("", np.ones_like(a)), ("_pos", adv > 0), ("_neg", adv < 0)):
-        t, w = a[sel], lam[sel]
-        total = w.sum()
-        out[f"answer_count_share{suffix}"] = float(t.mean()) if t.size else float("nan")
-        out[f"answer_weight_share{suffix}"] = float(w[t].sum() / total) if total > 0 else np.nan
-        out[f"mean_answer{suffix}"] = float(w[t].mean()) if t.any() else float("nan")
-        out[f"mean_format{suffix}"] = float(w[~t].mean()) if (~t).any() else float("nan")
-    return out
+    names = ("answer_count_share", "answer_weight_share", "mean_answer", "mean_format")
+    return _class_shares(answer[mask], lam, adv, names)

@@ -192,3 +192,34 @@ def test_answer_token_share_matches_a_loop_oracle():
         )
     # The synthetic batch's digits are its discriminative tokens: DelTA weights them up.
     assert got["mean_answer"] > got["mean_format"]
+
+
+def test_group_shared_share_against_a_hand_count():
+    """Two groups of three: the second is all one side, so only the first counts.
+
+    Group 0 (ids; advantages +, -, 0):  row 0 = 5 7 9 2   row 1 = 5 7 8 2   row 2 = 5 7
+    Bigrams of row 0: (s,5) (5,7) (7,9) (9,2); of row 1: (s,5) (5,7) (7,8) (8,2). Shared with
+    the other side: row 0 -> T T F F, row 1 -> T T F F; row 2 has no side (Â = 0): F F.
+    """
+    from delta_jax.diagnostics import CoefficientBatch, group_shared_share
+
+    ids = np.array([[5, 7, 9, 2], [5, 7, 8, 2], [5, 7, 0, 0], [1, 2, 3, 4], [1, 2, 3, 4],
+                    [1, 2, 3, 4]])  # fmt: skip
+    mask = ids > 0
+    lam = np.where(mask, np.arange(1, 25).reshape(6, 4) / 10, 0.0)
+    adv = np.array([1.0, -1.0, 0.0, 1.0, 1.0, 1.0])
+    batch = CoefficientBatch(
+        token_ids=ids, coefficients=lam.astype(np.float32), mask=mask, advantages=adv,
+        rewards=np.zeros(6), prompts=["p"] * 6, pieces=[["x"] * int(m.sum()) for m in mask],
+        group_size=3,
+    )  # fmt: skip
+    out = group_shared_share(batch)
+    assert out["groups"] == 1
+    w = lam[:3][mask[:3]].astype(np.float32).astype(np.float64)  # 10 valid tokens in group 0
+    shared = np.array([1, 1, 0, 0, 1, 1, 0, 0, 0, 0], bool)
+    assert out["shared_count_share"] == pytest.approx(4 / 10)
+    assert out["shared_weight_share"] == pytest.approx(w[shared].sum() / w.sum())
+    assert out["mean_shared"] == pytest.approx(w[shared].mean())
+    assert out["mean_distinct"] == pytest.approx(w[~shared].mean())
+    assert out["shared_count_share_pos"] == pytest.approx(0.5)
+    assert out["shared_weight_share_neg"] == pytest.approx((0.5 + 0.6) / (0.5 + 0.6 + 0.7 + 0.8))
