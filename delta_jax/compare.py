@@ -57,6 +57,17 @@ COEF_COLUMNS = (
     "answer_count_share",
     "answer_weight_share",
 )
+# diagnostics.group_shared_share: tokens both sides of a group write vs where they differ.
+SHARED_COLUMNS = (
+    "mean_shared",
+    "mean_distinct",
+    "mean_shared_pos",
+    "mean_distinct_pos",
+    "mean_shared_neg",
+    "mean_distinct_neg",
+    "shared_count_share",
+    "shared_weight_share",
+)
 
 
 def run_dir(out: Path, loss: str, seed: int) -> Path:
@@ -271,9 +282,15 @@ def coefficient_stats(rdir: Path, *, prompts: int = 32, n: int = 8) -> dict[str,
 
     Both batches use the run's own sampling settings and DelTA options, on the run's first
     ``prompts`` held-out problems, so that start and end (and two runs) see the same prompts.
+    Each batch is kept in ``<run>/diagnostics/`` with its token heatmap (HTML).
     """
     from delta_jax.config import load_config
-    from delta_jax.diagnostics import answer_token_share, capture_batch
+    from delta_jax.diagnostics import (
+        answer_token_share,
+        capture_batch,
+        group_shared_share,
+        render_heatmap,
+    )
     from delta_jax.rl.objectives import resolve_objective
     from delta_jax.rl.setup import build_run_parts
 
@@ -300,7 +317,9 @@ def coefficient_stats(rdir: Path, *, prompts: int = 32, n: int = 8) -> dict[str,
             reward=config.reward.kind,
             delta_kwargs=objective.delta_kwargs,
         )
-        out[when] = answer_token_share(batch)
+        batch.save(rdir / "diagnostics" / f"{when}.npz")
+        render_heatmap(batch, rdir / "diagnostics" / f"heatmap_{when}.html", title=f"{when} policy")
+        out[when] = answer_token_share(batch) | group_shared_share(batch)
     return out
 
 
@@ -333,7 +352,8 @@ def summary_markdown(title: str, command: str, runs, table, coefs: dict, losses)
         f"| {r['reward_auc']:.3f} | {r['wall_s']:.0f} |"
         for r in runs
     ]
-    if coefs:
+    with_answers = [c for c in coefs.values() if c["start"].get("answer_count_share", 0) > 0]
+    if with_answers:
         lines += [
             "",
             "DelTA coefficients λ̄ on answer tokens (inside `\\boxed{}`) vs formatting tokens, "
@@ -346,7 +366,23 @@ def summary_markdown(title: str, command: str, runs, table, coefs: dict, losses)
             "|---" * 9 + "|",
         ]
         for when in ("start", "final"):
-            vals = [np.nanmean([c[when][k] for c in coefs.values()]) for k in COEF_COLUMNS]
+            vals = [np.nanmean([c[when][k] for c in with_answers]) for k in COEF_COLUMNS]
+            lines.append(f"| {when} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+    with_groups = [c for c in coefs.values() if "shared_count_share" in c["start"]]
+    if with_groups:
+        lines += [
+            "",
+            "DelTA coefficients λ̄ on tokens both sides of a group write (the same bigram in a "
+            "response of the other side: end of turn, common openings, restated problem text) "
+            "vs tokens only one side writes, in groups with both sides, on 32 held-out prompts "
+            f"x 8 samples, mean over seeds {', '.join(sorted(coefs))}:",
+            "",
+            "| policy | λ̄ shared | λ̄ distinct | λ̄ shared, Â>0 | λ̄ distinct, Â>0 "
+            "| λ̄ shared, Â<0 | λ̄ distinct, Â<0 | shared token share | shared weight share |",
+            "|---" * 9 + "|",
+        ]
+        for when in ("start", "final"):
+            vals = [np.nanmean([c[when][k] for c in with_groups]) for k in SHARED_COLUMNS]
             lines.append(f"| {when} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
     return "\n".join(lines) + "\n"
 

@@ -106,6 +106,9 @@ def test_compare_runs_resumes_and_writes_its_table(demo_sweep):
     assert float(table[0]["diff_eval_final_mean"]) == 0.0  # delta minus itself
     coefs = json.loads((out / "coefficients.json").read_text())
     assert set(coefs) == set(map(str, SEEDS)) and "mean_answer" in coefs["0"]["final"]
+    assert 0 <= coefs["0"]["start"]["shared_count_share"] <= 1  # both-sides tokens' share
+    for when in ("start", "final"):  # each coefficient batch is kept, with its heatmap
+        assert (out / "delta" / "seed0" / "diagnostics" / f"heatmap_{when}.html").exists()
     assert (out / "curves.png").stat().st_size > 0
     summary = (out / "summary.md").read_text()
     assert "| delta | 2 |" in summary and "| dapo | 2 |" in summary
