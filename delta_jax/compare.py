@@ -368,23 +368,30 @@ def summary_markdown(title: str, command: str, runs, table, coefs: dict, losses)
         for when in ("start", "final"):
             vals = [np.nanmean([c[when][k] for c in with_answers]) for k in COEF_COLUMNS]
             lines.append(f"| {when} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
-    with_groups = [c for c in coefs.values() if "shared_count_share" in c["start"]]
-    if with_groups:
-        lines += [
-            "",
-            "DelTA coefficients λ̄ on tokens both sides of a group write (the same bigram in a "
-            "response of the other side: end of turn, common openings, restated problem text) "
-            "vs tokens only one side writes, in groups with both sides, on 32 held-out prompts "
-            f"x 8 samples, mean over seeds {', '.join(sorted(coefs))}:",
-            "",
-            "| policy | λ̄ shared | λ̄ distinct | λ̄ shared, Â>0 | λ̄ distinct, Â>0 "
-            "| λ̄ shared, Â<0 | λ̄ distinct, Â<0 | shared token share | shared weight share |",
-            "|---" * 9 + "|",
-        ]
-        for when in ("start", "final"):
-            vals = [np.nanmean([c[when][k] for c in with_groups]) for k in SHARED_COLUMNS]
-            lines.append(f"| {when} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + shared_token_table(coefs)) + "\n"
+
+
+def shared_token_table(coefs: dict) -> list[str]:
+    """Markdown: the shared-token shares (:data:`SHARED_COLUMNS`) of the coefficient batches,
+    start and final policy, mean over the seeds that have them (none: no lines)."""
+    with_groups = {k: c for k, c in coefs.items() if "shared_count_share" in c["start"]}
+    if not with_groups:
+        return []
+    lines = [
+        "",
+        "DelTA coefficients λ̄ on tokens both sides of a group write (the same bigram in a "
+        "response of the other side: end of turn, common openings, restated problem text) "
+        "vs tokens only one side writes, in groups with both sides, on 32 held-out prompts "
+        f"x 8 samples, mean over seeds {', '.join(sorted(with_groups))}:",
+        "",
+        "| policy | λ̄ shared | λ̄ distinct | λ̄ shared, Â>0 | λ̄ distinct, Â>0 "
+        "| λ̄ shared, Â<0 | λ̄ distinct, Â<0 | shared token share | shared weight share |",
+        "|---" * 9 + "|",
+    ]
+    for when in ("start", "final"):
+        vals = [np.nanmean([c[when][k] for c in with_groups.values()]) for k in SHARED_COLUMNS]
+        lines.append(f"| {when} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+    return lines
 
 
 def compare(

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from delta_jax import hub
-from delta_jax.models import ModelConfig
-from delta_jax.models.hf import model_config_file
+from delta_jax.models import ModelConfig, gguf, pypi
+from delta_jax.models.hf import model_config_file, resolve_model_dir
 
 # Public hyper-parameters (config.json on the Hugging Face hub) of models the planner knows
 # without a local copy; a local directory or cached hub id is read instead when present.
@@ -107,6 +107,9 @@ def resolve_model_config(config, log: Callable[[str], None] | None = None):
     )
     if m.path == "demo:tiny":
         return ModelConfig.tiny("qwen3", **runtime)
+    if pypi.is_package_model(m.path) or gguf.is_gguf(m.path):  # shapes from the file's metadata
+        path = resolve_model_dir(m.path)
+        return ModelConfig.from_hf(gguf.read_config(gguf.open_gguf(path), path), **runtime)
     if os.path.isdir(m.path) or not hub.looks_like_hub_id(m.path):
         return ModelConfig.from_hf(model_config_file(m.path, revision=m.revision), **runtime)
     cached = _cached_config(m.path, m.revision)

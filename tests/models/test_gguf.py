@@ -280,3 +280,12 @@ def test_cli_reports_a_bad_gguf_in_one_error_line(tmp_path, capsys):
     code = main(["train", f"model.path={bad}", f"run.dir={tmp_path / 'run'}", "run.steps=1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and "bad.gguf" in err[0]
+
+
+def test_the_planner_reads_a_gguf_models_shapes(tiny_gguf):
+    from delta_jax.config import load_config
+    from delta_jax.plan.models import resolve_model_config
+
+    config = load_config(None, [f"model.path={tiny_gguf[0]}"])
+    mc = resolve_model_config(config)
+    assert (mc.family, mc.head_dim, mc.num_layers) == ("qwen3", 32, 2)
