@@ -5,10 +5,24 @@ only jax and numpy, so sub-packages are imported explicitly by the caller, and :
 (the library's front door, :mod:`delta_jax.rl.trainer`) is loaded on first access.
 """
 
+import logging
 from typing import Any
 
 __version__ = "0.1.0"
 __all__ = ["TrainResult", "Trainer"]
+
+
+class _NoTorchAdvice(logging.Filter):
+    """Drops ``transformers``' start-up advice that PyTorch was not found: this package runs
+    its models in JAX and uses ``transformers`` for tokenizers and configs only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith("PyTorch was not found"))
+
+
+# On the logger ``transformers/__init__.py`` warns with, before anything here imports it.
+if not any(isinstance(f, _NoTorchAdvice) for f in logging.getLogger("transformers").filters):
+    logging.getLogger("transformers").addFilter(_NoTorchAdvice())
 
 
 def __getattr__(name: str) -> Any:

@@ -14,8 +14,16 @@ other sequences), and the observation comes back as ids — cut middle-out to
 A turn that ends at EOS is the episode's last: it is stepped once the episode is over
 (:meth:`Episodes.finish`), so that an environment that scores its episodes gets to; a turn
 cut by the token budget or the turn limit is not stepped (no tool runs for a turn the episode
-has no room to continue). Nothing an environment raises ends the rollout: the episode ends
-there and ``episode/env_errors`` counts it.
+has no room to continue). Nothing an environment does ends the rollout: an exception from its
+factory, ``reset`` or ``step``, or a value outside the protocol (``reset`` not giving a
+``str``; ``step`` not giving a :class:`~delta_jax.envs.StepResult` whose observation is a
+``str`` or None, ``done`` a bool, ``reward`` a finite number or None, ``info`` a mapping or
+None; text that is not valid Unicode, such as an unpaired surrogate) ends that episode where it
+happens, ``episode/env_errors`` counts it, and the first failure of each kind is logged once (one
+line: the environment's class, where, what was wrong). A huge observation is not a failure: it is
+cut (by characters, then middle-out to ``max_observation_tokens``) before it is tokenised.
+The runner has no deadline of its own: an environment whose ``step`` never returns holds its
+episode (``python_tool`` bounds its calls with ``rollout.tool_timeout_s``).
 
 Stop strings are matched on their canonical token ids (``tokenizer.encode(s)``): a model that
 writes the same text with other tokens does not end its turn there.
@@ -27,6 +35,9 @@ import concurrent.futures
 import copy
 import dataclasses
 import logging
+import math
+import numbers
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -43,6 +54,86 @@ from delta_jax.envs.base import (
 from delta_jax.sampling.engine import Turns
 
 log = logging.getLogger(__name__)
+
+
+class EnvironmentFailure(Exception):
+    """An environment broke the protocol (a value it must not return); ``kind`` names what."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _kind(value: Any) -> str:
+    """A bad value, briefly: its type, and its value for a number (never its ``repr``, which
+    may be huge or raise)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            text = repr(value) if type(value) in (int, float) else repr(float(value))
+        except Exception:  # a number whose __float__ raises, an int too long to print
+            return type(value).__name__
+        return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    return type(value).__name__
+
+
+def _one_line(e: BaseException) -> str:
+    """``Type: message`` on one line, at most 200 characters (an exception's __str__ may raise)."""
+    try:
+        text = " ".join(str(e).split())
+    except Exception:
+        text = "<unprintable>"
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def check_text(value: Any, what: str) -> str:
+    """`value` as a plain ``str`` when it is text the tokenizer can take (valid Unicode).
+
+    Raises:
+      EnvironmentFailure: not a ``str``, or a ``str`` with unpaired surrogates.
+    """
+    if not isinstance(value, str):
+        raise EnvironmentFailure(what, f"{what} is {_kind(value)}, not a str")
+    text = str.__str__(value)  # a plain str, whatever a subclass overrides
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise EnvironmentFailure(
+            what, f"{what} is not valid Unicode (an unpaired surrogate at index {e.start})"
+        ) from None
+    return text
+
+
+def check_step(result: Any) -> StepResult:
+    """`result` when it is a :class:`StepResult` within the protocol (see the module docstring).
+
+    Raises:
+      EnvironmentFailure: the first field that is not.
+    """
+    if not isinstance(result, StepResult):
+        raise EnvironmentFailure(
+            "step", f"step returned {_kind(result)}, not a StepResult(observation, done, ...)"
+        )
+    if not isinstance(result.done, bool | np.bool_):
+        raise EnvironmentFailure("done", f"StepResult.done is {_kind(result.done)}, not a bool")
+    observation = result.observation
+    if observation is not None:
+        observation = check_text(observation, "StepResult.observation")
+    reward = result.reward
+    if reward is not None:
+        if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+            raise EnvironmentFailure(
+                "reward", f"StepResult.reward is {_kind(reward)}, not a number or None"
+            )
+        reward = float(reward)
+        if not math.isfinite(reward):
+            raise EnvironmentFailure("reward", f"StepResult.reward is {reward!r}, not finite")
+    info = result.info
+    if info is not None and not isinstance(info, Mapping):
+        raise EnvironmentFailure("info", f"StepResult.info is {_kind(info)}, not a mapping")
+    return StepResult(observation, bool(result.done), reward, dict(info or {}))
 
 
 def as_factory(environment: Any, tokenizer: Any = None) -> Callable[[], Environment]:
@@ -110,13 +201,17 @@ class EpisodeRunner:
     ):
         probe = factory()
         self.factory, self.tokenizer = factory, tokenizer
+        self.env_name = type(probe).__name__
         self.stop_strings = tuple(probe.stop_strings)
         self.tools = tuple(probe.tools) or None
         self.stop_ids, self.stop_sequences = stop_tokens(self.stop_strings, tokenizer)
         self.max_turns, self.max_observation_tokens = max_turns, max_observation_tokens
+        truncate_middle("", max_observation_tokens, tokenizer)  # a limit too small: ValueError
         self.end_ids = frozenset(int(i) for i in end_ids)
         self.chat = bool(getattr(tokenizer, "chat_template", None))
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, "episode")
+        self._reported: set[tuple[str, str, str]] = set()
+        self._report_lock = threading.Lock()
 
     def start(self, rows: Sequence[Mapping[str, Any]]) -> Episodes:
         """One fresh environment per row, ``reset`` on it; the engine's multi-turn request."""
@@ -125,10 +220,27 @@ class EpisodeRunner:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
+    def report(self, env: Any, where: str, error: Exception) -> None:
+        """Logs an environment's failure (its episode ended), once per kind of failure."""
+        name = self.env_name if env is None else type(env).__name__
+        kind = error.kind if isinstance(error, EnvironmentFailure) else type(error).__name__
+        cause = str(error) if isinstance(error, EnvironmentFailure) else _one_line(error)
+        with self._report_lock:
+            if (name, where, kind) in self._reported:
+                return
+            self._reported.add((name, where, kind))
+        log.warning(
+            "environment %s: %s: %s (episode ended; counted in episode/env_errors, further "
+            "failures like it are not logged)",
+            name,
+            where,
+            cause,
+        )
+
 
 @dataclasses.dataclass
 class _Episode:
-    env: Environment
+    env: Environment | None  # None: its factory failed
     user: str  # the first user turn
     turns: int = 0  # model turns stepped or handed over
     next_turn: int = 0  # column where the current turn starts
@@ -147,8 +259,13 @@ class Episodes:
         self.runner = runner
         self.episodes = []
         for row in rows:
-            env = runner.factory()
-            self.episodes.append(_Episode(env, env.reset(row)))
+            episode = _Episode(None, "")
+            try:
+                episode.env = runner.factory()
+                episode.user = check_text(episode.env.reset(row), "reset's first user turn")
+            except Exception as e:  # the episode's first turn is generated, never stepped
+                self._fail(episode, "reset", e)
+            self.episodes.append(episode)
         self.turns = Turns(
             stop_ids=runner.stop_ids,
             max_turns=runner.max_turns,
@@ -160,23 +277,33 @@ class Episodes:
         """The engine's hand-over: the observation's ids (or None), computed in the pool."""
         return self.runner._pool.submit(self._answer, row, list(turn))
 
+    def _fail(self, episode: _Episode, where: str, error: Exception) -> None:
+        episode.env_error = True
+        self.runner.report(episode.env, where, error)
+
     def _step(self, row: int, turn: list[int]) -> StepResult | None:
+        """The environment's answer to a turn, within the protocol; None when the episode's
+        environment failed (now or before)."""
         episode, runner = self.episodes[row], self.runner
         episode.turns += 1
         episode.next_turn += len(turn)
-        try:
-            result = episode.env.step(_decode(runner.tokenizer, turn))
-        except Exception as e:  # an environment's bug ends its episode, not the rollout
-            log.warning("environment step failed (episode ended): %s: %s", type(e).__name__, e)
-            episode.env_error = True
+        if episode.env_error:
             return None
-        info = result.info or {}
-        if info.get("tool_call"):
+        try:
+            result = check_step(episode.env.step(_decode(runner.tokenizer, turn)))
+            info = result.info
+            tool_call = bool(info.get("tool_call"))
+            error = info.get("error")
+            timeout = tool_call and isinstance(error, str) and error == "timeout"
+        except Exception as e:  # an environment's bug ends its episode, not the rollout
+            self._fail(episode, "step", e)
+            return None
+        if tool_call:
             episode.tool_calls += 1
-            episode.tool_errors += info.get("error") is not None
-            episode.tool_timeouts += info.get("error") == "timeout"
+            episode.tool_errors += error is not None
+            episode.tool_timeouts += timeout
         if result.reward is not None:
-            episode.reward = float(result.reward)
+            episode.reward = result.reward
         return result
 
     def _answer(self, row: int, turn: list[int]) -> list[int] | None:
@@ -184,16 +311,23 @@ class Episodes:
         result = self._step(row, turn)
         if result is None or result.done or result.observation is None:
             return None
-        observation = truncate_middle(
-            result.observation, runner.max_observation_tokens, runner.tokenizer
-        )
-        text = render_observation(
-            observation,
-            runner.tokenizer if runner.chat else None,
-            messages=[{"role": "user", "content": episode.user}],
-            tools=runner.tools,
-        )
-        ids = _encode(runner.tokenizer, text)
+        try:
+            # A huge output is cut by characters first (far more than the tokens kept, at both
+            # ends), so that only a bounded text is tokenised.
+            text, keep = result.observation, 64 * runner.max_observation_tokens + 4096
+            if len(text) > 2 * keep:
+                text = text[:keep] + text[len(text) - keep :]
+            observation = truncate_middle(text, runner.max_observation_tokens, runner.tokenizer)
+            text = render_observation(
+                observation,
+                runner.tokenizer if runner.chat else None,
+                messages=[{"role": "user", "content": episode.user}],
+                tools=runner.tools,
+            )
+            ids = _encode(runner.tokenizer, text)
+        except Exception as e:  # an observation the tokenizer or template refuses
+            self._fail(episode, "observation", e)
+            return None
         episode.next_turn += len(ids)
         return ids
 
@@ -202,7 +336,10 @@ class Episodes:
         it ended at EOS; a turn ended at a stop with no turn left counts as ``turn_limit``."""
         episode = self.episodes[row]
         last = list(tokens[episode.next_turn :])
-        if not last or episode.env_error:  # over at a hand-over (or the env failed there)
+        if not last:  # over at a hand-over
+            return
+        if episode.env_error:  # its environment failed at reset: nothing to step
+            episode.turns += 1
             return
         if last[-1] in self.runner.end_ids:
             self._step(row, last)

@@ -233,6 +233,26 @@ def _load_records(config: Config, source: str, split: str, *, eval_set: bool):
     return result.records
 
 
+def _first_turn(episodes: EpisodeRunner, record) -> str:
+    """A record's first user turn: a fresh environment's ``reset`` on its row.
+
+    Raises:
+      ConfigError: (one line) the environment failed, or gave something other than text.
+    """
+    from delta_jax.envs.episodes import EnvironmentFailure, _one_line, check_text, episode_row
+
+    env = None
+    try:
+        env = episodes.factory()
+        return check_text(env.reset(episode_row(record)), "reset's first user turn")
+    except EnvironmentFailure as e:
+        raise ConfigError(f"environment {type(env).__name__}: {e}") from None
+    except Exception as e:
+        name = episodes.env_name if env is None else type(env).__name__
+        where = "factory" if env is None else "reset"
+        raise ConfigError(f"environment {name}: {where} failed: {_one_line(e)}") from e
+
+
 def _encoder(config: Config, tokenizer, episodes: EpisodeRunner | None = None) -> Callable:
     """records -> EncodedPrompts with the run's template and length policy; with an
     environment, a record's prompt is the first user turn its ``reset`` gives, and the chat
@@ -244,15 +264,7 @@ def _encoder(config: Config, tokenizer, episodes: EpisodeRunner | None = None) -
 
     def encode(records):
         if episodes is not None:
-            from delta_jax.envs.episodes import episode_row
-
-            try:
-                records = [
-                    dataclasses.replace(r, prompt=episodes.factory().reset(episode_row(r)))
-                    for r in records
-                ]
-            except (ValueError, KeyError, TypeError) as e:
-                raise ConfigError(f"environment reset: {type(e).__name__}: {e}") from None
+            records = [dataclasses.replace(r, prompt=_first_turn(episodes, r)) for r in records]
         enc = encode_prompts(
             records,
             tokenizer,

@@ -97,7 +97,9 @@ def test_a_failing_environment_ends_its_episode_only():
 
 def test_the_turn_limit_is_counted_and_not_stepped():
     tok = build_char_tokenizer()
-    runner = _runner(tok, env=PythonTool(call_format="fenced"), max_turns=1, end_ids=[EOS])
+    # 64: the char tokenizer's cut marker takes 28 tokens (the runner checks the room).
+    env = PythonTool(call_format="fenced")
+    runner = _runner(tok, env=env, max_turns=1, max_observation_tokens=64, end_ids=[EOS])
     episodes = runner.start([{"prompt": "Q"}])
     call = tok.encode("```py\nprint(6*7)\n```\n")
     episodes.finish(0, call)  # a call in the only turn: no tool runs

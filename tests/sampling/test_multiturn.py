@@ -19,6 +19,7 @@ import pytest
 import torch
 import transformers
 
+from delta_jax.envs import StepResult
 from delta_jax.models import from_pretrained
 from delta_jax.sampling import Sampler, Turns
 from tests.sampling.test_hf_parity import CONFIGS, PAD
@@ -233,3 +234,52 @@ def test_multiturn_requests_the_engine_cannot_run_are_refused(engine, turns, mes
     model = Transformer(ModelConfig.tiny("qwen3", vocab_size=96), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=message):
         Sampler(model, engine=engine).generate([[1, 2]], max_new_tokens=4, turns=turns)
+
+
+class _Env:
+    """Answers each turn with ``w3 w4``; a row with ``bad`` breaks the protocol at its first
+    step (a number for an observation, or an exception)."""
+
+    tools = ()
+    stop_strings: tuple[str, ...] = ()
+
+    def reset(self, row):
+        self.bad = row.get("bad")
+        return "w5"
+
+    def step(self, turn):
+        if self.bad == "raise":
+            raise RuntimeError("environment bug")
+        return StepResult(123 if self.bad else "w3 w4", False)
+
+
+def test_a_bad_environment_ends_its_episode_and_the_others_finish(models):
+    """Through the engine: the episodes whose environment breaks the protocol end at their
+    first hand-over (counted in episode/env_errors); the others get their observations."""
+    from delta_jax.envs.episodes import EpisodeRunner
+    from tests.envs.helpers import word_tokenizer
+
+    hf, model = models
+    stop_ids, _ = _turn_stops(hf, "stop_id")
+    tok = word_tokenizer(chat_template=None)  # ids 0-207: the model's 128 decode
+    first = [_hf_greedy(hf, p, BUDGET, [stop_ids]) for p in PROMPTS]
+    ended = [r for r, t in enumerate(first) if _ends_turn(t, [stop_ids])]
+    assert len(ended) >= 3
+    bad = {ended[0]: "number", ended[1]: "raise"}
+    env = type("Env", (_Env,), {"stop_strings": tuple(tok.convert_ids_to_tokens(stop_ids))})
+    runner = EpisodeRunner(env, tok, max_turns=MAX_TURNS, max_observation_tokens=8, end_ids=[])
+    episodes = runner.start([{"prompt": "w5", "bad": bad.get(r)} for r in range(len(PROMPTS))])
+    assert episodes.turns.stop_ids == stop_ids
+    sampler = Sampler(model, engine="continuous", stop_token_ids=(), decode_slots=2)
+    out = sampler.generate(PROMPTS, max_new_tokens=BUDGET, temperature=0.0, turns=episodes.turns)
+    for row, tokens in enumerate(out.tokens):
+        episodes.finish(row, tokens)
+    runner.close()
+    observation = tok.encode("w3 w4", add_special_tokens=False)
+    for r in range(len(PROMPTS)):
+        if r in bad:
+            assert out.tokens[r] == first[r]  # ended at its hand-over, no observation
+        elif r in ended:
+            got = out.tokens[r][len(first[r]) :]
+            assert out.tokens[r][: len(first[r])] == first[r] and got[1:3] == observation
+    assert episodes.stats()["episode/env_errors"] == len(bad) / len(PROMPTS)
