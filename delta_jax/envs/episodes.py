@@ -78,7 +78,7 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
-def _one_line(e: BaseException) -> str:
+def error_line(e: BaseException) -> str:
     """``Type: message`` on one line, at most 200 characters (an exception's __str__ may raise)."""
     try:
         text = " ".join(str(e).split())
@@ -224,7 +224,7 @@ class EpisodeRunner:
         """Logs an environment's failure (its episode ended), once per kind of failure."""
         name = self.env_name if env is None else type(env).__name__
         kind = error.kind if isinstance(error, EnvironmentFailure) else type(error).__name__
-        cause = str(error) if isinstance(error, EnvironmentFailure) else _one_line(error)
+        cause = str(error) if isinstance(error, EnvironmentFailure) else error_line(error)
         with self._report_lock:
             if (name, where, kind) in self._reported:
                 return

@@ -239,7 +239,7 @@ def _first_turn(episodes: EpisodeRunner, record) -> str:
     Raises:
       ConfigError: (one line) the environment failed, or gave something other than text.
     """
-    from delta_jax.envs.episodes import EnvironmentFailure, _one_line, check_text, episode_row
+    from delta_jax.envs.episodes import EnvironmentFailure, check_text, episode_row, error_line
 
     env = None
     try:
@@ -250,7 +250,7 @@ def _first_turn(episodes: EpisodeRunner, record) -> str:
     except Exception as e:
         name = episodes.env_name if env is None else type(env).__name__
         where = "factory" if env is None else "reset"
-        raise ConfigError(f"environment {name}: {where} failed: {_one_line(e)}") from e
+        raise ConfigError(f"environment {name}: {where} failed: {error_line(e)}") from e
 
 
 def _encoder(config: Config, tokenizer, episodes: EpisodeRunner | None = None) -> Callable:
