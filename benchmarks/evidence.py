@@ -280,14 +280,14 @@ def real_section() -> list[str]:
         f"`{cmd}`",
         "",
         "| seed | acc. step 0 | acc. last step | gain | ≥ +0.08 | gsm_symbolic step 0 "
-        "| gsm_symbolic last | RL steps + evals, s | wall s |",
+        "| gsm_symbolic last | RL steps (their evals included), s | wall s |",
         "|---" * 9 + "|",
     ]
     for seed in finished(name, ["delta"], seeds):
         rdir = run_dir(sweep, "delta", seed)
         r, rows = run_row(rdir), read_metrics(rdir / "metrics.jsonl")
         gsm = [x["eval_gsm_symbolic/avg@1"] for x in rows if "eval_gsm_symbolic/avg@1" in x]
-        rl = sum(x.get("time/step", 0.0) + x.get("time/eval", 0.0) for x in rows)
+        rl = sum(x.get("time/step", 0.0) for x in rows)  # a step's time holds its evaluation
         lines.append(
             f"| {seed} | {r['eval_start']:.3f} | {r['eval_final']:.3f} | {r['eval_gain']:+.3f} "
             f"| {'yes' if r['eval_gain'] >= 0.08 else '**NO**'} | {gsm[0]:.3f} | {gsm[-1]:.3f} "
@@ -327,16 +327,19 @@ def real_mechanism(sweep: Path, seeds) -> list[str]:
         ]
     done = finished("smollm2", ["delta"], seeds)
     if done:
-        lines += ["Logged by each DelTA step (`delta/*`), first and last step:", "",
-                  "| seed | centroid cosine | sign accuracy |", "|---|---|---|"]  # fmt: skip
+        lines += ["Logged by each DelTA step (`delta/*`) with both sides in its batch: first → "
+                  "last step (mean over those steps). A step whose groups were all right or all "
+                  "wrong after its sampling rounds has no sides and is left out.", "",
+                  "| seed | steps | centroid cosine | sign accuracy |",
+                  "|---|---|---|---|"]  # fmt: skip
         for seed in done:
             rows = [x for x in read_metrics(run_dir(sweep, "delta", seed) / "metrics.jsonl")
-                    if "delta/centroid_cosine" in x]  # fmt: skip
-            cos = [x["delta/centroid_cosine"] for x in rows]
-            acc = [x["delta/sign_accuracy"] for x in rows]
-            lines.append(
-                f"| {seed} | {cos[0]:.3f} → {cos[-1]:.3f} | {acc[0]:.3f} → {acc[-1]:.3f} |"
-            )
+                    if x.get("delta/centroid_norm_pos", 0) > 0]  # fmt: skip
+            cells = []
+            for key in ("delta/centroid_cosine", "delta/sign_accuracy"):
+                v = [x[key] for x in rows]
+                cells.append(f"{v[0]:.3f} → {v[-1]:.3f} ({np.mean(v):.3f})")
+            lines.append(f"| {seed} | {len(rows)} | " + " | ".join(cells) + " |")
         lines.append("")
     heat = run_dir(sweep, "delta", seeds[0]) / "diagnostics" / "heatmap_final.html"
     if heat.exists():
