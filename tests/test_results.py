@@ -1,0 +1,102 @@
+"""Figures are traceable: every result file the README and the docs cite exists, and every file
+under ``benchmarks/results/`` starts with the command and the commit that produced it (the first
+line ``benchmarks/record.py`` writes)."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+CITED = re.compile(r"benchmarks/results/[\w.\-/]*[\w\-/]")
+# A clean commit: a result made from a tree with uncommitted changes names no code.
+PROVENANCE = re.compile(r"^(?:# |\$ ).*\S.*\(.*\bcommit [0-9a-f]{7,40}\b(?!\+dirty)")
+# Result files whose first line records no commit (made before benchmarks/record.py): each is
+# to be produced again with `python benchmarks/record.py --again FILE`, and leaves this list
+# when it is (the test fails while a listed file already has its commit).
+AWAITING_RERUN = {
+    "attention/qwen3_8b_v5p-64_tpu.txt",
+    "demo_tool/seed2_idle.md",
+    "demo_tool/seeds_0-4_shared_load.md",
+    "tpu_plan/fullft2k_qwen3_0.6b_v5e-1_slots16.txt",
+    "tpu_plan/fullft4k_qwen3_0.6b_v6e-1.txt",
+    "tpu_plan/fullft4k_qwen3_1.7b_v5e-8.txt",
+    "tpu_plan/lora2k_qwen3_4b_v5e-1_slots8.txt",
+    "tpu_plan/lora4k_qwen3_1.7b_v5e-1_slots16.txt",
+    "tpu_plan/lora4k_qwen3_4b_v5e-1_slots8.txt",
+    "tpu_plan/lora4k_qwen3_4b_v6e-1_slots16.txt",
+    "tpu_plan/qwen3_8b_dapo_v5p-64.txt",
+    "tpu_plan/recipe_0.6b_delta_v5e-1_slots32_sampling.txt",
+    "tpu_plan/recipe_1.7b_kaggle_v5e-8.txt",
+    "tpu_plan/recipe_1.7b_lora_v5e-1_slots32_sampling.txt",
+    "tpu_plan/train4k_qwen3_0.6b_v5e-1.txt",
+    "tpu_plan/train4k_qwen3_1.7b_v6e-1.txt",
+    "tpu_plan/train4k_qwen3_4b_v5e-8.txt",
+}
+
+
+def _result_files() -> list[Path]:
+    return sorted(p for p in RESULTS.rglob("*") if p.suffix in (".txt", ".md"))
+
+
+def _file_column_names(text: str) -> list[str]:
+    """Backticked names in the cells of markdown-table columns headed "file"."""
+    names, column = [], None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            column = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if column is None:
+            column = next((i for i, c in enumerate(cells) if "file" in c), -1)
+        elif column >= 0 and column < len(cells) and not set(cells[column]) <= set("-: "):
+            names += re.findall(r"`([\w.\-]+)`", cells[column])
+    return names
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_cited_results_exist(doc):
+    text = doc.read_text()
+    missing = [c for c in CITED.findall(text) if not (ROOT / c).exists()]
+    stems = {p.stem for p in _result_files()}
+    missing += [f"{n} (table)" for n in _file_column_names(text) if n not in stems]
+    assert not missing, f"{doc.name} cites results that do not exist: {missing}"
+
+
+def test_every_result_names_its_command_and_commit():
+    lacking = []
+    for path in _result_files():
+        name = str(path.relative_to(RESULTS))
+        first = path.read_text().split("\n", 1)[0]
+        if not PROVENANCE.match(first) and name not in AWAITING_RERUN:
+            lacking.append(f"{name}: {first[:100]!r}")
+    assert not lacking, "result files without their command and commit on the first line:\n" + (
+        "\n".join(lacking)
+    )
+    listed = {n for n in AWAITING_RERUN if (RESULTS / n).exists()}
+    recorded = {n for n in listed if PROVENANCE.match((RESULTS / n).read_text().split("\n")[0])}
+    assert not recorded, f"remove from AWAITING_RERUN, they record their commit now: {recorded}"
+    assert listed == AWAITING_RERUN, f"listed but gone: {AWAITING_RERUN - listed}"
+
+
+def test_record_writes_command_and_commit_and_reruns_it(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import record
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "r" / "x.txt"
+    assert record.main([str(out), "--", sys.executable, "-c", "print(6 * 7)"]) == 0
+    first, body = out.read_text().split("\n", 1)
+    assert re.match(r"^# .*python.* -c 'print\(6 \* 7\)'  \(commit ", first), first
+    assert body == "42\n"
+    assert record.recorded_command(out) == record.FIRST_LINE.match(first).group("command")
+    assert record.main(["--again", str(out)]) == 0
+    assert out.read_text().split("\n", 1)[1] == "42\n"
+    # a failing command leaves the previous result in place
+    assert record.main([str(out), "--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
+    assert out.read_text().split("\n", 1)[1] == "42\n"
+    assert not list(out.parent.glob("*.tmp"))
