@@ -31,22 +31,25 @@ def _cmd_train(args) -> int:
 
 
 def _restore_policy(run_dir: Path, step: int | None):
-    """The policy model of a run, with parameters from its checkpoint (latest by default)."""
+    """The policy model of a run, with parameters from its checkpoint (latest by default).
+
+    Read-only: nothing in the run is moved or written. Without ``step``, damaged newer steps
+    are skipped for the newest intact one, named in one warning line and left in place (a
+    training run resuming later moves them aside); a damaged ``step`` is a one-line error.
+    """
     from flax import nnx
 
-    from delta_jax.checkpoint import Checkpointer, CheckpointError
+    from delta_jax.checkpoint import Checkpointer
     from delta_jax.rl.setup import load_model
     from delta_jax.rl.state import init_train_state, make_optimizer
 
     config = load_config(run_dir / "config.yaml")
     model, tokenizer = load_model(config, run_dir)
-    ckpt = Checkpointer(run_dir / "checkpoints", keep_last=config.run.keep_last)
+    ckpt = Checkpointer(run_dir / "checkpoints", read_only=True)
     _, params = nnx.split(model, nnx.Param)
     state = init_train_state(params, make_optimizer(config.optim, total_updates=1))
-    if step is None:  # the newest intact step (damaged newer ones are skipped, with a warning)
+    if step is None:
         step, state, _ = ckpt.restore_latest(state)
-    elif problem := ckpt.damage(step):
-        raise CheckpointError(f"{run_dir}: checkpoint step {step} is damaged ({problem})")
     else:
         state, _ = ckpt.restore(step, state)
     if not step:

@@ -1,13 +1,15 @@
 """A damaged latest checkpoint (a truncated or a deleted file): the run resumes from the newest
 intact one with a warning naming the damage, and its metrics from there on are those of the
-uninterrupted run; with no intact checkpoint the resume stops with one line."""
+uninterrupted run; with no intact checkpoint the resume stops with one line. ``export`` reads
+the newest intact step and moves nothing."""
 
 import logging
 import shutil
 
 import pytest
 
-from delta_jax.checkpoint import CheckpointError
+from delta_jax.checkpoint import RECORD, CheckpointError
+from delta_jax.cli import main
 from delta_jax.config import load_config
 from delta_jax.rl import train
 from delta_jax.rl.metrics_log import read_metrics
@@ -84,3 +86,31 @@ def test_no_intact_checkpoint_stops_with_one_line(tmp_path, demo_model_dir, fini
         assert "\n" not in message and "no intact checkpoint" in message
         assert "step 4:" in message and "step 2: missing file state/_METADATA" in message
     assert isinstance(info.value, ValueError)  # the CLI prints ValueErrors as one error: line
+
+
+def _tree(root):
+    """Every path under ``root`` with its size and modification time."""
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.slow  # builds on the finished run
+def test_export_reads_the_newest_intact_step_and_moves_nothing(
+    tmp_path, finished_run, capsys, caplog
+):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    (run_dir / "checkpoints" / "4" / RECORD).unlink()  # as if killed before the record
+    name = _truncate(run_dir / "checkpoints" / "4")
+    before = _tree(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert main(["export", "--run", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    assert "exported step 2 of" in capsys.readouterr().out
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "checkpoints/4 is damaged" in warnings[0] and name in warnings[0]
+    assert "nothing is moved" in warnings[0]
+    # The damaged step named explicitly: one error line. Either way the run is as it was.
+    assert main(["export", "--run", str(run_dir), "--step", "4", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: checkpoint") and "4 is damaged" in err
+    assert {k: v for k, v in _tree(tmp_path).items() if "/hf" not in k} == before
