@@ -10,14 +10,20 @@ parent keeps a wall-clock deadline for each item and
 * notices a worker that dies (``os._exit``, a segfault, the OOM killer); the item gets reward 0,
   reason ``"worker_died"``, and a replacement is started;
 * gets reward 0, reason ``"error:<ExceptionType>"``, back from a worker whose reward function
-  raised.
+  raised or returned what is not a reward (``"error:TypeError"`` for a non-number,
+  ``"error:ValueError"`` for NaN or infinity, ``"error:OverflowError"`` for an integer too
+  large for a float).
 
-So one bad item never takes the run down nor blocks the pool. Reasons of successful scores
-come from the reward kind: ``"correct"`` / ``"wrong"`` / ``"no_answer"`` / ... for math
-(:func:`~delta_jax.rewards.math.score_math`), :class:`~delta_jax.rewards.CodeResult` reasons
-and ``"no_code"`` for code, :func:`~delta_jax.rewards.format.score_format` reasons for format,
-``"correct"`` / ``"partial"`` / ``"wrong"`` for reasoning_gym
-(:func:`~delta_jax.rewards.gym.score_gym`), ``"ok"`` for a custom function.
+So one bad item never takes the run down nor blocks the pool. The first failure of each reason
+is logged once, on one line: the function's name, the reason and its first cause (the
+exception's message, what was returned, the deadline); later ones are only counted.
+
+Reasons of successful scores come from the reward kind: ``"correct"`` / ``"wrong"`` /
+``"no_answer"`` / ... for math (:func:`~delta_jax.rewards.math.score_math`),
+:class:`~delta_jax.rewards.CodeResult` reasons and ``"no_code"`` for code,
+:func:`~delta_jax.rewards.format.score_format` reasons for format, ``"correct"`` /
+``"partial"`` / ``"wrong"`` for reasoning_gym (:func:`~delta_jax.rewards.gym.score_gym`),
+``"ok"`` for a custom function.
 
 Two calling conventions:
 
@@ -27,13 +33,20 @@ Two calling conventions:
   ``fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]`` where
   ``columns`` are the rows' other fields as lists; one task per group of ``group_size`` items
   (a prompt's samples), whose deadline is ``timeout_s`` for the whole call. ``None`` means "does
-  not apply": reward 0, reason ``"none"``; a wrong length is an error for the whole group, a
-  non-finite or non-numeric value an error for its item.
+  not apply": reward 0, reason ``"none"``; a wrong length (``"error:wrong_length"``) or a
+  result that is not a list (a number, a string, a dict: ``"error:TypeError"``) is an error for
+  the whole group, a non-finite or non-numeric value an error for its item.
+
+A function that cannot take these arguments at all (too few positional parameters, no
+``**columns`` for the columns every call passes) is refused when the scorer is built, with a
+one-line ``ValueError`` naming it.
 
 A callable that cannot reach a worker process (a lambda or closure, anything defined in
 ``__main__`` or a notebook cell, anything that does not pickle) runs in the calling process
 instead, with the same deadline (a call past it is abandoned to its daemon thread and scored
-``"timeout"``) and the same error handling, but no crash isolation; a warning says so once.
+``"timeout"``: Python cannot stop a thread, so the call may go on running, and holding what it
+holds, until it returns) and the same error handling, but no crash isolation; a warning says so
+once.
 
 ``num_workers=0`` scores serially in the calling process: no deadline and no crash isolation
 (for debugging, and as the baseline of ``benchmarks/reward_throughput.py``).
@@ -55,13 +68,13 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from delta_jax.rewards.code import cleanup_sandboxes_of, extract_code, run_code
-from delta_jax.rewards.custom import as_reward, load_reward_fn
+from delta_jax.rewards.custom import as_reward, check_call, error_line, load_reward_fn
 from delta_jax.rewards.format import score_format
 from delta_jax.rewards.gym import GYM_ENTRY, import_reasoning_gym, score_gym
 from delta_jax.rewards.math import score_math
@@ -73,8 +86,10 @@ _STARTUP_TIMEOUT_S = 120.0
 _MAX_STARTUP_FAILURES = 3
 
 ScoreFn = Callable[[str, str, Mapping[str, Any]], tuple[float, str]]
+# (reward, reason, cause): the cause is "" unless the reward function failed, else one line.
+Scored = tuple[float, str, str]
 # A unit of work: (prompts, responses, items) of one item, or of one group for batched functions.
-UnitFn = Callable[[Sequence[str], Sequence[str], Sequence[Mapping[str, Any]]], list]
+UnitFn = Callable[[Sequence[str], Sequence[str], Sequence[Mapping[str, Any]]], list[Scored]]
 
 log = logging.getLogger(__name__)
 
@@ -123,21 +138,25 @@ def _make_score_fn(kind: str | Callable[..., Any], options: Mapping[str, Any]) -
     return lambda prompt, response, item: (as_reward(fn(prompt, response, item)), "ok")
 
 
-def _score_one(score_fn: ScoreFn, prompt: str, response: str, item: Mapping[str, Any]):
+def _failed(e: BaseException) -> Scored:
+    return 0.0, f"error:{type(e).__name__}", error_line(e)
+
+
+def _score_one(score_fn: ScoreFn, prompt: str, response: str, item: Mapping[str, Any]) -> Scored:
     try:
         reward, reason = score_fn(prompt, response, item)
-        return float(reward), reason
+        return float(reward), reason, ""
     except Exception as e:  # noqa: BLE001 - any failure of a reward function is a 0 reward
-        return 0.0, f"error:{type(e).__name__}"
+        return _failed(e)
 
 
-def _batched_value(value: Any) -> tuple[float, str]:
+def _batched_value(value: Any) -> Scored:
     if value is None:
-        return 0.0, "none"
+        return 0.0, "none", ""
     try:
-        return as_reward(value), "ok"
-    except (TypeError, ValueError) as e:
-        return 0.0, f"error:{type(e).__name__}"
+        return as_reward(value), "ok", ""
+    except Exception as e:  # noqa: BLE001 - a number whose conversion raises is a bad value too
+        return _failed(e)
 
 
 def _make_unit_fn(kind: str | Callable[..., Any], options: Mapping[str, Any]) -> UnitFn:
@@ -148,17 +167,20 @@ def _make_unit_fn(kind: str | Callable[..., Any], options: Mapping[str, Any]) ->
             _score_one(score_fn, p, r, i) for p, r, i in zip(prompts, responses, items, strict=True)
         ]
 
-    def batched(prompts, responses, items) -> list[tuple[float, str]]:
+    def batched(prompts, responses, items) -> list[Scored]:
         n = len(prompts)
         keys = dict.fromkeys(k for item in items for k in item)
         columns = {k: [item.get(k) for item in items] for k in keys}
         try:
             values = kind(list(prompts), list(responses), **columns)
+            if isinstance(values, str | bytes | Mapping) or not isinstance(values, Iterable):
+                raise TypeError(f"returned {type(values).__name__}, not a list of floats")
             values = list(values)
         except Exception as e:  # noqa: BLE001 - any failure of a reward function is a 0 reward
-            return [(0.0, f"error:{type(e).__name__}")] * n
+            return [_failed(e)] * n
         if len(values) != n:
-            return [(0.0, "error:wrong_length")] * n
+            cause = f"returned {len(values)} values for {n} completions"
+            return [(0.0, "error:wrong_length", cause)] * n
         return [_batched_value(v) for v in values]
 
     return batched
@@ -182,9 +204,18 @@ def runs_in_process(fn: Any) -> bool:
 
 
 def _call_with_deadline(fn: Callable[[], Any], deadline_s: float) -> tuple[bool, Any]:
-    """Runs ``fn`` in a daemon thread; ``(False, None)`` if it is still running at the deadline."""
+    """Runs ``fn`` in a daemon thread; ``(False, None)`` if it is still running at the deadline
+    (the thread is abandoned: it runs on until ``fn`` returns), ``(True, exception)`` if ``fn``
+    raised (even ``SystemExit``: a thread's exit must not pass for a hang)."""
     box: list = []
-    thread = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     thread.join(deadline_s)
     return (False, None) if thread.is_alive() or not box else (True, box[0])
@@ -210,7 +241,11 @@ def _worker_main(conn, kind, options) -> None:
         if task is None:
             return
         index, prompts, responses, items = task
-        conn.send((index, unit_fn(prompts, responses, items)))
+        try:
+            results = unit_fn(prompts, responses, items)
+        except Exception as e:  # noqa: BLE001 - the unit functions catch; this is a last guard
+            results = [_failed(e)] * len(prompts)
+        conn.send((index, results))
 
 
 @dataclasses.dataclass
@@ -243,11 +278,14 @@ class _Job:
     def __init__(self, n: int):
         self.n, self.tasks = n, []
         self.rewards, self.reasons = np.zeros(n, np.float32), [""] * n
+        self.causes: dict[str, str] = {}  # failure reason -> its first cause
         self.future: concurrent.futures.Future = concurrent.futures.Future()
 
-    def finish(self, start: int, results: Sequence[tuple[float, str]]) -> None:
-        for j, (reward, reason) in enumerate(results):
+    def finish(self, start: int, results: Sequence[Scored]) -> None:
+        for j, (reward, reason, cause) in enumerate(results):
             self.rewards[start + j], self.reasons[start + j] = reward, reason
+            if cause:
+                self.causes.setdefault(reason, cause)
 
     def batch(self) -> RewardBatch:
         return RewardBatch(self.rewards, self.reasons, dict(collections.Counter(self.reasons)))
@@ -273,6 +311,12 @@ class RewardScorer:
       code_kwargs: extra keyword arguments of :func:`~delta_jax.rewards.run_code`
         (``memory_mb``, ``max_procs``, ...).
       batched: ``kind`` is a batched callable.
+      name: the function's name in log lines (default: the kind, or the callable's name).
+      columns: data columns every batched call passes (checked against the signature now).
+
+    Raises:
+      ValueError: (one line) an unknown kind, a path that does not import, a function that
+        cannot take the scorer's arguments, a bad number.
 
     Example:
       >>> with RewardScorer("math", num_workers=2) as scorer:  # doctest: +SKIP
@@ -290,13 +334,22 @@ class RewardScorer:
         format_pattern: str | None = None,
         code_kwargs: Mapping[str, Any] | None = None,
         batched: bool = False,
+        name: str | None = None,
+        columns: Sequence[str] = (),
     ):
-        if isinstance(kind, str) and kind not in _BUILTIN:
-            load_reward_fn(kind)  # A wrong path is a configuration error: raise it now.
-        elif not isinstance(kind, str) and not callable(kind):
+        if not isinstance(kind, str) and not callable(kind):
             raise ValueError(f"kind must be one of {_BUILTIN}, 'module:function' or a callable")
         if batched and not callable(kind):
             raise ValueError(f"batched=True needs a callable, got {kind!r}")
+        self.name = name or (
+            kind if isinstance(kind, str) else getattr(kind, "__name__", type(kind).__name__)
+        )
+        # A wrong path or a function that cannot take the arguments is a configuration error:
+        # raise it now, not at the first batch.
+        if isinstance(kind, str) and kind not in _BUILTIN:
+            check_call(load_reward_fn(kind), self.name, batched=False)
+        elif callable(kind):
+            check_call(kind, self.name, batched=batched, columns=columns)
         if num_workers is None:
             num_workers = len(os.sched_getaffinity(0))
         if num_workers < 0:
@@ -316,6 +369,8 @@ class RewardScorer:
         self._ctx = mp.get_context("spawn")
         self._closed = False
         self._jobs: list[_Job] = []
+        self._reported: set[str] = set()
+        self._report_lock = threading.Lock()
         self._wakeup = threading.Condition()
         # One byte per submission wakes the pool loop, which waits on the workers' pipes too.
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
@@ -423,7 +478,7 @@ class RewardScorer:
         if self.num_workers == 0:  # serial: here and now
             for start, *args in job.tasks:
                 job.finish(start, self._unit_fn(*args))
-            job.future.set_result(job.batch())
+            self._done(job)
             return job.future
         with self._wakeup:
             self._jobs.append(job)
@@ -441,6 +496,21 @@ class RewardScorer:
     def finish(self, batch: RewardBatch, prompts, responses) -> RewardBatch:
         """What the scorer does to a whole batch once all of it is scored: nothing here."""
         return batch
+
+    def _done(self, job: _Job) -> None:
+        """Logs the job's new kinds of failure (once per scorer), then hands its batch over."""
+        with self._report_lock:
+            new = {k: v for k, v in job.causes.items() if k not in self._reported}
+            self._reported.update(new)
+        for reason, cause in new.items():
+            log.warning(
+                "reward function %s: %s: %s (its samples score 0, counted in reward_reason/; "
+                "the step goes on, and further failures like it are not logged)",
+                self.name,
+                reason,
+                cause,
+            )
+        job.future.set_result(job.batch())
 
     def _take_jobs(self, block: bool) -> list[_Job] | None:
         """The jobs submitted since the last take (``block``: waits for one); None once closed."""
@@ -464,16 +534,24 @@ class RewardScorer:
                 self._run_pool(jobs)
 
     def _run_in_process(self, job: _Job) -> None:
+        timeout = (
+            f"did not return within its {self.deadline_s:g} s deadline (reward.timeout_s); the "
+            "call was abandoned to its thread, which may run on until it returns"
+        )
         try:
             for start, *args in job.tasks:
                 done, results = _call_with_deadline(
                     lambda args=args: self._unit_fn(*args), self.deadline_s
                 )
-                job.finish(start, results if done else [(0.0, "timeout")] * len(args[0]))
+                if not done:
+                    results = [(0.0, "timeout", timeout)] * len(args[0])
+                elif isinstance(results, BaseException):  # past the unit's own handlers
+                    results = [_failed(results)] * len(args[0])
+                job.finish(start, results)
         except BaseException as e:  # noqa: BLE001 - a broken scorer fails its job, loudly
             job.future.set_exception(e)
             return
-        job.future.set_result(job.batch())
+        self._done(job)
 
     def _run_pool(self, jobs: list[_Job]) -> None:
         """Scores ``jobs`` and every job submitted while they run, in one stream of tasks over
@@ -487,7 +565,7 @@ class RewardScorer:
         def add(new: list[_Job]) -> None:
             for job in new:
                 if not job.tasks:  # an empty batch
-                    job.future.set_result(job.batch())
+                    self._done(job)
                     continue
                 left[job] = len(job.tasks)
                 for start, *args in job.tasks:
@@ -501,10 +579,10 @@ class RewardScorer:
             left[job] -= 1
             if not left[job]:
                 del left[job]
-                job.future.set_result(job.batch())
+                self._done(job)
 
-        def fail(tid: int, reason: str) -> None:
-            finish(tid, [(0.0, reason)] * owner[tid][2])
+        def fail(tid: int, reason: str, cause: str) -> None:
+            finish(tid, [(0.0, reason, cause)] * owner[tid][2])
 
         add(jobs)
         try:
@@ -528,7 +606,13 @@ class RewardScorer:
                     todo.appendleft(task)  # Not this item's fault: the worker was gone.
                     self._replace(worker)
                     continue
+                except Exception as e:  # noqa: BLE001 - pickling runs before a byte is sent
+                    cause = f"its rows cannot be sent to a reward worker: {error_line(e)}"
+                    fail(task[0], "error:unpicklable_row", cause)
+                    continue
                 worker.task, worker.deadline = task[0], time.monotonic() + self.deadline_s
+        if not todo and all(w.task is None for w in self._workers):
+            return  # every task failed to send: nothing to wait for
         now = time.monotonic()
         wake = min(w.deadline if w.ready else w.started + _STARTUP_TIMEOUT_S for w in self._workers)
         waitables = [w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
@@ -542,7 +626,7 @@ class RewardScorer:
                     msg = None
                 if msg is None:
                     if worker.task is not None:
-                        fail(worker.task, "worker_died")
+                        fail(worker.task, "worker_died", self._died(worker))
                     self._replace(worker)
                 elif msg[0] == "ready":
                     worker.ready, self._startup_failures = True, 0
@@ -553,16 +637,27 @@ class RewardScorer:
                     worker.task, worker.deadline = None, math.inf
             elif worker.process.sentinel in ready:
                 if worker.task is not None:
-                    fail(worker.task, "worker_died")
+                    fail(worker.task, "worker_died", self._died(worker))
                 self._replace(worker)
         now = time.monotonic()
         for worker in list(self._workers):
             if worker.task is not None and now > worker.deadline:
-                fail(worker.task, "timeout")
+                cause = (
+                    f"did not return within its {self.deadline_s:g} s deadline "
+                    "(reward.timeout_s); its worker process was killed and replaced"
+                )
+                fail(worker.task, "timeout", cause)
                 worker.ready = True  # A hang while scoring is not a start-up failure.
                 self._replace(worker)
             elif not worker.ready and now > worker.started + _STARTUP_TIMEOUT_S:
                 self._replace(worker)
+
+    @staticmethod
+    def _died(worker: _Worker) -> str:
+        worker.process.join(timeout=1.0)  # its exit code, once the process is reaped
+        code = worker.process.exitcode
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return f"its worker process died ({how}: os._exit, a crash, the OOM killer)"
 
     def wait_ready(self, timeout_s: float = _STARTUP_TIMEOUT_S) -> None:
         """Blocks until every worker has started (imports done), e.g. before timing a batch."""

@@ -9,9 +9,10 @@ exception, a non-number, NaN, a hang, a crash of the process) into reward 0 with
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 RewardFn = Callable[[str, str, Mapping[str, Any]], float]
@@ -56,6 +57,46 @@ def load_callable(path: str, what: str) -> Callable:
     if not callable(obj):
         raise ValueError(f"{what} {path!r} is not callable ({type(obj).__name__})")
     return obj
+
+
+def check_call(fn: Callable, name: str, *, batched: bool, columns: Sequence[str] = ()) -> None:
+    """Raises a one-line ValueError when ``fn`` cannot take the arguments the scorer passes.
+
+    Per item: ``fn(prompt, response, item)``. Batched: ``fn(prompts, completions, **columns)``,
+    where ``columns`` names the columns every call passes (the trainer passes ``answer`` and
+    ``tests``); other named parameters may be any data column, which only a call can tell. A
+    callable without a signature (a builtin) is not checked.
+    """
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    if batched:
+        given = ", ".join(["prompts", "completions", *(f"{c}=..." for c in columns)])
+        call = f"{name}({given}, **columns)"
+        args, kwargs = ([], []), dict.fromkeys(columns, [])
+    else:
+        call, args, kwargs = f"{name}(prompt, response, item)", ("", "", {}), {}
+    try:
+        bound = sig.bind_partial(*args, **kwargs) if batched else sig.bind(*args)
+    except TypeError as e:
+        raise ValueError(f"reward function {name}{sig} cannot be called as {call}: {e}") from None
+    for p in sig.parameters.values():  # a positional-only parameter cannot be a column
+        if p.kind is p.POSITIONAL_ONLY and p.default is p.empty and p.name not in bound.arguments:
+            raise ValueError(
+                f"reward function {name}{sig} cannot be called as {call}: its positional-only "
+                f"parameter {p.name!r} is never given"
+            )
+
+
+def error_line(e: BaseException) -> str:
+    """``Type: message`` on one line, at most 200 characters (an exception's __str__ may raise)."""
+    try:
+        text = " ".join(str(e).split())
+    except Exception:  # noqa: BLE001 - an exception that cannot print itself
+        text = "<unprintable>"
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def as_reward(value: Any) -> float:

@@ -5,8 +5,10 @@ Each function is a built-in kind (``"math"``, ``"code"``, ``"format"``, ``"reaso
 convention of TRL and Tunix, ``fn(prompts, completions, **columns) -> list[float | None]``.
 Each runs in its own :class:`~delta_jax.rewards.RewardScorer` (a worker pool, or this process
 for callables that cannot reach one), so a hang or crash in one function costs only its own
-items. The result keeps every function's rewards by name, which the trainer logs as
-``reward/<name>``.
+items: they score 0 with a reason (``"timeout"``, ``"error:<Type>"``, ...) counted by
+``"<name>:<reason>"`` when there are several functions, and the first failure of each reason is
+logged once under the function's name. The result keeps every function's rewards by name, which
+the trainer logs as ``reward/<name>``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class RewardSet:
       weights: one float per function (default 1 each).
       num_workers: worker processes per function's pool (0: serial, in this process).
       timeout_s: deadline per item, or per group call for a batched function.
+      columns: data columns every call passes as keywords (the trainer: ``answer``, ``tests``):
+        a batched function that cannot take them is refused now (one-line ``ValueError``).
 
     Example:
       >>> def brevity(prompts, completions, **columns):  # doctest: +SKIP
@@ -55,6 +59,7 @@ class RewardSet:
         *,
         num_workers: int | None = 2,
         timeout_s: float = 10.0,
+        columns: Sequence[str] = (),
     ):
         fns = [fns] if isinstance(fns, str) or callable(fns) else list(fns)
         if not fns:
@@ -74,10 +79,15 @@ class RewardSet:
         self.weights = weights
         self.scorers: list[RewardScorer] = []
         try:
-            for fn in fns:
+            for fn, name in zip(fns, self.names, strict=True):
                 self.scorers.append(
                     RewardScorer(
-                        fn, num_workers=num_workers, timeout_s=timeout_s, batched=callable(fn)
+                        fn,
+                        num_workers=num_workers,
+                        timeout_s=timeout_s,
+                        batched=callable(fn),
+                        name=name,
+                        columns=columns,
                     )
                 )
         except BaseException:

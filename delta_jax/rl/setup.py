@@ -452,7 +452,12 @@ def make_scorers(
     r = config.reward
     fns = r.kind if reward_fns is None else reward_fns
     try:
-        scorer = RewardSet(fns, reward_weights, num_workers=r.num_workers, timeout_s=r.timeout_s)
+        # Every call passes the rows' answer and tests (rl.rollout, eval): a batched function
+        # that cannot take them is refused now.
+        scorer = RewardSet(
+            fns, reward_weights, num_workers=r.num_workers, timeout_s=r.timeout_s,
+            columns=("answer", "tests"),
+        )  # fmt: skip
     except (ValueError, ImportError) as e:
         raise ConfigError(f"reward: {e}") from None
     if r.flip_fraction > 0:
