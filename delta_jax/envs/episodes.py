@@ -22,8 +22,15 @@ None; text that is not valid Unicode, such as an unpaired surrogate) ends that e
 happens, ``episode/env_errors`` counts it, and the first failure of each kind is logged once (one
 line: the environment's class, where, what was wrong). A huge observation is not a failure: it is
 cut (by characters, then middle-out to ``max_observation_tokens``) before it is tokenised.
-The runner has no deadline of its own: an environment whose ``step`` never returns holds its
-episode (``python_tool`` bounds its calls with ``rollout.tool_timeout_s``).
+
+A hang is a failure too when the runner has a deadline (``timeout_s``; the trainer gives
+``rollout.tool_timeout_s`` to every environment but ``python_tool``, which bounds its own calls
+by it): a factory + ``reset`` or a ``step`` still running past it ends its episode, counted and
+logged like the rest. The call runs in a daemon thread that is abandoned then: Python cannot
+stop a thread, so it may run on, holding its environment, until it returns (a hung call holds
+no pool thread and no decode slot; it does not keep the process from exiting). The resets of a
+rollout run ``workers`` at a time, so an environment whose every ``reset`` hangs costs
+``ceil(rows / workers)`` deadlines.
 
 Stop strings are matched on their canonical token ids (``tokenizer.encode(s)``): a model that
 writes the same text with other tokens does not end its turn there.
@@ -51,6 +58,7 @@ from delta_jax.envs.base import (
     render_observation,
     truncate_middle,
 )
+from delta_jax.rewards.custom import error_line
 from delta_jax.sampling.engine import Turns
 
 log = logging.getLogger(__name__)
@@ -76,16 +84,6 @@ def _kind(value: Any) -> str:
     if isinstance(value, bool) or value is None:
         return repr(value)
     return type(value).__name__
-
-
-def error_line(e: BaseException) -> str:
-    """``Type: message`` on one line, at most 200 characters (an exception's __str__ may raise)."""
-    try:
-        text = " ".join(str(e).split())
-    except Exception:
-        text = "<unprintable>"
-    text = text if len(text) <= 200 else text[:197] + "..."
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def check_text(value: Any, what: str) -> str:
@@ -141,7 +139,12 @@ def as_factory(environment: Any, tokenizer: Any = None) -> Callable[[], Environm
     each episode; a tokenizer it holds is shared, not copied) or a factory."""
     if not isinstance(environment, type) and isinstance(environment, Environment):
         keep = {id(tokenizer): tokenizer} if tokenizer is not None else {}
-        return lambda: copy.deepcopy(environment, dict(keep))
+
+        def fresh() -> Environment:
+            return copy.deepcopy(environment, dict(keep))
+
+        fresh.__name__ = type(environment).__name__  # what messages call the factory
+        return fresh
     if callable(environment):
         return environment
     raise ValueError(
@@ -187,6 +190,8 @@ class EpisodeRunner:
       max_observation_tokens: an observation is cut middle-out to this many tokens.
       end_ids: the ids that end an episode (EOS): a turn ending at one is stepped at the end.
       workers: threads stepping environments (tool calls) at once.
+      timeout_s: deadline of one environment call (the factory and ``reset`` together, or one
+        ``step``); None: none (module docstring).
     """
 
     def __init__(
@@ -198,8 +203,17 @@ class EpisodeRunner:
         max_observation_tokens: int,
         end_ids: Sequence[int],
         workers: int = 8,
+        timeout_s: float | None = None,
     ):
-        probe = factory()
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
+        self.timeout_s = timeout_s
+        try:
+            probe = self.call(factory, "the factory")
+        except Exception as e:  # at start-up: one line (a ConfigError upstream)
+            name = getattr(factory, "__name__", type(factory).__name__)
+            cause = str(e) if isinstance(e, EnvironmentFailure) else error_line(e)
+            raise ValueError(f"environment {name}: the factory failed: {cause}") from None
         self.factory, self.tokenizer = factory, tokenizer
         self.env_name = type(probe).__name__
         self.stop_strings = tuple(probe.stop_strings)
@@ -212,6 +226,39 @@ class EpisodeRunner:
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, "episode")
         self._reported: set[tuple[str, str, str]] = set()
         self._report_lock = threading.Lock()
+
+    def call(self, fn: Callable[[], Any], what: str) -> Any:
+        """``fn()`` within the deadline (module docstring): its value, or its exception.
+
+        Raises:
+          EnvironmentFailure: ``fn`` was still running at the deadline (kind ``"timeout"``), or
+            raised what is not an ``Exception`` (``SystemExit``...).
+        """
+        if self.timeout_s is None:
+            return fn()
+        box: list = []
+
+        def run() -> None:
+            try:
+                box.append((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                box.append((False, e))
+
+        thread = threading.Thread(target=run, daemon=True, name="environment-call")
+        thread.start()
+        thread.join(self.timeout_s)
+        if not box:
+            raise EnvironmentFailure(
+                "timeout",
+                f"{what} did not return within {self.timeout_s:g} s (rollout.tool_timeout_s); "
+                "the call was abandoned to its thread",
+            )
+        ok, value = box[0]
+        if ok:
+            return value
+        if isinstance(value, Exception):
+            raise value
+        raise EnvironmentFailure(type(value).__name__, f"{what} raised {error_line(value)}")
 
     def start(self, rows: Sequence[Mapping[str, Any]]) -> Episodes:
         """One fresh environment per row, ``reset`` on it; the engine's multi-turn request."""
@@ -257,21 +304,25 @@ class Episodes:
 
     def __init__(self, runner: EpisodeRunner, rows: Sequence[Mapping[str, Any]]):
         self.runner = runner
-        self.episodes = []
-        for row in rows:
-            episode = _Episode(None, "")
-            try:
-                episode.env = runner.factory()
-                episode.user = check_text(episode.env.reset(row), "reset's first user turn")
-            except Exception as e:  # the episode's first turn is generated, never stepped
-                self._fail(episode, "reset", e)
-            self.episodes.append(episode)
+        self.episodes = [_Episode(None, "") for _ in rows]
+        # In the pool, so that hung resets cost their deadline ``workers`` at a time.
+        list(runner._pool.map(self._reset, self.episodes, rows))
         self.turns = Turns(
             stop_ids=runner.stop_ids,
             max_turns=runner.max_turns,
             submit=self.submit,
             stop_sequences=runner.stop_sequences,
         )
+
+    def _reset(self, episode: _Episode, row: Mapping[str, Any]) -> None:
+        def reset() -> Any:
+            episode.env = self.runner.factory()
+            return episode.env.reset(row)
+
+        try:
+            episode.user = check_text(self.runner.call(reset, "reset"), "reset's first user turn")
+        except Exception as e:  # the episode's first turn is generated, never stepped
+            self._fail(episode, "reset", e)
 
     def submit(self, row: int, turn: list[int]) -> concurrent.futures.Future:
         """The engine's hand-over: the observation's ids (or None), computed in the pool."""
@@ -290,7 +341,8 @@ class Episodes:
         if episode.env_error:
             return None
         try:
-            result = check_step(episode.env.step(_decode(runner.tokenizer, turn)))
+            text = _decode(runner.tokenizer, turn)
+            result = check_step(runner.call(lambda: episode.env.step(text), "step"))
             info = result.info
             tool_call = bool(info.get("tool_call"))
             error = info.get("error")

@@ -243,10 +243,12 @@ def _first_turn(episodes: EpisodeRunner, record) -> str:
 
     env = None
     try:
-        env = episodes.factory()
-        return check_text(env.reset(episode_row(record)), "reset's first user turn")
+        env = episodes.call(episodes.factory, "the factory")  # within its deadline
+        first = episodes.call(lambda: env.reset(episode_row(record)), "reset")
+        return check_text(first, "reset's first user turn")
     except EnvironmentFailure as e:
-        raise ConfigError(f"environment {type(env).__name__}: {e}") from None
+        name = episodes.env_name if env is None else type(env).__name__
+        raise ConfigError(f"environment {name}: {e}") from None
     except Exception as e:
         name = episodes.env_name if env is None else type(env).__name__
         where = "factory" if env is None else "reset"
@@ -408,10 +410,15 @@ def episode_runner(config: Config, tokenizer, stop_ids, environment=None):
             f"multi-turn rollouts run on one host for now (this run has {jax.process_count()} "
             "processes): drop rollout.environment / environment="
         )
+    # A hang past rollout.tool_timeout_s ends its episode; python_tool bounds its own calls
+    # with it (a timeout there is an observation, and the episode goes on).
+    deadline = r.tool_timeout_s
     try:
         if environment is not None:
             factory = as_factory(environment, tokenizer)
+            deadline = None if isinstance(environment, PythonTool) else deadline
         elif r.environment == "python_tool":
+            deadline = None
             chat = bool(getattr(tokenizer, "chat_template", None))
             fmt = r.tool_call_format
             factory = functools.partial(
@@ -431,6 +438,7 @@ def episode_runner(config: Config, tokenizer, stop_ids, environment=None):
             max_observation_tokens=r.max_observation_tokens,
             end_ids=stop_ids,
             workers=max(2, min(16, r.decode_slots)),
+            timeout_s=deadline,
         )
     except (ValueError, TypeError) as e:
         where = "environment" if environment is not None else "rollout.environment"
