@@ -19,8 +19,10 @@ name            data set (columns read)                               record
 
 Message lists (``[{"role", "content"}, ...]``) must hold one user message, optionally after one
 system message; the system text goes to ``PromptRecord.system``. Adapters raise
-:class:`BadRowError` for a bad row, with ``kind`` one of ``missing`` (null), ``empty`` (blank
-text), ``wrong type`` and ``invalid`` (well-typed but unusable, e.g. GSM8K without ``####``).
+:class:`BadRowError` for a bad row, with ``kind`` one of ``missing`` (null, or a row without the
+column), ``empty`` (blank text), ``wrong type`` and ``invalid`` (well-typed but unusable, e.g.
+GSM8K without ``####``, or text that is not valid Unicode: an unpaired surrogate, which no
+tokenizer takes).
 """
 
 from __future__ import annotations
@@ -80,20 +82,27 @@ class Adapter:
             if not present:
                 raise ValueError(
                     f"{source}: adapter '{self.name}' needs column "
-                    f"{' or '.join(map(repr, options))}; the file has {sorted(available)}"
+                    f"{' or '.join(map(repr, options))}; the file has {sorted(map(str, available))}"
                 )
             wanted += present
         return wanted + [c for c in self.optional if c in available and c not in wanted]
 
 
 def require_text(value: Any, field: str, col: str) -> str:
-    """``value`` as a non-blank string, else a :class:`BadRowError` naming ``field``/``col``."""
+    """``value`` as a plain, non-blank, valid Unicode string, else a :class:`BadRowError`
+    naming ``field``/``col``."""
     if value is None:
         raise BadRowError(field, "missing", f"column {col!r} is null")
     if not isinstance(value, str):
         raise BadRowError(field, "wrong type", f"column {col!r} holds {type(value).__name__}")
+    value = str.__str__(value)  # a plain str, whatever a subclass overrides
     if not value.strip():
         raise BadRowError(field, "empty", f"column {col!r} is blank")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        detail = f"column {col!r} is not valid Unicode (an unpaired surrogate at index {e.start})"
+        raise BadRowError(field, "invalid", detail) from None
     return value
 
 

@@ -18,11 +18,21 @@ reward functions receive the data set's other fields (``fn(prompts, completions,
   ``set_epoch``); a stream that changes between reads (a live feed, an unseeded generator)
   resumes at the same count of rows, not at the same rows. When a stream ends it starts its
   next epoch, as a map-style data set does.
+
+Bad rows follow ``on_bad_row`` as in files: ``"error"`` raises :class:`BadRowError` naming the
+data set, the row and the field; ``"skip"`` drops the row and counts it by reason (a row that is
+not a dict, a row without a column the adapter reads, a prompt that is missing, empty, of the
+wrong type, or not valid Unicode). A column that no row has is a schema error either way
+(``ValueError`` naming the data set and the column), found before any row is converted: from
+the object's ``column_names``, the keys of all rows of a list, or a stream's first row. A
+stream's skips are counted as it is read (:meth:`StreamPrompts.take_skipped`, the trainer's
+``data/skipped``) and the first of each reason is logged once, on one line.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -31,6 +41,8 @@ from delta_jax.data.gym import is_gym_dataset, records_from_gym_dataset
 from delta_jax.data.sources import LoadResult, PromptRecord
 
 Encoder = Callable[[list[PromptRecord]], Any]  # records -> EncodedPrompts
+
+log = logging.getLogger(__name__)
 
 
 def is_stream(data: Any) -> bool:
@@ -67,27 +79,46 @@ class RowConverter:
         self.adapter = resolve_adapter(adapter, fields)
         self.label, self.on_bad_row = label, on_bad_row
         self.reasons: dict[str, int] = {}
+        self.first: dict[str, str] = {}  # reason -> the first skipped row's message (one line)
+        self.last: tuple[str, str] = ("", "")  # the last skipped row's (reason, message)
         self._columns: list[str] | None = None
+
+    def schema(self, available: Iterable[Any]) -> None:
+        """Checks the data set's columns once: one the adapter needs and none has is an error.
+
+        Raises:
+          ValueError: (one line) naming the data set, the adapter and the column.
+        """
+        self._columns = self.adapter.columns(list(available), self.label)
 
     def __call__(self, row: Any, index: int) -> PromptRecord | None:
         """The record of row ``index``, or None for a bad row skipped (``on_bad_row="skip"``)."""
         if not isinstance(row, Mapping):
-            raise TypeError(f"{self.label}: row {index} is a {type(row).__name__}, not a dict")
-        if self._columns is None:  # The schema check, once: a missing column is never skipped.
-            self._columns = self.adapter.columns(list(row), self.label)
+            if self.on_bad_row == "error":
+                raise TypeError(f"{self.label}: row {index} is a {type(row).__name__}, not a dict")
+            return self._skip(BadRowError("row", "wrong type", f"a {type(row).__name__}"), index)
+        if self._columns is None:  # No schema given: the first row's (module docstring).
+            self.schema(row)
         try:
             out = self.adapter.convert({c: row[c] for c in self._columns if c in row})
-        except KeyError as e:
-            raise ValueError(f"{self.label}: row {index} has no column {e}") from None
+        except KeyError as e:  # a column other rows have: this row's own fault
+            return self._skip(BadRowError(str(e.args[0]), "missing", f"no column {e}"), index)
         except BadRowError as e:
-            if self.on_bad_row == "error":
-                raise BadRowError(e.field, e.kind, e.detail, source=self.label, row=index) from None
-            self.reasons[e.reason] = self.reasons.get(e.reason, 0) + 1
-            return None
+            return self._skip(e, index)
         if self.adapter.name == "generic":
             kept = {k: v for k, v in row.items() if k not in self._columns}
             out["extra"] = {**kept, **out.get("extra", {})}
         return PromptRecord(source=self.label, row=index, **out)
+
+    def _skip(self, error: BadRowError, index: int) -> None:
+        """Raises ``error`` with the row named, or counts it (``on_bad_row="skip"``)."""
+        error = BadRowError(error.field, error.kind, error.detail, source=self.label, row=index)
+        if self.on_bad_row == "error":
+            raise error from None
+        self.reasons[error.reason] = self.reasons.get(error.reason, 0) + 1
+        self.first.setdefault(error.reason, str(error))
+        self.last = error.reason, str(error)
+        return None
 
 
 def records_from_object(
@@ -116,10 +147,19 @@ def records_from_object(
     _check_object(data, label)
     convert = RowConverter(adapter, fields, label, on_bad_row)
     rows = iter(data) if limit is None else itertools.islice(iter(data), limit)
+    if not is_stream(data):
+        rows = list(rows)
+        names = getattr(data, "column_names", None)
+        if names is None:  # a list of dicts: the columns of all its rows
+            names = dict.fromkeys(k for row in rows if isinstance(row, Mapping) for k in row)
+        if names:  # (none: no row is a dict, which the first row says)
+            convert.schema(names)
     records = [r for i, row in enumerate(rows) if (r := convert(row, i)) is not None]
     if limit is not None:
         records = records[:limit]
-    return LoadResult(records, sum(convert.reasons.values()), dict(convert.reasons))
+    return LoadResult(
+        records, sum(convert.reasons.values()), dict(convert.reasons), dict(convert.first)
+    )
 
 
 class StreamPrompts:
@@ -149,16 +189,23 @@ class StreamPrompts:
         import datasets
 
         _check_object(data, convert.label)
-        if isinstance(data, datasets.IterableDataset) and shuffle:
-            data = data.shuffle(seed=seed, buffer_size=shuffle_buffer)
-        elif isinstance(data, Iterator):
+        if isinstance(data, Iterator) and not isinstance(data, datasets.IterableDataset):
             raise TypeError(
                 f"{convert.label}: an iterator can be read only once; pass an iterable that can "
                 "be read again (a datasets.IterableDataset, or a list)"
             )
+        names = getattr(data, "column_names", None)  # a stream's schema: its features, else
+        if names is None:  # its first row
+            first = next(iter(data), None)
+            names = list(first) if isinstance(first, Mapping) else None
+        if names is not None:
+            convert.schema(names)
+        if isinstance(data, datasets.IterableDataset) and shuffle:
+            data = data.shuffle(seed=seed, buffer_size=shuffle_buffer)
         self.data, self.batch_size, self.encode, self.convert = data, batch_size, encode, convert
         self.epoch, self.rows = 0, 0
         self._rows: Iterator | None = None
+        self._skipped, self._logged = 0, set()
 
     def _open(self) -> None:
         if hasattr(self.data, "set_epoch"):
@@ -188,11 +235,34 @@ class StreamPrompts:
             row, index = self._next_row(), self.rows
             self.rows += 1
             record = self.convert(row, index)
-            if record is not None:  # One at a time: a pass that keeps nothing is seen as such.
-                enc = self.encode([record])
-                self._kept += len(enc.ids)
-                batch.extend(zip(enc.ids, enc.records, strict=True))
+            if record is None:
+                self._skip(*self.convert.last)
+                continue
+            enc = self.encode([record])  # One at a time: a pass that keeps nothing is seen.
+            self._kept += len(enc.ids)
+            batch.extend(zip(enc.ids, enc.records, strict=True))
+            if enc.dropped:
+                self._skip(
+                    "prompt: too long",
+                    f"{self.convert.label}: row {index}: the prompt is longer than the maximum "
+                    "prompt length (data.max_prompt_length) with data.truncation=drop",
+                )
         return batch
+
+    def _skip(self, reason: str, message: str) -> None:
+        self._skipped += 1
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.warning(
+                "%s (skipped, counted in data/skipped; further rows skipped for %r are not logged)",
+                message,
+                reason,
+            )
+
+    def take_skipped(self) -> int:
+        """Rows skipped (bad, or prompts too long) since the last call."""
+        skipped, self._skipped = self._skipped, 0
+        return skipped
 
     def __iter__(self) -> StreamPrompts:
         return self

@@ -73,11 +73,19 @@ class LoadResult:
       records: the converted rows, in file order then row order.
       skipped: number of bad rows dropped (always 0 with ``on_bad_row="error"``).
       skip_reasons: counts keyed by ``"<field>: <kind>"``, e.g. ``{"prompt: empty": 2}``.
+      first_skips: the first skipped row's message for each reason (file, row, field, what).
     """
 
     records: list[PromptRecord]
     skipped: int
     skip_reasons: dict[str, int]
+    first_skips: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def skip_summary(self) -> str:
+        """The skips on one line: the count, then each reason's count and first row."""
+        parts = [f"{n} x {k!r} (first: {self.first_skips.get(k, '?')})"
+                 for k, n in self.skip_reasons.items()]  # fmt: skip
+        return f"skipped {self.skipped} bad rows: " + "; ".join(parts)
 
 
 @contextlib.contextmanager
@@ -211,13 +219,14 @@ def load_records(
         parts = [_hub_part(str(source), config, split, cache_dir)]
     records: list[PromptRecord] = []
     reasons: dict[str, int] = {}
+    first: dict[str, str] = {}
     for label, load in parts:
         if limit is not None and len(records) >= limit:
             break
         with contextlib.nullcontext() if from_hub else _offline():
             ds = load()
-        _convert_part(label, ds, adapter, on_bad_row, limit, records, reasons)
-    return LoadResult(records=records, skipped=sum(reasons.values()), skip_reasons=reasons)
+        _convert_part(label, ds, adapter, on_bad_row, limit, records, reasons, first)
+    return LoadResult(records, sum(reasons.values()), reasons, first)
 
 
 def _convert_part(
@@ -228,6 +237,7 @@ def _convert_part(
     limit: int | None,
     records: list[PromptRecord],
     reasons: dict[str, int],
+    first: dict[str, str],
 ) -> None:
     columns = adapter.columns(ds.column_names, label)
     # Only the needed columns are decoded: DeepMath's three R1 solutions would otherwise dominate.
@@ -238,9 +248,11 @@ def _convert_part(
             try:
                 out = adapter.convert(dict(zip(columns, values, strict=True)))
             except BadRowError as e:
+                bad = BadRowError(e.field, e.kind, e.detail, source=label, row=row)
                 if on_bad_row == "error":
-                    raise BadRowError(e.field, e.kind, e.detail, source=label, row=row) from None
-                reasons[e.reason] = reasons.get(e.reason, 0) + 1
+                    raise bad from None
+                reasons[bad.reason] = reasons.get(bad.reason, 0) + 1
+                first.setdefault(bad.reason, str(bad))
             else:
                 records.append(PromptRecord(source=label, row=row, **out))
                 if limit is not None and len(records) >= limit:

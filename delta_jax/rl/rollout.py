@@ -114,8 +114,11 @@ def collect_rollout(
     kept: list[dict] = []  # per-group dicts: where its rows are, and their host-side results
     spare: list[dict] = []
     outputs, offset, wanted = [], 0, None
+    take_skipped = getattr(prompt_batches, "take_skipped", lambda: 0)
     for round_ in range(dynamic_rounds + 1):
         pairs = next(prompt_batches)
+        # Rows the prompt source passed over (bad rows, prompts too long) for this step.
+        stats["data/skipped"] += take_skipped()
         wanted = wanted or len(pairs)
         out, groups = _sample_and_score(
             sampler, params, scorer, tokenizer, pairs, n, gen_len, sampling,

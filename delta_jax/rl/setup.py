@@ -20,7 +20,7 @@ import numpy as np
 
 from delta_jax import sharding as sh
 from delta_jax.config import Config, ConfigError
-from delta_jax.data import PromptPipeline, PromptRecord, encode_prompts, load_records
+from delta_jax.data import LoadResult, PromptPipeline, PromptRecord, encode_prompts, load_records
 from delta_jax.data.gym import GYM_ENTRY, is_gym_source
 from delta_jax.data.objects import RowConverter, StreamPrompts, is_stream, records_from_object
 
@@ -40,12 +40,25 @@ DEMO_SOURCES = (DEMO_DATA, "demo:products")  # additions; products (the tool-use
 
 
 class IndexedPrompts:
-    """Batches of ``(prompt ids, record)`` of an in-memory prompt list, in pipeline order."""
+    """Batches of ``(prompt ids, record)`` of an in-memory prompt list, in pipeline order.
 
-    def __init__(self, pipeline: PromptPipeline, ids: list[list[int]], records):
+    ``skipped``: rows left out when the list was read (bad rows, prompts too long), counted
+    with the run's first batch (:meth:`take_skipped`: step 1's ``data/skipped``; not again
+    when a process resumes the run past it).
+    """
+
+    def __init__(self, pipeline: PromptPipeline, ids: list[list[int]], records, skipped=0):
         self.pipeline, self.ids, self.records = pipeline, ids, records
+        self.skipped_at_load, self._skipped = skipped, 0
+
+    def take_skipped(self) -> int:
+        """Rows skipped since the last call (the load's, with the run's first batch)."""
+        skipped, self._skipped = self._skipped, 0
+        return skipped
 
     def __next__(self) -> list[tuple[list[int], PromptRecord]]:
+        if self.pipeline.step == 0:
+            self._skipped += self.skipped_at_load
         return [(self.ids[i], self.records[i]) for i in next(self.pipeline)]
 
     def __iter__(self) -> IndexedPrompts:
@@ -208,18 +221,19 @@ def _gym_records(config: Config, source: str, *, eval_set: bool) -> list[PromptR
         raise ConfigError(f"{key}={source}: {e}") from None
 
 
-def _load_records(config: Config, source: str, split: str, *, eval_set: bool):
+def _load_records(config: Config, source: str, split: str, *, eval_set: bool) -> LoadResult:
     from delta_jax.demo import arithmetic_records, product_records
 
     d = config.data
     if is_gym_source(source):
-        return _gym_records(config, source, eval_set=eval_set)
+        return LoadResult(_gym_records(config, source, eval_set=eval_set), 0, {})
     if source in DEMO_SOURCES:
         # Disjoint seeds: the held-out problems are drawn independently of the training ones;
         # as many as the evaluation uses (``run.eval_prompts``).
         count = config.run.eval_prompts if eval_set else 4096
         make = arithmetic_records if source == DEMO_DATA else product_records
-        return make(d.limit or count, seed=config.run.seed + (1 if eval_set else 0))
+        records = make(d.limit or count, seed=config.run.seed + (1 if eval_set else 0))
+        return LoadResult(records, 0, {})
     result = load_records(
         source,
         adapter=d.adapter,
@@ -229,8 +243,8 @@ def _load_records(config: Config, source: str, split: str, *, eval_set: bool):
         limit=d.limit,
     )
     if result.skipped:
-        log.warning("%s: skipped %d bad rows %s", source, result.skipped, result.skip_reasons)
-    return result.records
+        log.warning("%s: %s", source, result.skip_summary())
+    return result
 
 
 def _first_turn(episodes: EpisodeRunner, record) -> str:
@@ -255,10 +269,13 @@ def _first_turn(episodes: EpisodeRunner, record) -> str:
         raise ConfigError(f"environment {name}: {where} failed: {error_line(e)}") from e
 
 
-def _encoder(config: Config, tokenizer, episodes: EpisodeRunner | None = None) -> Callable:
+def _encoder(
+    config: Config, tokenizer, episodes: EpisodeRunner | None = None, *, quiet: bool = False
+) -> Callable:
     """records -> EncodedPrompts with the run's template and length policy; with an
     environment, a record's prompt is the first user turn its ``reset`` gives, and the chat
-    template declares the environment's tools."""
+    template declares the environment's tools. Prompts dropped for length are logged unless
+    ``quiet`` (a stream logs its own, once)."""
     d = config.data
     template = d.template
     if d.source in DEMO_SOURCES and template is None:
@@ -276,7 +293,7 @@ def _encoder(config: Config, tokenizer, episodes: EpisodeRunner | None = None) -
             template=template,
             tools=None if episodes is None else episodes.tools,
         )
-        if enc.dropped:
+        if enc.dropped and not quiet:
             log.warning(
                 "dropped %d prompts longer than %d tokens", enc.dropped, d.max_prompt_length
             )
@@ -291,8 +308,8 @@ def _object_records(config: Config, data, *, label: str, limit: int | None):
         data, adapter=d.adapter, on_bad_row=d.on_bad_row, limit=limit, label=label
     )
     if result.skipped:
-        log.warning("%s: skipped %d bad rows %s", label, result.skipped, result.skip_reasons)
-    return result.records
+        log.warning("%s: %s", label, result.skip_summary())
+    return result
 
 
 def prompt_sets(config: Config, tokenizer, train_dataset=None, eval_dataset=None, episodes=None):
@@ -302,15 +319,15 @@ def prompt_sets(config: Config, tokenizer, train_dataset=None, eval_dataset=None
     if train_dataset is not None and is_stream(train_dataset):
         convert = RowConverter(d.adapter, None, "train_dataset", d.on_bad_row)
         train = StreamPrompts(
-            train_dataset, batch_size=batch, encode=encode, convert=convert,
-            seed=config.run.seed, shuffle=d.shuffle,
+            train_dataset, batch_size=batch, convert=convert, seed=config.run.seed,
+            encode=_encoder(config, tokenizer, episodes, quiet=True), shuffle=d.shuffle,
         )  # fmt: skip
     else:
         if train_dataset is not None:
-            records = _object_records(config, train_dataset, label="train_dataset", limit=d.limit)
+            loaded = _object_records(config, train_dataset, label="train_dataset", limit=d.limit)
         else:
-            records = _load_records(config, d.source, d.split, eval_set=False)
-        enc = encode(records)
+            loaded = _load_records(config, d.source, d.split, eval_set=False)
+        enc = encode(loaded.records)
         if len(enc.ids) < batch:
             where = "train_dataset" if train_dataset is not None else f"data.source={d.source}"
             raise ConfigError(
@@ -326,17 +343,18 @@ def prompt_sets(config: Config, tokenizer, train_dataset=None, eval_dataset=None
             process_index=0,
             process_count=1,
         )
-        train = IndexedPrompts(pipeline, enc.ids, enc.records)
+        train = IndexedPrompts(pipeline, enc.ids, enc.records, loaded.skipped + enc.dropped)
     evals = None
     if eval_dataset is not None:
         limit = config.run.eval_prompts
-        evals = encode(_object_records(config, eval_dataset, label="eval_dataset", limit=limit))
+        loaded = _object_records(config, eval_dataset, label="eval_dataset", limit=limit)
+        evals = encode(loaded.records)
     else:
         # Generated sources hold out their own problems (another seed) unless told otherwise.
         generated = d.source in DEMO_SOURCES or is_gym_source(d.source)
         eval_source = d.eval_source or (d.source if generated and train_dataset is None else None)
         if eval_source:
-            held_out = _load_records(config, eval_source, d.eval_split, eval_set=True)
+            held_out = _load_records(config, eval_source, d.eval_split, eval_set=True).records
             evals = encode(held_out[: config.run.eval_prompts])
     if config.run.eval_every and evals is None:
         raise ConfigError(
@@ -353,7 +371,7 @@ def extra_eval_sets(config: Config, tokenizer, episodes=None) -> dict[str, Any]:
         name = eval_set_name(source)
         if name in sets:
             raise ConfigError(f"data.extra_eval_sources: two sets are named {name!r}")
-        records = _load_records(config, source, d.eval_split, eval_set=True)
+        records = _load_records(config, source, d.eval_split, eval_set=True).records
         sets[name] = encode(records[: config.run.eval_prompts])
     return sets
 
