@@ -195,9 +195,14 @@ def test_read_only_creates_moves_and_records_nothing(saved, tmp_path, caplog):
     missing = tmp_path / "none" / "checkpoints"
     assert Checkpointer(missing, read_only=True).restore_latest(_state(0))[0] == 0
     assert not missing.parent.exists()
-    # A training run's checkpointer drops the unfinished save (and would move step 2 aside).
-    Checkpointer(saved, keep_last=3).close()
-    assert sorted(p.name for p in saved.iterdir()) == ["1", "2"]
+    # A training run's checkpointer drops the unfinished save before its own, without a word.
+    caplog.clear()
+    writer = Checkpointer(saved, keep_last=3)
+    with caplog.at_level(logging.WARNING):
+        writer.save(3, _state(3), host={"step": 3})
+        writer.close()
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert sorted(p.name for p in saved.iterdir()) == ["1", "2", "3"]
 
 
 def test_no_intact_step_is_one_line_and_moves_nothing(saved):

@@ -22,7 +22,9 @@ from delta_jax.rl.metrics_log import read_metrics
 from tests.rl.test_loop import ROOT, _cli
 
 EXTRA = ("run.steps=6", "run.save_every=3", "run.keep_last=3", "reward.num_workers=0")
-NOISE = re.compile(r"warning|traceback|exception ignored|error", re.IGNORECASE)
+# What a user would read as a problem. After a kill there is none at all: a kill damages nothing
+# (real damage gets one warning line, see test_damaged_checkpoint.py).
+NOISE = re.compile(r"warning|traceback|exception ignored", re.IGNORECASE)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +133,7 @@ def test_kills_at_every_moment_of_a_save_resume_to_the_uninterrupted_metrics(
     proc = subprocess.run(
         _cli(run, demo_model_dir, *EXTRA), env=env, cwd=ROOT, capture_output=True, text=True
     )
-    assert proc.returncode == 0 and len(_noise(proc.stdout + proc.stderr)) <= 1, proc.stderr
+    assert proc.returncode == 0 and not _noise(proc.stdout + proc.stderr), proc.stderr
     assert not (tmp_path / "run" / "checkpoints_damaged").exists()  # a kill damages nothing
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 7))  # no step twice, none missing
