@@ -53,6 +53,7 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
 log = logging.getLogger(__name__)
 RECORD = "integrity.json"
+_RECORD_TMP = "integrity.tmp"  # written, then renamed to RECORD
 RESTORE_TRIES = 3
 # TensorStore status codes that mean the bytes on disk are wrong, not that reading them failed.
 _DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "INVALID_ARGUMENT")
@@ -78,7 +79,7 @@ def _file_sizes(step_dir: Path) -> dict[str, int]:
     return {
         str(f.relative_to(step_dir)): f.stat().st_size
         for f in sorted(step_dir.rglob("*"))
-        if f.is_file() and f.name != RECORD
+        if f.is_file() and f.name not in (RECORD, _RECORD_TMP)
     }
 
 
@@ -256,7 +257,7 @@ class Checkpointer:
             record = self._step_dir(step) / RECORD
             if not record.exists():
                 _test_kill("record", step)
-                tmp = record.with_suffix(".tmp")
+                tmp = record.with_name(_RECORD_TMP)
                 tmp.write_text(json.dumps(_file_sizes(self._step_dir(step))))
                 tmp.rename(record)
 

@@ -95,12 +95,14 @@ def test_step_without_record_is_checked_by_what_a_restore_reads(saved, damage, c
 
 
 def test_intact_step_without_record_restores(saved):
+    (saved / "2" / "integrity.tmp").write_text("{")  # killed while writing the record
     ckpt = Checkpointer(saved, keep_last=3)
     assert ckpt.damage(2) is None
     step, _, host = ckpt.restore_latest(_state(0))
     ckpt.close()
     assert (step, host) == (2, {"step": 2})
     assert (saved / "2" / RECORD).exists()  # recorded once restored (no save in flight)
+    assert Checkpointer(saved, read_only=True).damage(2) is None
 
 
 def test_failing_read_is_retried_then_one_line_error_and_nothing_moved(
