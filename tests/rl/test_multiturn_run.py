@@ -48,11 +48,20 @@ def test_every_loss_trains_on_multi_turn_episodes(tmp_path, demo_model_dir, loss
         assert not np.array_equal(before, np.asarray(trainer.params["embed"][...]))
     # "Answer: ..." ends its first turn at "er": most episodes got an observation.
     assert row["reward/saw_observation"] > 1.0
-    assert 1.2 < row["episode/turns"] <= 3.0
+    # Not every one, and none ends a second turn: the barely warmed-up demo model (30 warm-up
+    # steps) writes "Answer" in 11 of the 16 episodes of the first step, and after the
+    # observation never "er" again within its 32 tokens; measured 1.6875 turns an episode
+    # (11 x 2 + 5 x 1) / 16 for every loss (the first rollout precedes any update), none at
+    # the turn limit of 3. So: more than half the episodes took a second turn, none a third.
+    assert 1.5 < row["episode/turns"] <= 2.0 and row["episode/turn_limit"] == 0
     assert row["episode/env_errors"] == 0 and row["episode/tool_calls"] == 0
     assert 0 < row["rollout/observation_share"] < 1
     assert 0 < row["batch/action_fraction"] < 1
-    assert np.isfinite(row["loss"]) and row["time/tool_wait"] >= 0
+    assert np.isfinite(row["loss"])
+    # Echo answers at once: the engine waits for it only while no other sequence can run (a
+    # part of the rollout's time; measured 0.0 s, the episodes without a turn's end decode
+    # meanwhile). tests/sampling/test_multiturn.py shows the wait when nothing else can run.
+    assert 0.0 <= row["time/tool_wait"] <= row["time/rollout"]
 
 
 @pytest.mark.slow  # two trainers
