@@ -103,6 +103,7 @@ def test_objects_replace_what_the_config_builds(tmp_path, demo_model_dir):
         "rollout.prompts_per_step": 2,
         "rollout.samples_per_prompt": 4,
         "rollout.max_new_tokens": 6,
+        "rollout.dynamic_sampling_rounds": 0,  # one engine call: its figures are checked below
         "reward.num_workers": 1,
     }
     with Trainer(
@@ -120,8 +121,28 @@ def test_objects_replace_what_the_config_builds(tmp_path, demo_model_dir):
         total = row["reward/math"] + 0.5 * row["reward/brevity"]
         assert row["reward_mean"] == pytest.approx(total, abs=1e-6)
         assert 0 < row["reward/brevity"] < 1
-        assert row["rollout/occupancy"] > 0 and row["rollout/preemptions"] >= 0
-        assert row["rollout/pages_peak"] >= 1
+        # One engine call: 2 prompts x 4 samples of 6 tokens, prompts of 6 characters. Each
+        # data group of the sampling mesh runs its own slots (4 groups on the 8 test devices:
+        # the demo model's 2 KV heads make tensor groups of 2), a prompt's samples in one
+        # group, a group's slots capped at its prompts' rows: 2 groups run 4 slots each, the
+        # others idle (measured: occupancy 0.5, 5 pages).
+        sampler = trainer.sampler
+        groups = 1 if sampler.mesh is None else sampler.mesh.shape["data"]
+        per_group = -(-2 // groups)
+        slots = groups * min(-(-sampler.decode_slots // groups), per_group * 4)
+        # Every row joins at once (the default pool holds them) and the groups decode in step,
+        # so the chunks run as many steps as the longest row: at most slots x longest
+        # slot-steps, of which the rows use 8 x mean.
+        busy = 8 / slots
+        lengths = row["response_length_mean"] / row["response_length_max"]
+        assert busy * lengths <= row["rollout/occupancy"] <= busy
+        assert row["rollout/preemptions"] == 0
+        # A prompt keeps its prefix (all but its last token; at most 15 tokens, under
+        # data.max_prompt_length) in one shared page; each sample owns the page the prefix ends
+        # in (copied) and, when its 6 tokens cross a page's end, the next one. The prompts have
+        # one length, so all 4 samples own as many pages.
+        assert sampler.page_size == 16
+        assert row["rollout/pages_peak"] in [per_group * (1 + 4 * own) for own in (1, 2)]
         assert not np.array_equal(before, np.asarray(trainer.params["embed"][...]))
         assert "eval/avg@1" in trainer.evaluate()
         assert trainer.save() == tmp_path / "run" / "checkpoints" / "1"
