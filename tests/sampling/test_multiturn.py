@@ -145,7 +145,12 @@ def reference(models, request):
     return stop_ids, sequences, *_reference(hf, [(t,) for t in stop_ids] + list(sequences))
 
 
-def test_multiturn_episodes_equal_reprefilling_the_history(models, reference):
+# Every paged attention path that runs on CPU: ``dense`` (what ``attention="auto"`` and so the
+# trainer pick on CPU: its decode chunks read per-chunk views, written back to the pages at the
+# chunk's end, and its observations are prefilled through page tables) and ``xla`` (GPU, and
+# the prefill of every accelerator path: flat page lists).
+@pytest.mark.parametrize("attention", ["dense", "xla"])
+def test_multiturn_episodes_equal_reprefilling_the_history(models, reference, attention):
     _, model = models
     stop_ids, sequences, expected, expected_actions, expected_calls = reference
     # 3 slots for 5 episodes; a pool of 23 usable pages of 4 tokens, where one episode needs
@@ -166,7 +171,7 @@ def test_multiturn_episodes_equal_reprefilling_the_history(models, reference):
         page_size=4,
         num_pages=num_pages,
         decode_chunk=chunk,
-        attention="xla",
+        attention=attention,
     )
     out = sampler.generate(
         PROMPTS,
@@ -209,6 +214,29 @@ def test_episodes_that_end_on_the_host_end_the_call(models):
     out = sampler.generate(PROMPTS, max_new_tokens=BUDGET, temperature=0.0, turns=turns)
     assert out.tokens == expected
     assert out.engine_stats.handovers == sum(_ends_turn(t, [stop_ids]) for t in expected)
+    # Every answer was ready at its hand-over: the engine never waited on the host.
+    assert out.engine_stats.wait_s == 0.0
+
+
+def test_the_engine_waits_on_the_host_when_nothing_else_can_run(models):
+    """``EngineStats.wait_s`` (the trainer's ``time/tool_wait``) is host time blocked on
+    observations while no sequence can run: one episode whose first turn ends at the stop id,
+    answered (episode over) 0.2 s after its hand-over, leaves the engine nothing else to do."""
+    hf, model = models
+    stop_ids, _ = _turn_stops(hf, "stop_id")
+    greedy = ((p, _hf_greedy(hf, p, BUDGET, [stop_ids])) for p in PROMPTS)
+    prompt, first = next((p, t) for p, t in greedy if _ends_turn(t, [stop_ids]))
+    delay = 0.2
+    host = concurrent.futures.ThreadPoolExecutor(1)
+    sampler = Sampler(model, engine="continuous", stop_token_ids=(), decode_slots=2)
+    turns = Turns(stop_ids, MAX_TURNS, lambda r, turn: host.submit(time.sleep, delay))
+    start = time.perf_counter()
+    out = sampler.generate([prompt], max_new_tokens=BUDGET, temperature=0.0, turns=turns)
+    elapsed = time.perf_counter() - start
+    host.shutdown()
+    assert out.tokens == [first] and out.engine_stats.handovers == 1
+    # From the hand-over to the wait the engine only does host bookkeeping (well under 0.1 s).
+    assert delay / 2 < out.engine_stats.wait_s <= elapsed
 
 
 @pytest.mark.parametrize(
