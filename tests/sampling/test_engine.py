@@ -292,6 +292,38 @@ def test_trainer_defaults_run_without_idle_slots_or_preemption(model, n):
     assert stats.free_pages_after == (stats.group_pages - 1,)
 
 
+@pytest.mark.parametrize("n", [1, 3, 8, 64])
+def test_the_default_pool_never_preempts_while_slots_are_refilled(model, n):
+    """192 ragged rows on the trainer's 64 decode slots with the default pool (sized for what
+    running sequences hold, ``Sampler.num_pages``): prompts of 1-60 tokens (one to four prompt
+    pages), budgets of 4-40 tokens per row and no stop ids. Slots are refilled as rows end and
+    prompts join next to running ones, and no sequence is ever preempted, for n = 1, 3 (a
+    prompt's samples split over a refill: 64 slots are 21 groups and one sample), 8 and the
+    whole slot set."""
+    from delta_jax.config import RolloutConfigSection
+
+    r = RolloutConfigSection()
+    sampler = Sampler(
+        model,
+        stop_token_ids=(),
+        engine="continuous",
+        decode_slots=r.decode_slots,
+        page_size=r.page_size,
+        num_pages=r.num_pages or None,
+    )
+    rows = 3 * r.decode_slots
+    rng = np.random.default_rng(n)
+    prompts = [rng.integers(1, 96, int(rng.integers(1, 61))).tolist() for _ in range(rows // n)]
+    budgets = rng.integers(4, 41, rows).tolist()
+    out = sampler.generate(prompts, max_new_tokens=budgets, n=n, temperature=1.0, seed=n)
+    stats = out.engine_stats
+    assert out.lengths == budgets  # no stop ids: every row wrote its whole budget
+    assert stats.preemptions == 0
+    # Refills: 64 slots that each ran one sequence would have written at most 64 x 40 tokens.
+    assert stats.useful_steps == sum(budgets) > r.decode_slots * max(budgets)
+    assert stats.free_pages_after == (stats.group_pages - 1,)
+
+
 def test_ragged_tail_decodes_on_fewer_rows(model):
     """8 slots, a long sequence and 7 short ones: the first chunk ends where at most half its
     rows are busy (4 steps, the chunk length), then the long one decodes on one row (the
