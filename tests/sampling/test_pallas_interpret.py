@@ -1,0 +1,119 @@
+"""The TPU decode path run on CPU: JAX's Pallas ragged paged attention kernel, the decode slots
+split into kernel calls that fit the TPU's scalar memory (``smem.row_chunks``), executed in
+Pallas' interpret mode and compared with the XLA path (one decode step's attention, and the
+engine's whole generations).
+
+Interpret mode: ``pltpu.force_tpu_interpret_mode(True)`` runs every Pallas call traced under it
+with ``interpret=True``, the kernel's body lowered to plain XLA:CPU ops (its DMAs, semaphores
+and scalar-prefetched page table included), so no engine switch is needed. ``True`` rather than
+``InterpretParams()``: JAX 0.10's TPU simulator cannot read the reshaped VMEM buffer this kernel
+loads its pages through (``ReshapeTransform`` has no ``indices``).
+
+The real SMEM budget splits a call only past ~2,000 slots for tables this narrow (compile-only
+boundary tests in test_smem.py); here the budget is what 8 slots of the table need, so that 12
+or 20 slots go through the kernel in 2 or 3 calls.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from delta_jax.models import ModelConfig, Transformer
+from delta_jax.sampling import Sampler, paged, smem
+from tests.sampling.test_paged import _flat, _oracle
+
+pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+
+# float32 end to end; the kernel's online softmax and the XLA path's page-block merge differ
+# only in summation order (measured: 5e-7 against the float64 oracle, 2e-6 on log-probs).
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def interpret():
+    """Interpret mode, and the slot split at 8 slots a call (records each traced split)."""
+    from jax._src import literals
+
+    calls = []
+
+    def row_chunks(rows, width, real=smem.row_chunks):
+        chunks = real(rows, width, smem.page_table_smem_bytes(8, width))
+        calls.append(chunks)
+        return chunks
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(smem, "row_chunks", row_chunks)
+        # JAX 0.10's interpreter discharges a store at a literal int index (the kernel's
+        # ``seq_buf_idx_ref[0] = ...``) by reading the index's ``shape``, which its literal ints
+        # (``TypedInt``) lack: give them the shape of the scalar they are.
+        if not hasattr(literals.TypedInt, "shape"):
+            mp.setattr(literals.TypedInt, "shape", (), raising=False)
+        with pltpu.force_tpu_interpret_mode(True):
+            yield calls
+
+
+def test_kernel_in_slot_chunks_matches_the_xla_path_and_the_oracle(interpret):
+    """20 slots in 3 kernel calls (8, 8, 4), 4-page tables of 16-token pages, GQA (4 query
+    heads on 2 KV heads, head dim 128: the kernel's lane width): ragged lengths from 1 to 64
+    positions, and an idle slot (its output is discarded by the engine)."""
+    rng = np.random.default_rng(0)
+    B, N, K, D, page_size, num_pages, width = 20, 4, 2, 128, 16, 90, 4
+    kv = rng.standard_normal((num_pages, page_size, 2 * K, D)).astype(np.float32)
+    q = rng.standard_normal((B, 1, N, D)).astype(np.float32)
+    lengths = np.concatenate([[1, 16, 17, 64], rng.integers(1, width * page_size + 1, B - 4)])
+    pages = rng.permutation(np.arange(1, num_pages))  # page 0 is the scratch page
+    tables, at = [], 0
+    for n in -(-lengths // page_size):
+        tables.append(pages[at : at + n].tolist())
+        at += n
+    table = np.zeros((B, width), np.int32)  # unused entries: the scratch page
+    for b, t in enumerate(tables):
+        table[b, : len(t)] = t
+    positions = (lengths - 1)[:, None].astype(np.int32)  # the query's own position
+    valid = np.ones((B, 1), bool)
+    valid[7] = False  # idle: the kernel reads its scratch page only
+
+    got = jax.jit(paged._pallas_attention)(q, kv, positions, valid, table)
+    assert interpret[-1] == [(0, 8), (8, 8), (16, 4)]
+    got = np.asarray(got)
+    live = valid[:, 0]
+    flat = paged.PageList(**{k: jnp.asarray(v) for k, v in _flat(tables, B, size=64).items()})
+    xla = np.asarray(jax.jit(paged._xla_attention)(q, kv, positions, flat))
+    np.testing.assert_allclose(got[live], xla[live], atol=ATOL, rtol=ATOL)
+    want = _oracle(q, kv, positions, tables, page_size)
+    np.testing.assert_allclose(got[live], want[live], atol=ATOL, rtol=ATOL)
+    assert np.isfinite(got[~live]).all()
+
+
+def test_engine_decodes_on_the_kernel_as_on_the_xla_path(interpret):
+    """The continuous engine with ``attention="pallas"`` (prefill on the XLA path, every decode
+    step through the kernel, 12 slots in 2 calls) draws the XLA engine's tokens with its
+    log-probs: 6 prompts of 1-13 tokens x 2 samples, 12 tokens each at temperature 1."""
+    cfg = ModelConfig.tiny("qwen3", vocab_size=96, head_dim=128, num_layers=1)
+    model = Transformer(cfg, rngs=nnx.Rngs(3))
+    _, params = nnx.split(model, nnx.Param)  # peaked: x4 as the other sampling tests' model
+    nnx.update(model, jax.tree.map(lambda x: x * 4.0 if x.ndim == 2 else x, params))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 96, int(rng.integers(1, 14))).tolist() for _ in range(6)]
+    kw = dict(max_new_tokens=12, n=2, temperature=1.0, seed=4)
+    engine = functools.partial(
+        Sampler, model, stop_token_ids=(), engine="continuous", decode_slots=12, page_size=4
+    )
+    want = engine(attention="xla").generate(prompts, **kw)
+    before = len(interpret)
+    got = engine(attention="pallas").generate(prompts, **kw)
+    assert [(0, 8), (8, 4)] in interpret[before:]  # the decode program's split
+    assert got.tokens == want.tokens and got.lengths == [12] * 12
+    np.testing.assert_allclose(
+        np.asarray(got.logprob_array), np.asarray(want.logprob_array), atol=ATOL
+    )
+    np.testing.assert_allclose(
+        np.asarray(got.untruncated_logprob_array),
+        np.asarray(want.untruncated_logprob_array),
+        atol=ATOL,
+    )
+    assert len({t for row in got.tokens for t in row}) > 20  # the draws are not degenerate
