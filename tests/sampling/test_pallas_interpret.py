@@ -91,23 +91,26 @@ def test_kernel_in_slot_chunks_matches_the_xla_path_and_the_oracle(interpret):
 
 def test_engine_decodes_on_the_kernel_as_on_the_xla_path(interpret):
     """The continuous engine with ``attention="pallas"`` (prefill on the XLA path, every decode
-    step through the kernel, 12 slots in 2 calls) draws the XLA engine's tokens with its
-    log-probs: 6 prompts of 1-13 tokens x 2 samples, 12 tokens each at temperature 1."""
+    step through the kernel) draws the XLA engine's tokens with its log-probs: 9 prompts of
+    1-13 tokens x 2 samples with budgets of 4-12 tokens at temperature 1, 18 rows on 12 slots
+    (2 kernel calls a step), refilled as rows end: the tail runs on 8 slots, some idle."""
     cfg = ModelConfig.tiny("qwen3", vocab_size=96, head_dim=128, num_layers=1)
     model = Transformer(cfg, rngs=nnx.Rngs(3))
     _, params = nnx.split(model, nnx.Param)  # peaked: x4 as the other sampling tests' model
     nnx.update(model, jax.tree.map(lambda x: x * 4.0 if x.ndim == 2 else x, params))
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(1, 96, int(rng.integers(1, 14))).tolist() for _ in range(6)]
-    kw = dict(max_new_tokens=12, n=2, temperature=1.0, seed=4)
+    prompts = [rng.integers(1, 96, int(rng.integers(1, 14))).tolist() for _ in range(9)]
+    budgets = rng.integers(4, 13, 9).tolist()
+    kw = dict(max_new_tokens=budgets, n=2, temperature=1.0, seed=4)
     engine = functools.partial(
         Sampler, model, stop_token_ids=(), engine="continuous", decode_slots=12, page_size=4
     )
     want = engine(attention="xla").generate(prompts, **kw)
     before = len(interpret)
     got = engine(attention="pallas").generate(prompts, **kw)
-    assert [(0, 8), (8, 4)] in interpret[before:]  # the decode program's split
-    assert got.tokens == want.tokens and got.lengths == [12] * 12
+    # The decode programs traced: 12 slots in two kernel calls, then the tail's 8 in one.
+    assert interpret[before:] == [[(0, 8), (8, 4)], [(0, 8)]]
+    assert got.tokens == want.tokens and got.lengths == [b for b in budgets for _ in range(2)]
     np.testing.assert_allclose(
         np.asarray(got.logprob_array), np.asarray(want.logprob_array), atol=ATOL
     )
