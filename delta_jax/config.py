@@ -150,7 +150,9 @@ class RolloutConfigSection:
     max_turns: int = 1
     # An observation longer than this (tokens) is cut middle-out before it enters the context.
     max_observation_tokens: int = 256
-    tool_timeout_s: float = 10.0  # python_tool: wall-clock limit of one call (> 0)
+    # Wall-clock limit (> 0) of one call: python_tool's code runs; for any other environment,
+    # its factory, reset and step (past it the episode ends, counted in episode/env_errors).
+    tool_timeout_s: float = 10.0
     # python_tool's call format: "tool_call" (Qwen3's <tool_call> JSON, the tool declared in
     # the chat template), "fenced" (a ```python block, for base models), "auto": "tool_call"
     # when the tokenizer has a chat template, else "fenced".
