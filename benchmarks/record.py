@@ -7,10 +7,8 @@ output as it printed it (stdout and stderr, also echoed to the terminal)::
     python benchmarks/record.py benchmarks/results/cpu/rollout_ragged.txt -- \\
         python benchmarks/rollout_ragged.py --prompts 16
 
-writes ``benchmarks/results/cpu/rollout_ragged.txt`` starting with::
-
-    # python benchmarks/rollout_ragged.py --prompts 16  (commit 941cc40, 2026-11-27 04:10 UTC, 2 CPUs, load 1.93)
-
+writes ``benchmarks/results/cpu/rollout_ragged.txt`` starting with the line
+``# <command>  (commit <hash>, <date> UTC, <n> CPUs, load <1-minute load average>)``,
 and ``python benchmarks/record.py --again FILE...`` runs each file's recorded command again (from
 the repository root, through ``bash``, so ``VAR=value`` prefixes work) and rewrites the file.
 A working tree with uncommitted changes is marked ``commit 941cc40+dirty``. A file is written
