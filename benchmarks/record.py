@@ -28,8 +28,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# libtpu's start-up complaint on a machine without TPUs (three lines per process)
-LIBTPU_NOISE = ("TPU_WORKER_HOSTNAMES", "=== Source Location Trace: ===", "libtpu_init_utils")
+# libtpu's start-up complaints on a machine without TPUs
+LIBTPU_NOISE = (
+    "TPU_WORKER_HOSTNAMES",
+    "=== Source Location Trace: ===",
+    "libtpu_init_utils",
+    "Failed to find host bounds for accelerator type",
+    "WARNING: Logging before InitGoogle() is written to STDERR",
+)
 # "# CMD  (commit ...)", and the older "# command: CMD" / "$ CMD   (...)" first lines
 FIRST_LINE = re.compile(r"^(?:# command: |# |\$ )(?P<command>.*?)(?:\s{2,}\(.*\))?\s*$")
 
