@@ -265,11 +265,8 @@ def test_decode_compiles_for_tpu_with_ragged_paged_attention():
     assert compiled.memory_analysis().temp_size_in_bytes > 0
 
 
-@pytest.mark.parametrize("n", [1, 2, 8, 32])
-def test_trainer_defaults_run_without_idle_slots_or_preemption(model, n):
-    """A 32-row rollout with the trainer's default engine settings (64 decode slots, pages of
-    16, the default pool): the slots are capped at the 32 rows and the pool holds every
-    sequence, for any n. Equal budgets, prompts ending anywhere in a page."""
+def _trainer_default_engine(model):
+    """The rollout config's defaults and a continuous engine with them (no stop ids)."""
     from delta_jax.config import RolloutConfigSection
 
     r = RolloutConfigSection()
@@ -281,6 +278,15 @@ def test_trainer_defaults_run_without_idle_slots_or_preemption(model, n):
         page_size=r.page_size,
         num_pages=r.num_pages or None,
     )
+    return r, sampler
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 32])
+def test_trainer_defaults_run_without_idle_slots_or_preemption(model, n):
+    """A 32-row rollout with the trainer's default engine settings (64 decode slots, pages of
+    16, the default pool): the slots are capped at the 32 rows and the pool holds every
+    sequence, for any n. Equal budgets, prompts ending anywhere in a page."""
+    r, sampler = _trainer_default_engine(model)
     rng = np.random.default_rng(n)
     prompts = [rng.integers(1, 96, int(rng.integers(2, 40))).tolist() for _ in range(32 // n)]
     out = sampler.generate(prompts, max_new_tokens=20, n=n, temperature=1.0, seed=n)
@@ -300,17 +306,7 @@ def test_the_default_pool_never_preempts_while_slots_are_refilled(model, n):
     prompts join next to running ones, and no sequence is ever preempted, for n = 1, 3 (a
     prompt's samples split over a refill: 64 slots are 21 groups and one sample), 8 and the
     whole slot set."""
-    from delta_jax.config import RolloutConfigSection
-
-    r = RolloutConfigSection()
-    sampler = Sampler(
-        model,
-        stop_token_ids=(),
-        engine="continuous",
-        decode_slots=r.decode_slots,
-        page_size=r.page_size,
-        num_pages=r.num_pages or None,
-    )
+    r, sampler = _trainer_default_engine(model)
     rows = 3 * r.decode_slots
     rng = np.random.default_rng(n)
     prompts = [rng.integers(1, 96, int(rng.integers(1, 61))).tolist() for _ in range(rows // n)]
