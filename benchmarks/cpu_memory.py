@@ -1,7 +1,8 @@
 """Host memory of RL steps, phase by phase: peak resident memory (RSS) while each phase runs, RSS
 and the bytes of live JAX arrays after it, for a config's first steps on this machine.
 
-    python benchmarks/cpu_memory.py --config configs/smollm2_arith.yaml --steps 2 run.eval_every=0
+    python benchmarks/cpu_memory.py --config configs/smollm2_arith.yaml --steps 2 \
+        run.eval_every=0 data.extra_eval_sources=null   # evaluations off
 
 Phases: building the trainer, evaluation (when ``run.eval_every`` > 0), rollout (sampling and
 rewards), prepare (the batch of the update) and update (the jitted train step). RSS is sampled
