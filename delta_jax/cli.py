@@ -209,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from delta_jax import distributed
+
+    distributed.leave_out_absent_tpu()  # before anything starts a JAX backend
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -218,8 +221,6 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("absl", "jax._src", "orbax", "httpx", "matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.command != "plan":  # the planner works on fake devices, never a cluster
-        from delta_jax import distributed
-
         distributed.initialize()
     try:
         return args.fn(args)

@@ -69,6 +69,56 @@ def _on_tpu_vm() -> bool:
     )
 
 
+def _accelerator_plugins() -> list[str]:
+    """JAX plugins for accelerators other than TPU (CUDA, ROCm, ...) installed here."""
+    import importlib.metadata
+    import pkgutil
+
+    names = [e.name for e in importlib.metadata.entry_points(group="jax_plugins")]
+    try:
+        import jax_plugins
+
+        names += [m.name for m in pkgutil.iter_modules(jax_plugins.__path__)]
+    except ImportError:
+        pass
+    return names
+
+
+def _tpu_attached() -> bool:
+    """A TPU chip on this machine's PCI bus (Google's vendor id), or a TPU-VM environment."""
+    import glob
+
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            if open(vendor).read().strip() == "0x1ae0":
+                return True
+        except OSError:
+            continue
+    return _on_tpu_vm()
+
+
+def leave_out_absent_tpu() -> bool:
+    """Runs JAX on CPU where libtpu is installed but no TPU is attached and nothing else is.
+
+    libtpu comes with the ``tpu`` and ``test`` extras, because the planner compiles for TPU
+    topologies without a TPU. JAX's automatic platform choice then starts the TPU runtime on
+    every command, which fails and prints its probe (host bounds, worker hostnames) to stderr
+    before the command's first line. The commands call this first: when the user chose no
+    platforms (``JAX_PLATFORMS``, ``JAX_FORCE_TPU_INIT``), no TPU is attached and no other
+    accelerator plugin is installed, the CPU is the only backend JAX could start, so it is
+    named. The planner's compile-only TPU client is unaffected (it loads libtpu itself).
+
+    Returns:
+      True when the platforms were set to CPU.
+    """
+    if os.environ.get("JAX_PLATFORMS") or "JAX_FORCE_TPU_INIT" in os.environ:
+        return False
+    if jax.config.jax_platforms or _accelerator_plugins() or _tpu_attached():
+        return False
+    jax.config.update("jax_platforms", "cpu")
+    return True
+
+
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
