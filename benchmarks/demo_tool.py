@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from delta_jax.rl.metrics_log import read_metrics
+from delta_jax.diagnostics.metrics_log import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"tool": (), "no_tool": ("rollout.max_turns=1",)}

@@ -38,7 +38,7 @@ from delta_jax.compare import (
     summarize,
     summary_markdown,
 )
-from delta_jax.rl.metrics_log import read_metrics
+from delta_jax.diagnostics.metrics_log import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "runs" / "evidence"

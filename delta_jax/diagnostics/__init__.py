@@ -1,4 +1,5 @@
-"""Diagnostics: DelTA token heatmaps, coefficient statistics over training, learning curves.
+"""Diagnostics: the metrics log (JSONL), DelTA token heatmaps, coefficient statistics over
+training, learning curves.
 
 Typical use::
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from delta_jax.rl.metrics_log import read_metrics
+from delta_jax.diagnostics.metrics_log import read_metrics
 
 DEFAULT_PANELS = ("reward_mean", "eval/avg@1", "loss", "response_length_mean")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from delta_jax.diagnostics.capture import CoefficientBatch
-from delta_jax.rl.metrics_log import read_metrics
+from delta_jax.diagnostics.metrics_log import read_metrics
 
 DELTA_KEYS = (
     "delta/gamma_pos",

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from delta_jax import sharding as sh
-from delta_jax.config import Config, ConfigError
+from delta_jax.config import Config, ConfigError, load_config
 from delta_jax.data import LoadResult, PromptPipeline, PromptRecord, encode_prompts, load_records
 from delta_jax.data.gym import GYM_ENTRY, is_gym_source
 from delta_jax.data.objects import RowConverter, StreamPrompts, is_stream, records_from_object
@@ -138,13 +138,34 @@ def special_token_ids(tokenizer, model) -> tuple[int, tuple[int, ...]]:
     return (pad if pad is not None else 0), stop_ids
 
 
+def demo_model_dir(config: Config, run_dir: Path) -> Path:
+    """The demo model's directory in the run: warmed up once, by process 0 (the others load
+    what it saved); a resumed run finds it there."""
+    from delta_jax import distributed
+    from delta_jax.demo import warm_up_demo_model
+
+    m, path = config.model, run_dir / "demo_model"
+    if distributed.is_main_process():
+        warm_up_demo_model(
+            path,
+            steps=m.demo_warmup_steps,
+            lr=m.demo_warmup_lr,
+            noise=m.demo_warmup_noise,
+            seed=config.run.seed,
+            target_accuracy=m.demo_warmup_target,
+            template=config.data.demo_template,
+        )
+    distributed.barrier("demo-model")
+    return path
+
+
 def load_model(config: Config, run_dir: Path, *, model=None, tokenizer=None):
     """The run's policy and tokenizer: the objects given, else built from ``config.model``.
 
-    The demo model is warmed up once, by process 0. A given model is used as it is, except that
+    ``model.path`` names a directory, a hub id (downloaded once), a ``.gguf`` file or the demo
+    model (warmed up once, :func:`demo_model_dir`). A given model is used as it is, except that
     ``model.lora_rank > 0`` adds adapters to one that has none (what the config would build).
     """
-    from delta_jax.demo import warm_up_demo_model
     from delta_jax.models import from_pretrained, load_tokenizer, resolve_model_dir
 
     m = config.model
@@ -155,20 +176,7 @@ def load_model(config: Config, run_dir: Path, *, model=None, tokenizer=None):
         )
     path: str | Path = m.path
     if m.path == DEMO_MODEL and model is None:
-        from delta_jax import distributed
-
-        path = run_dir / "demo_model"
-        if distributed.is_main_process():  # one writer; the others load what it saved
-            warm_up_demo_model(
-                path,
-                steps=m.demo_warmup_steps,
-                lr=m.demo_warmup_lr,
-                noise=m.demo_warmup_noise,
-                seed=config.run.seed,
-                target_accuracy=m.demo_warmup_target,
-                template=config.data.demo_template,
-            )
-        distributed.barrier("demo-model")
+        path = demo_model_dir(config, run_dir)
     if model is None or tokenizer is None:
         path = resolve_model_dir(str(path), revision=m.revision)  # a hub id: downloaded once
     if model is None:
@@ -198,6 +206,34 @@ def load_model(config: Config, run_dir: Path, *, model=None, tokenizer=None):
             f"{model.config.vocab_size} rows: resize the model's embeddings to the tokenizer"
         )
     return model, tokenizer
+
+
+def restore_policy(run_dir: Path, step: int | None):
+    """The policy model of a run, with parameters from its checkpoint (latest by default).
+
+    Read-only: nothing in the run is moved or written. Without ``step``, damaged newer steps
+    are skipped for the newest intact one, named in one warning line and left in place (a
+    training run resuming later moves them aside); a damaged ``step`` is a one-line error.
+    """
+    from flax import nnx
+
+    from delta_jax.checkpoint import Checkpointer
+    from delta_jax.rl.state import init_train_state, make_optimizer
+
+    config = load_config(run_dir / "config.yaml")
+    model, tokenizer = load_model(config, run_dir)
+    ckpt = Checkpointer(run_dir / "checkpoints", read_only=True)
+    _, params = nnx.split(model, nnx.Param)
+    state = init_train_state(params, make_optimizer(config.optim, total_updates=1))
+    if step is None:
+        step, state, _ = ckpt.restore_latest(state)
+    else:
+        state, _ = ckpt.restore(step, state)
+    if not step:
+        raise ConfigError(f"{run_dir}: no checkpoint found under {run_dir / 'checkpoints'}")
+    ckpt.close()
+    nnx.update(model, state.params)
+    return model, tokenizer, step
 
 
 def _gym_records(config: Config, source: str, *, eval_set: bool) -> list[PromptRecord]:

@@ -43,7 +43,7 @@ from flax import nnx
 from delta_jax import sharding as sh
 from delta_jax.checkpoint import Checkpointer
 from delta_jax.config import Config, ConfigError, load_config
-from delta_jax.rl.metrics_log import MetricsLog
+from delta_jax.diagnostics.metrics_log import MetricsLog
 from delta_jax.rl.rollout import Rollout, collect_rollout
 from delta_jax.rl.setup import RunParts, build_run_parts
 from delta_jax.rl.state import init_sharded_state, make_optimizer

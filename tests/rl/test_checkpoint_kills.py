@@ -18,7 +18,7 @@ import time
 import pytest
 
 from delta_jax.checkpoint import RECORD
-from delta_jax.rl.metrics_log import read_metrics
+from delta_jax.diagnostics.metrics_log import read_metrics
 from tests.rl.test_loop import ROOT, _cli
 
 EXTRA = ("run.steps=6", "run.save_every=3", "run.keep_last=3", "reward.num_workers=0")

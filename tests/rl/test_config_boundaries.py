@@ -20,8 +20,8 @@ from delta_jax.config import (
     RunConfigSection,
     load_config,
 )
+from delta_jax.diagnostics.metrics_log import read_metrics
 from delta_jax.rl import train
-from delta_jax.rl.metrics_log import read_metrics
 from delta_jax.rl.state import make_optimizer
 from tests.rl.conftest import tiny_overrides
 

@@ -11,8 +11,8 @@ import pytest
 from delta_jax.checkpoint import RECORD, CheckpointError
 from delta_jax.cli import main
 from delta_jax.config import load_config
+from delta_jax.diagnostics.metrics_log import read_metrics
 from delta_jax.rl import train
-from delta_jax.rl.metrics_log import read_metrics
 from tests.rl.conftest import tiny_overrides
 from tests.rl.test_loop import DEMO
 

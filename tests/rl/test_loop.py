@@ -15,9 +15,9 @@ import pytest
 
 from delta_jax.checkpoint import Checkpointer
 from delta_jax.config import ConfigError, load_config
+from delta_jax.diagnostics.metrics_log import MetricsLog, read_metrics
 from delta_jax.rl import train
 from delta_jax.rl import update as update_mod
-from delta_jax.rl.metrics_log import MetricsLog, read_metrics
 from tests.rl.conftest import tiny_overrides
 
 ROOT = Path(__file__).parents[2]

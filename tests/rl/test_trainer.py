@@ -14,8 +14,8 @@ import pytest
 
 from delta_jax import Trainer
 from delta_jax.config import ConfigError, load_config
+from delta_jax.diagnostics.metrics_log import read_metrics
 from delta_jax.models import from_pretrained, load_tokenizer
-from delta_jax.rl.metrics_log import read_metrics
 from tests.rl.conftest import tiny_overrides
 
 ROOT = Path(__file__).parents[2]

@@ -2,7 +2,7 @@
 
 import json
 
-from delta_jax.rl.metrics_log import MetricsLog, read_metrics
+from delta_jax.diagnostics.metrics_log import MetricsLog, read_metrics
 
 
 def test_write_read_and_resume_truncation(tmp_path):
