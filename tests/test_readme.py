@@ -128,3 +128,12 @@ def test_documented_commands_parse_and_their_configs_load():
         if getattr(args, "config", None) is not None:
             assert (ROOT / args.config).exists(), f"{page}: {command}: no {args.config}"
             load_config(ROOT / args.config, getattr(args, "overrides", []))
+
+
+def test_readme_layout_names_every_top_level_module():
+    layout = (ROOT / "README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    package = ROOT / "delta_jax"
+    entries = [f"{p.name}/" for p in package.iterdir() if (p / "__init__.py").exists()]
+    entries += [p.name for p in package.glob("*.py") if p.name != "__init__.py"]
+    missing = sorted(e for e in entries if f"delta_jax/{e}" not in layout)
+    assert not missing, f"README's Layout misses {missing}"
