@@ -15,7 +15,7 @@ CPU processes talk through gloo collectives. After initialisation every process 
 and other single-copy files (:func:`is_main_process`, :func:`main_process_only`), while Orbax
 checkpoints are written by all processes together.
 
-Example:
+Examples:
   >>> from delta_jax import distributed
   >>> distributed.initialize()  # no-op without a coordinator in the environment  # doctest: +SKIP
   >>> if distributed.is_main_process():  # doctest: +SKIP

@@ -57,7 +57,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     Returns:
       A float in ``[0, 1]``.
 
-    Example:
+    Examples:
       >>> pass_at_k(4, 1, 2)
       0.5
     """
@@ -78,7 +78,7 @@ def normalize_answer(answer: str) -> str:
     ``\tfrac`` to ``\frac`` and drops a trailing period. Equivalent answers spelled differently
     (``0.5`` vs ``\frac12``) still count apart; correct ones are merged by :func:`majority_correct`.
 
-    Example:
+    Examples:
       >>> normalize_answer(r"\left( 1, \dfrac{1}{2} \right).")
       '(1,\\frac{1}{2})'
     """
@@ -118,7 +118,7 @@ def majority_correct(answers: Sequence[str | None], correct: Sequence[bool]) -> 
 def weighted_average(scores: Mapping[str, float], counts: Mapping[str, int]) -> float:
     """``Σ_b counts[b] · scores[b] / Σ_b counts[b]`` over the benchmarks ``b`` of ``scores``.
 
-    Example:
+    Examples:
       >>> weighted_average({"a": 10.0, "b": 20.0}, {"a": 30, "b": 10})
       12.5
     """

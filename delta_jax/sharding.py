@@ -17,7 +17,7 @@ trainer's devices for tensor-parallel decoding. In a multi-process (multi-host) 
 process calls the same functions with the same arguments; per-process batches become global
 arrays with :func:`host_local_batch_to_global`.
 
-Example:
+Examples:
   >>> mesh = make_mesh(2, 2, 2)  # doctest: +SKIP
   >>> params = shard_params(params, mesh)  # doctest: +SKIP
   >>> step = make_train_step(graphdef, opt, update_plan,
@@ -104,7 +104,7 @@ def topology(name: str) -> Topology:
     Returns:
       The :class:`Topology` (chips = size / 2 for v4 and v5p, whose names count TensorCores).
 
-    Example:
+    Examples:
       >>> topology("v5p-64").chips, topology("v5e-8").chips
       (32, 8)
     """
@@ -127,7 +127,7 @@ def topology(name: str) -> Topology:
 def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, int, int]:
     """Replaces the (at most one) ``-1`` in ``(data, fsdp, tensor)`` by the remaining devices.
 
-    Example:
+    Examples:
       >>> resolve_mesh_shape((-1, 2, 1), 8)
       (4, 2, 1)
     """
@@ -169,7 +169,7 @@ def make_mesh(
     Returns:
       A ``jax.sharding.Mesh`` with axis names ``("data", "fsdp", "tensor")``.
 
-    Example:
+    Examples:
       >>> make_mesh(-1, 2, 1).shape  # on 8 devices  # doctest: +SKIP
       {'data': 4, 'fsdp': 2, 'tensor': 1}
     """
@@ -343,7 +343,7 @@ def sampling_mesh(mesh: Mesh, kv_heads: int) -> Mesh:
     with ``tensor = gcd(kv_heads, devices)``: heads, MLP columns, the vocabulary and the KV
     heads split over ``tensor`` (:data:`SAMPLE_RULES`), decode slots over ``data``.
 
-    Example:
+    Examples:
       >>> sampling_mesh(make_mesh(1, 32, 1), kv_heads=8).shape  # doctest: +SKIP
       {'data': 4, 'fsdp': 1, 'tensor': 8}
     """

@@ -100,3 +100,20 @@ def test_record_writes_command_and_commit_and_reruns_it(tmp_path):
     assert record.main([str(out), "--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
     assert out.read_text().split("\n", 1)[1] == "42\n"
     assert not list(out.parent.glob("*.tmp"))
+
+
+def test_performance_page_dates_match_the_results():
+    """docs/performance.md dates each CPU measurement by the commit and time its result file
+    records: a rerun of the benchmark must update the page too."""
+    rows = re.findall(
+        r"^\|[^|\n]*\|[^|\n]*\| `(benchmarks/results/[^`]+)` \| ([0-9a-f]{7,40}), ([^|]+?) \|$",
+        (ROOT / "docs" / "performance.md").read_text(),
+        flags=re.M,
+    )
+    assert len(rows) >= 10
+    stale = []
+    for path, commit, date in rows:
+        first = (ROOT / path).read_text().split("\n", 1)[0]
+        if f"(commit {commit}, {date}," not in first:
+            stale.append(f"{path}: page says {commit}, {date}; file says {first!r}")
+    assert not stale, "\n".join(stale)

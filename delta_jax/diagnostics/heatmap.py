@@ -69,7 +69,7 @@ def coefficient_color(lam: float, advantage: float, lo: float, hi: float) -> tup
     Returns:
       Integers ``(h, s, l)``.
 
-    Example:
+    Examples:
       >>> coefficient_color(1.2, 1.0, 0.8, 1.2)
       (212, 80, 42)
     """

@@ -106,7 +106,7 @@ def render_observation(
     Returns:
       The text to append to the context after the turn (tokenise it without special tokens).
 
-    Example:
+    Examples:
       >>> render_observation("42")
       '\\n```output\\n42\\n```\\n'
     """

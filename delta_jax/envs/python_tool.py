@@ -138,7 +138,7 @@ class PythonTool:
       prompt_key: the row's field :meth:`reset` returns as the first user turn.
       namespaces: as in :func:`delta_jax.rewards.run_code`.
 
-    Example:
+    Examples:
       >>> env = PythonTool(call_format="fenced")
       >>> env.reset({"prompt": "What is 123 * 456?"})
       'What is 123 * 456?'

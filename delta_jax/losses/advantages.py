@@ -73,7 +73,7 @@ def grpo_advantages(
     Returns:
       ``float32 [B]`` advantages.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> [round(a, 3) for a in grpo_advantages(jnp.array([1.0, 0.0, 0.0, 0.0]), 2).tolist()]
       [0.707, -0.707, 0.0, 0.0]
@@ -98,7 +98,7 @@ def dr_grpo_advantages(rewards: Float[Array, " B"], group_size: int) -> Float[Ar
     Returns:
       ``float32 [B]`` advantages.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> dr_grpo_advantages(jnp.array([1.0, 0.0, 0.0, 0.0]), 2).tolist()
       [0.5, -0.5, 0.0, 0.0]
@@ -120,7 +120,7 @@ def rloo_advantages(rewards: Float[Array, " B"], group_size: int) -> Float[Array
     Returns:
       ``float32 [B]`` advantages.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> rloo_advantages(jnp.array([1.0, 0.0, 0.0]), 3).tolist()
       [1.0, -0.5, -0.5]
@@ -146,7 +146,7 @@ def batch_normalize(
     Returns:
       ``float32`` array shaped like ``values``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> batch_normalize(jnp.array([1.0, 2.0, 3.0, 100.0]), jnp.array([1, 1, 1, 0])).tolist()
       [-1.0, 0.0, 1.0, 0.0]
@@ -188,7 +188,7 @@ def reinforce_pp_baseline_advantages(
     Returns:
       ``float32 [B]`` advantages.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> adv = reinforce_pp_baseline_advantages(jnp.array([1.0, 0.0, 1.0, 1.0]), 2)
       >>> [round(a, 3) for a in adv.tolist()]
@@ -219,7 +219,7 @@ def informative_groups(rewards: Float[Array, " B"], group_size: int) -> Bool[Arr
     Returns:
       ``bool [G]``, ``G = B / group_size``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> informative_groups(jnp.array([1.0, 1.0, 0.0, 1.0]), 2).tolist()
       [False, True]
@@ -247,7 +247,7 @@ def overlong_penalty(
     Returns:
       ``float32 [B]`` penalties (<= 0 for ``factor >= 0``).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> overlong_penalty(jnp.array([6, 14, 16, 20]), max_response_length=16, buffer=8).tolist()
       [0.0, -0.75, -1.0, -1.0]

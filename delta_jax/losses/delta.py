@@ -239,13 +239,14 @@ def delta_coefficients_microbatched(
       token_ids: per micro-batch ``[b_i, T_i]``; only with ``proxy="hidden_topk"``.
       topk_logits: per micro-batch ``[b_i, T_i, k]``; only with ``proxy="hidden_topk"``.
       topk_ids: per micro-batch ``[b_i, T_i, k]``; only with ``proxy="hidden_topk"``.
-      **others: as :func:`delta_coefficients`.
+
+    The other keyword arguments are those of :func:`delta_coefficients`.
 
     Returns:
       A list of float32 ``[b_i, T_i]`` coefficients, and the diagnostics dict when
       ``return_diagnostics``.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> from delta_jax.losses import delta_coefficients_microbatched
       >>> hs = [jnp.ones((2, 3, 4), jnp.bfloat16), jnp.ones((2, 5, 4), jnp.bfloat16)]
@@ -372,7 +373,7 @@ def delta_coefficients(
     Raises:
       ValueError: on mismatched shapes, non-float ``hidden``/``logprobs``, or invalid options.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> from delta_jax.losses import delta_coefficients
       >>> k1, k2 = jax.random.split(jax.random.key(0))

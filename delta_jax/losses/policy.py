@@ -145,7 +145,7 @@ def loss_normalizer(
     Returns:
       A ``float32`` scalar.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> float(loss_normalizer(jnp.array([[1, 1, 0], [0, 0, 0]]), "seq-mean-token-mean"))
       1.0
@@ -257,14 +257,16 @@ def policy_loss(
       mask: ``[B, T]`` valid-token mask (non-zero = valid).
       coefficients: optional ``[B, T]`` per-token weights ``λ̄`` (e.g. ``delta_coefficients``).
       loss_type: ``"ppo"``, ``"gspo"`` or ``"sapo"``.
-      clip_eps_low, clip_eps_high: clip range ``[1−ε_low, 1+ε_high]``; None takes
-        :data:`DEFAULT_CLIP_EPS` of ``loss_type`` (0.2 / 0.28 for ppo, 3e-4 / 4e-4 for gspo).
+      clip_eps_low: ``ε_low`` of the clip range ``[1−ε_low, 1+ε_high]``; None takes
+        :data:`DEFAULT_CLIP_EPS` of ``loss_type`` (0.2 for ppo, 3e-4 for gspo).
+      clip_eps_high: ``ε_high``, likewise (0.28 for ppo, 4e-4 for gspo).
       dual_clip_c: dual-clip constant ``c > 1`` for ``A < 0`` (ppo and gspo); None disables it.
       aggregation: one of :data:`AGGREGATIONS` (above).
       normalizer: the denominator ``N`` above; None uses this batch's :func:`loss_normalizer`.
         A value ``<= 0`` is replaced by 1 (the loss of an empty batch is 0).
       max_response_length: Dr.GRPO constant ``C`` for ``"seq-mean-token-sum-norm"``.
-      sapo_tau_pos, sapo_tau_neg: SAPO gate temperatures ``τ+``, ``τ−`` (> 0).
+      sapo_tau_pos: SAPO gate temperature ``τ+`` (> 0).
+      sapo_tau_neg: SAPO gate temperature ``τ−`` (> 0).
       token_mask: optional ``[B, T]`` mask of the tokens that get a loss (and a gradient).
       rollout_logprobs: optional ``[B, T]`` sampler log-probs, for the truncated importance
         sampling weight ``w`` correcting sampler/trainer mismatch.
@@ -292,7 +294,7 @@ def policy_loss(
       with ``coefficients``; ``tis_weight_mean`` with ``rollout_logprobs``; ``kl`` (mean
       estimator value) with ``ref_logprobs``; ``entropy`` (mean) with ``entropy``.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> lp = jnp.array([[-1.0, -0.5, 0.0], [-2.0, -1.0, -0.3]])
       >>> mask = jnp.array([[1, 1, 0], [1, 1, 1]])
@@ -443,7 +445,7 @@ def forking_tokens_mask(
     Returns:
       ``bool[B, T]``, True on the kept tokens (always False on padding).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> ent = jnp.array([[0.1, 2.0, 0.5, 9.0], [3.0, 0.2, 0.0, 0.0]])
       >>> mask = jnp.array([[1, 1, 1, 0], [1, 1, 0, 0]])

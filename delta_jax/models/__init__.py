@@ -1,6 +1,6 @@
 """Qwen3 / Qwen2.5 / Llama-3 decoders in Flax NNX with Hugging Face import/export.
 
-Example:
+Examples:
   >>> from delta_jax.models import from_pretrained, token_logprobs
   >>> model = from_pretrained("/models/Qwen3-0.6B")  # doctest: +SKIP
   >>> out = model(input_ids, attention_mask=mask)  # doctest: +SKIP

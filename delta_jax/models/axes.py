@@ -69,7 +69,7 @@ def logical_to_mesh(
     Returns:
       A ``PartitionSpec`` with one entry per dimension.
 
-    Example:
+    Examples:
       >>> logical_to_mesh(("embed", "vocab"), DEFAULT_RULES)
       PartitionSpec('fsdp', 'tensor')
     """

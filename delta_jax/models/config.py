@@ -229,7 +229,7 @@ class ModelConfig:
     def tiny(cls, family: Family = "qwen3", **overrides) -> ModelConfig:
         """A small config of ``family`` for tests and demos (random init, runs on a laptop CPU).
 
-        Example:
+        Examples:
           >>> ModelConfig.tiny("llama", num_layers=3).num_layers
           3
         """

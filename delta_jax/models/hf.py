@@ -277,7 +277,7 @@ def from_pretrained(
       ValueError: unsupported architecture, truncated file, missing or unexpected tensors, or a
         tensor whose shape disagrees with config.json (each message names file and tensor).
 
-    Example:
+    Examples:
       >>> model = from_pretrained("/models/Qwen3-0.6B", dtype=jnp.bfloat16)  # doctest: +SKIP
     """
     model_dir = resolve_model_dir(path_or_id, revision=revision)
@@ -375,7 +375,7 @@ def save_pretrained(
         tokenizer files are copied.
       max_shard_size: bytes per safetensors file before starting a new one.
 
-    Example:
+    Examples:
       >>> save_pretrained(model, "/tmp/out", tokenizer=tok)  # doctest: +SKIP
     """
     if max_shard_size <= 0:

@@ -79,7 +79,7 @@ def token_logprobs(
     Returns:
       :class:`LogprobOutput`; values at padded positions are finite but meaningless.
 
-    Example:
+    Examples:
       >>> model = Transformer(ModelConfig.tiny())
       >>> ids = jnp.array([[1, 2, 3, 4]])
       >>> token_logprobs(model, ids[:, :-1], ids[:, 1:]).logprobs.shape

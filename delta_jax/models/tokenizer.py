@@ -25,7 +25,7 @@ def load_tokenizer(path_or_id: str | os.PathLike, *, revision: str | None = None
     Returns:
       A ``transformers`` tokenizer.
 
-    Example:
+    Examples:
       >>> tok = load_tokenizer("/models/Qwen3-0.6B")  # doctest: +SKIP
     """
     from transformers import AutoTokenizer
@@ -61,7 +61,7 @@ def apply_chat_template(
     Returns:
       The prompt text (not tokenised).
 
-    Example:
+    Examples:
       >>> apply_chat_template(tok, "1+1?", system="Be brief.")  # doctest: +SKIP
       'System: Be brief.\\n\\nUser: 1+1?\\n\\nAssistant:'
     """

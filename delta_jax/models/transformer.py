@@ -140,7 +140,7 @@ class Transformer(nnx.Module):
       param_dtype: storage dtype of the parameters.
       rngs: RNG streams for the random initialisation.
 
-    Example:
+    Examples:
       >>> model = Transformer(ModelConfig.tiny("qwen3"))
       >>> out = model(jnp.ones((2, 5), jnp.int32))
       >>> out.logits.shape, out.hidden.shape

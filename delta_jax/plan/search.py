@@ -59,7 +59,7 @@ def largest_fitting(
       limit: the largest size worth considering.
       max_measures: compilations allowed.
 
-    Example:
+    Examples:
       >>> largest_fitting(lambda x: 10 + 3 * x, 2, 40, start=4, limit=64)
       10
     """

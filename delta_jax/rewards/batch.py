@@ -318,7 +318,7 @@ class RewardScorer:
       ValueError: (one line) an unknown kind, a path that does not import, a function that
         cannot take the scorer's arguments, a bad number.
 
-    Example:
+    Examples:
       >>> with RewardScorer("math", num_workers=2) as scorer:  # doctest: +SKIP
       ...     batch = scorer.score(["1+1?"], [r"\\boxed{2}"], [{"answer": "2"}])
       >>> batch.rewards, batch.counts  # doctest: +SKIP

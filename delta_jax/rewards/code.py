@@ -349,7 +349,7 @@ def run_code(
     Returns:
       A :class:`CodeResult`.
 
-    Example:
+    Examples:
       >>> run_code("print(int(input()) * 2)", '{"inputs": ["3"], "outputs": ["6"]}').passed
       True
     """
@@ -437,15 +437,19 @@ def execute(
     Args:
       code: Python source.
       stdin: text fed on the program's stdin.
-      timeout_s, memory_mb, file_size_mb, max_procs, max_files, namespaces: as in
-        :func:`run_code`.
+      timeout_s: as in :func:`run_code`.
+      memory_mb: as in :func:`run_code`.
+      file_size_mb: as in :func:`run_code`.
+      max_procs: as in :func:`run_code`.
+      max_files: as in :func:`run_code`.
       output_window_bytes: at most this many bytes of each stream come back: the first and
         the last half, joined by :data:`OUTPUT_CUT`, when the output was longer.
+      namespaces: as in :func:`run_code`.
 
     Returns:
       An :class:`ExecResult`.
 
-    Example:
+    Examples:
       >>> execute("print(6 * 7)").stdout
       '42\\n'
     """

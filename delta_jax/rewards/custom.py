@@ -32,7 +32,7 @@ def load_reward_fn(path: str) -> RewardFn:
       ValueError: if `path` is malformed, the module or attribute does not exist, or the
         attribute is not callable.
 
-    Example:
+    Examples:
       >>> fn = load_reward_fn("my_rewards:length_penalty")  # doctest: +SKIP
       >>> fn("2+2?", "4", {"answer": "4"})  # doctest: +SKIP
     """

@@ -49,7 +49,7 @@ def score_format(response: str, *, pattern: str | None = None) -> tuple[float, s
       ``"multiple_boxed"``, ``"malformed_boxed"`` (unbalanced or empty) or
       ``"pattern_mismatch"``.
 
-    Example:
+    Examples:
       >>> score_format(r"so \boxed{4}")
       (1.0, 'format_ok')
     """
@@ -72,7 +72,7 @@ def score_format(response: str, *, pattern: str | None = None) -> tuple[float, s
 def format_reward(response: str, *, pattern: str | None = None) -> float:
     r"""1.0 when the response is well formatted (see :func:`score_format`), else 0.0.
 
-    Example:
+    Examples:
       >>> format_reward(r"\boxed{1} or \boxed{2}")
       0.0
     """

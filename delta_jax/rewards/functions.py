@@ -44,7 +44,7 @@ class RewardSet:
       columns: data columns every call passes as keywords (the trainer: ``answer``, ``tests``):
         a batched function that cannot take them is refused now (one-line ``ValueError``).
 
-    Example:
+    Examples:
       >>> def brevity(prompts, completions, **columns):  # doctest: +SKIP
       ...     return [1.0 / (1 + len(c)) for c in completions]
       >>> with RewardSet(["math", brevity], weights=[1.0, 0.1]) as rewards:  # doctest: +SKIP

@@ -35,7 +35,7 @@ _MV_TIMEOUT_S = 5
 def extract_last_boxed(text: str) -> str | None:
     r"""Content of the last complete ``\boxed{...}`` of `text`, or None.
 
-    Example:
+    Examples:
       >>> extract_last_boxed(r"first \boxed{3}, then \boxed{\frac{1}{2}}")
       '\\frac{1}{2}'
     """
@@ -84,7 +84,7 @@ def score_math(response: str, answer: str) -> tuple[float, str]:
       ``\boxed{}``), ``(0.0, "unparsable")`` (the boxed content is not parsable) or
       ``(0.0, "bad_gold")`` (the gold answer is not parsable).
 
-    Example:
+    Examples:
       >>> score_math(r"so the answer is \boxed{0.5}", r"\frac{1}{2}")
       (1.0, 'correct')
     """
@@ -112,7 +112,7 @@ def math_reward(response: str, answer: str) -> float:
 
     See the module docstring for the extraction policy; :func:`score_math` also gives the reason.
 
-    Example:
+    Examples:
       >>> math_reward(r"\boxed{\dfrac{1}{2}}", "0.5")
       1.0
     """

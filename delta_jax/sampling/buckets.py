@@ -60,7 +60,7 @@ def bucket_size(
     Raises:
       ValueError: when ``size`` exceeds the largest explicit bucket.
 
-    Example:
+    Examples:
       >>> bucket_size(17, None, floor=16), bucket_size(5, (4, 8, 32))
       (32, 8)
     """

@@ -351,7 +351,7 @@ class Sampler:
         the ``"dense"`` CPU path on CPU, else ``"xla"``), ``"xla"``, ``"pallas"`` or
         ``"dense"`` (see :mod:`delta_jax.sampling.paged`).
 
-    Example:
+    Examples:
       >>> from delta_jax.models import ModelConfig
       >>> sampler = Sampler(Transformer(ModelConfig.tiny("qwen3")))
       >>> out = sampler.generate([[1, 2, 3], [4, 5]], max_new_tokens=4, temperature=0.0)

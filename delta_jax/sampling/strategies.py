@@ -74,7 +74,7 @@ def top_k_mask(z: Float[Array, "B V"], k: int) -> tuple[jax.Array, Float[Array, 
       ``(keep, top)``: ``keep`` bool ``[B, V]`` (ties with the k-th value included) and the ``k``
       largest values of each row in descending order, ``[B, k]``.
 
-    Example:
+    Examples:
       >>> keep, _ = top_k_mask(jnp.array([[0.0, 2.0, 1.0]]), 2)
       >>> keep.tolist()
       [[False, True, True]]
@@ -136,7 +136,7 @@ def top_p_mask(
     Returns:
       bool ``[B, V]``.
 
-    Example:
+    Examples:
       >>> z = jnp.log(jnp.array([[0.1, 0.6, 0.3]]))
       >>> top_p_mask(z, jnp.float32(0.8)).tolist()
       [[False, True, True]]
@@ -177,7 +177,7 @@ def min_p_mask(z: Float[Array, "B V"], min_p: Float[Array, ""]) -> jax.Array:
     Returns:
       bool ``[B, V]``.
 
-    Example:
+    Examples:
       >>> min_p_mask(jnp.log(jnp.array([[0.5, 0.3, 0.05]])), jnp.float32(0.2)).tolist()
       [[True, True, False]]
     """
@@ -202,7 +202,7 @@ def sample_categorical(
     Returns:
       int32 ``[B]``.
 
-    Example:
+    Examples:
       >>> sample_categorical(jax.random.key(0), jnp.array([[0.0, -jnp.inf, 0.0]])).shape
       (1,)
     """
@@ -228,7 +228,7 @@ def sample_categorical(
 class Greedy:
     """Arg-max decoding; log-probs under ``log_softmax(logits)`` (temperature 1).
 
-    Example:
+    Examples:
       >>> Greedy()(jnp.array([[0.0, 3.0, 1.0]]), jax.random.key(0)).token.tolist()
       [1]
     """
@@ -257,7 +257,7 @@ class Categorical:
       min_p: scalar in ``(0, 1)`` or None (traced).
       top_k: static int, 0 for off.
 
-    Example:
+    Examples:
       >>> s = Categorical(temperature=jnp.float32(0.7), top_k=2)
       >>> out = s(jnp.array([[0.0, 3.0, 1.0]]), jax.random.key(0))
       >>> int(out.token[0]) in (1, 2)
@@ -316,7 +316,7 @@ def make_strategy(
     Returns:
       ``Greedy()`` or a ``Categorical`` with the disabled truncations set to None / 0.
 
-    Example:
+    Examples:
       >>> make_strategy(0.0)
       Greedy()
       >>> make_strategy(1.0, top_k=5).top_k
