@@ -27,6 +27,20 @@ class ConfigError(ValueError):
     """A configuration mistake, described in one line."""
 
 
+def ranged(default: Any, low: float, high: float | None = None, *, bounds: str = "[]") -> Any:
+    """A numeric field and its range, checked at load: ``low`` to ``high`` (None: no upper
+    bound), each end included (``[``, ``]``) or not (``(``, ``)``). None, for an Optional
+    field, is always allowed."""
+    return dataclasses.field(default=default, metadata={"range": (low, high, bounds)})
+
+
+def field_range(key: str) -> tuple[float, float | None, str]:
+    """``(low, high, bounds)`` of a ranged ``section.key``."""
+    section, name = key.split(".")
+    fields = {f.name: f for f in dataclasses.fields(_SECTIONS[section])}
+    return fields[name].metadata["range"]
+
+
 LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -44,8 +58,8 @@ class ModelConfigSection:
     revision: str | None = None
     # LoRA (delta_jax.models.lora): rank 0 trains every weight; rank r > 0 freezes the base and
     # trains adapters of rank r on `lora_targets` (PEFT module names), scaled by alpha / r.
-    lora_rank: int = 0
-    lora_alpha: float = 32.0  # > 0
+    lora_rank: int = ranged(0, 0)
+    lora_alpha: float = ranged(32.0, 0, bounds="(]")
     lora_targets: tuple[LoraTarget, ...] = (
         "q_proj",
         "k_proj",
@@ -62,16 +76,16 @@ class ModelConfigSection:
     # Attention implementation (delta_jax.models.attention): auto | dense | chunked | splash |
     # cudnn, and the block length of chunked / splash.
     attention: Literal["auto", "dense", "chunked", "splash", "cudnn"] = "auto"
-    attention_block: int = 512
+    attention_block: int = ranged(512, 1)
     # Supervised warm-up of the demo model (ignored for real checkpoints): at most this many
     # steps (0: none, RL starts from the random initialisation), stopped early once the
     # held-out probability of the correct answer reaches `demo_warmup_target` (in [0, 1], checked
     # every 10 steps; None: all the steps). See delta_jax.demo.
-    demo_warmup_steps: int = 800
-    demo_warmup_lr: float = 3e-3
-    demo_warmup_target: float | None = 0.1
+    demo_warmup_steps: int = ranged(800, 0)
+    demo_warmup_lr: float = ranged(3e-3, 0, bounds="(]")
+    demo_warmup_target: float | None = ranged(0.1, 0, 1)
     # Fraction of warm-up demonstrations with a corrupted answer (see delta_jax.demo).
-    demo_warmup_noise: float = 0.0
+    demo_warmup_noise: float = ranged(0.0, 0, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,34 +109,34 @@ class DataConfigSection:
     # task of a reasoning_gym:<task> source, else the file or data set name), each with
     # run.eval_prompts prompts, the same template and reward.
     extra_eval_sources: tuple[str, ...] | None = None
-    max_prompt_length: int = 16
+    max_prompt_length: int = ranged(16, 1)
     truncation: Literal["drop", "left"] = "drop"
     template: str | None = None
     system_prompt: str | None = None
     on_bad_row: Literal["error", "skip"] = "error"
     shuffle: bool = True
-    limit: int | None = None  # at most this many rows (>= 1); None: all
+    limit: int | None = ranged(None, 1)  # at most this many rows; None: all
     # reasoning_gym:<task> sources. The task's options (its config fields, e.g. {min_terms: 2};
     # an override replaces the whole mapping), for `source`, and for `eval_source` when it is
     # the same task (another task's held-out set uses its defaults).
     gym_options: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False)
-    gym_size: int = 4096  # training entries generated from `source`, in [1, 1_000_000]
+    gym_size: int = ranged(4096, 1, 1_000_000)  # training entries generated from `source`
     # The generator's seed (None: run.seed). The held-out set (run.eval_prompts entries;
     # `source` itself when eval_source is unset) is generated from seed + 1_000_003, a
     # disjoint random stream (delta_jax.data.gym).
-    gym_seed: int | None = None  # >= 0
+    gym_seed: int | None = ranged(None, 0)
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfigSection:
     """Sampling: how many prompts and responses per RL step, and how they are drawn."""
 
-    prompts_per_step: int = 32
-    samples_per_prompt: int = 8
-    max_new_tokens: int = 24
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    prompts_per_step: int = ranged(32, 1)
+    samples_per_prompt: int = ranged(8, 1)
+    max_new_tokens: int = ranged(24, 1)
+    temperature: float = ranged(1.0, 0)
+    top_p: float = ranged(1.0, 0, 1, bounds="(]")
+    top_k: int = ranged(0, 0)
     cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # "continuous": slots refilled as rows end, over a paged KV cache (delta_jax.sampling.engine);
     # "static": one batch decoded until its longest row ends.
@@ -130,16 +144,16 @@ class RolloutConfigSection:
     # Sequences decoded at once by the continuous engine, in total: split evenly over the
     # sampling mesh's data groups (each runs its own slots and pool share; a prompt's samples
     # stay in one group, so samples_per_prompt must fit one group's slots).
-    decode_slots: int = 64
-    page_size: int = 16  # tokens per KV page (continuous engine)
+    decode_slots: int = ranged(64, 1)
+    page_size: int = ranged(16, 1)  # tokens per KV page (continuous engine)
     # KV pages in the engine's pool in total (one scratch page per data group included), split
     # evenly over the groups; 0: per group, its slots x the longest sequence's pages + 1, never
     # short. A smaller pool preempts and requeues sequences instead.
-    num_pages: int = 0
+    num_pages: int = ranged(0, 0)
     # Dynamic sampling (DAPO): resample until the batch holds `prompts_per_step` groups whose
     # rewards are not all equal, at most this many extra sampling rounds (0 disables). The
     # built-in defaults are the CPU demo's; paper_base.yaml sets 0.
-    dynamic_sampling_rounds: int = 2
+    dynamic_sampling_rounds: int = ranged(2, 0)
     # Multi-turn episodes (delta_jax.envs): "" (one response per prompt), "python_tool" (the
     # built-in Python interpreter tool, delta_jax.envs.PythonTool), or "package.module:factory"
     # (a callable returning a fresh Environment per episode). Trainer(environment=...) takes an
@@ -147,12 +161,12 @@ class RolloutConfigSection:
     environment: str = ""
     # Model turns per episode (1: the response is one turn; a tool call in the last turn is
     # not answered). python_tool: max_turns - 1 tool calls, the last turn is left for the answer.
-    max_turns: int = 1
+    max_turns: int = ranged(1, 1)
     # An observation longer than this (tokens) is cut middle-out before it enters the context.
-    max_observation_tokens: int = 256
+    max_observation_tokens: int = ranged(256, 1)
     # Wall-clock limit (> 0) of one call: python_tool's code runs; for any other environment,
     # its factory, reset and step (past it the episode ends, counted in episode/env_errors).
-    tool_timeout_s: float = 10.0
+    tool_timeout_s: float = ranged(10.0, 0, bounds="(]")
     # python_tool's call format: "tool_call" (Qwen3's <tool_call> JSON, the tool declared in
     # the chat template), "fenced" (a ```python block, for base models), "auto": "tool_call"
     # when the tokenizer has a chat template, else "fenced".
@@ -167,15 +181,15 @@ class RewardConfigSection:
 
     kind: str = "math"
     # Worker processes; 0 scores serially in the trainer's process (no deadline, no isolation).
-    num_workers: int = 2
-    timeout_s: float = 5.0  # per item, > 0
+    num_workers: int = ranged(2, 0)
+    timeout_s: float = ranged(5.0, 0, bounds="(]")  # per item
     # DAPO soft overlong punishment, in tokens (buffer 0 disables it; at most
     # rollout.max_new_tokens), and its largest penalty (>= 0).
-    overlong_buffer: int = 0
-    overlong_factor: float = 1.0
+    overlong_buffer: int = ranged(0, 0)
+    overlong_factor: float = ranged(1.0, 0)
     # Reward noise: this fraction of training rewards (chosen at random, reproducibly) is
     # flipped r -> 1 - r before advantages; evaluation rewards are never flipped.
-    flip_fraction: float = 0.0
+    flip_fraction: float = ranged(0.0, 0, 1)
 
 
 LossName = Literal["delta", "dapo", "grpo", "dr_grpo", "gspo", "sapo", "dapo_forking_tokens"]
@@ -189,9 +203,9 @@ class AlgoConfigSection:
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
     # Overrides of the preset's surrogate settings; None keeps the preset's value. The clip range
     # is [1 - low, 1 + high] (low in [0, 1], high >= 0); dual_clip_c > 1 (None: no dual clip).
-    clip_eps_low: float | None = None
-    clip_eps_high: float | None = None
-    dual_clip_c: float | None = 10.0
+    clip_eps_low: float | None = ranged(None, 0, 1)
+    clip_eps_high: float | None = ranged(None, 0)
+    dual_clip_c: float | None = ranged(10.0, 1, bounds="(]")
     aggregation: (
         Literal[
             "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
@@ -199,25 +213,25 @@ class AlgoConfigSection:
         | None
     ) = None
     # DelTA (DELTA_SPEC §3/§6).
-    refine_steps: int = 1
-    lam_min: float = 0.8
+    refine_steps: int = ranged(1, 0)
+    lam_min: float = ranged(0.8, 0)
     lam_max: float = 1.2
     delta_assignment: Literal["soft", "hard"] = "soft"
     delta_adaptive_gamma: bool = True
     delta_range_map: bool = True
     delta_normalize: Literal["sum", "count"] = "sum"
     delta_scope: Literal["global", "per_shard"] = "global"
-    forking_top_q: float = 0.2
-    kl_coef: float = 0.0  # >= 0; 0: no KL term (and no reference pass)
+    forking_top_q: float = ranged(0.2, 0, 1, bounds="(]")
+    kl_coef: float = ranged(0.0, 0)  # 0: no KL term (and no reference pass)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    entropy_coef: float = 0.0  # >= 0; 0: no entropy bonus
+    entropy_coef: float = ranged(0.0, 0)  # 0: no entropy bonus
     # Truncated importance sampling against the sampler's log-probs: weights capped at this
     # value (> 0; None disables).
-    tis_cap: float | None = None
+    tis_cap: float | None = ranged(None, 0, bounds="(]")
     # Optimiser updates per rollout batch (DELTA_SPEC §7: 4), and gradient-accumulation
     # micro-batches per update.
-    mini_batches: int = 1
-    micro_batches: int = 1
+    mini_batches: int = ranged(1, 1)
+    micro_batches: int = ranged(1, 1)
     # Pack prompt+response sequences first-fit-decreasing into rows of `tokens_per_row` input
     # positions for the update (false: one sequence per row, padded to the longest possible).
     packing: bool = True
@@ -229,15 +243,15 @@ class AlgoConfigSection:
 class OptimConfigSection:
     """AdamW with global-norm clipping and a constant or warmup+cosine schedule."""
 
-    lr: float = 2e-4  # > 0
+    lr: float = ranged(2e-4, 0, bounds="(]")
     schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = 0  # linear warm-up updates, >= 0 (0: none)
-    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr, in [0, 1]
-    weight_decay: float = 0.0  # >= 0
-    grad_clip: float = 1.0  # global-norm bound, >= 0 (0: no clipping)
-    b1: float = 0.9  # in [0, 1)
-    b2: float = 0.999  # in [0, 1)
-    eps: float = 1e-8  # > 0
+    warmup_steps: int = ranged(0, 0)  # linear warm-up updates (0: none)
+    min_lr_ratio: float = ranged(0.0, 0, 1)  # cosine floor as a fraction of lr
+    weight_decay: float = ranged(0.0, 0)
+    grad_clip: float = ranged(1.0, 0)  # global-norm bound (0: no clipping)
+    b1: float = ranged(0.9, 0, 1, bounds="[)")
+    b2: float = ranged(0.999, 0, 1, bounds="[)")
+    eps: float = ranged(1e-8, 0, bounds="(]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,15 +259,15 @@ class RunConfigSection:
     """Where the run writes, how long it runs and how often it saves and evaluates."""
 
     dir: str = "runs/demo"
-    steps: int = 100
-    seed: int = 0  # >= 0
+    steps: int = ranged(100, 1)
+    seed: int = ranged(0, 0)
     # Checkpoint every this many steps; 0: no periodic checkpoints. The last step and a step
     # stopped by SIGTERM are always saved (see `save_due`), so a finished or stopped run resumes.
-    save_every: int = 20
-    keep_last: int = 2  # most recent checkpoints kept (>= 1), plus the best by `best_metric`
+    save_every: int = ranged(20, 0)
+    keep_last: int = ranged(2, 1)  # most recent checkpoints kept, plus the best by `best_metric`
     best_metric: str = "reward_mean"
-    eval_every: int = 20  # evaluate every this many steps (and before step 1); 0: never
-    eval_prompts: int = 512  # >= 1
+    eval_every: int = ranged(20, 0)  # evaluate every this many steps (and before step 1); 0: never
+    eval_prompts: int = ranged(512, 1)
     tensorboard: bool = True
     wandb: bool = False
     progress: bool = True
@@ -440,23 +454,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
 def validate(config: Config) -> None:
     """Cross-field checks that single field types cannot express."""
-    r, a, o, run = config.rollout, config.algo, config.optim, config.run
-    positive = {
-        "rollout.prompts_per_step": r.prompts_per_step,
-        "rollout.samples_per_prompt": r.samples_per_prompt,
-        "rollout.max_new_tokens": r.max_new_tokens,
-        "rollout.decode_slots": r.decode_slots,
-        "rollout.page_size": r.page_size,
-        "algo.mini_batches": a.mini_batches,
-        "algo.micro_batches": a.micro_batches,
-        "run.steps": run.steps,
-        "data.max_prompt_length": config.data.max_prompt_length,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key}={value} must be >= 1")
-    if r.num_pages < 0:
-        raise ConfigError(f"rollout.num_pages={r.num_pages} must be >= 0 (0: sized by the engine)")
+    r, a, run = config.rollout, config.algo, config.run
     _check_ranges(config)
     d = config.data
     _check_gym(d)
@@ -485,14 +483,6 @@ def validate(config: Config) -> None:
             f"reward.overlong_buffer={config.reward.overlong_buffer} must be <= "
             f"rollout.max_new_tokens={r.max_new_tokens} (the punished tail of a response)"
         )
-    if not 0.0 <= config.reward.flip_fraction <= 1.0:
-        raise ConfigError(f"reward.flip_fraction={config.reward.flip_fraction} must be in [0, 1]")
-    if r.temperature < 0:
-        raise ConfigError(f"rollout.temperature={r.temperature} must be >= 0")
-    if not 0.0 < r.top_p <= 1.0:
-        raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]")
-    if r.top_k < 0:
-        raise ConfigError(f"rollout.top_k={r.top_k} must be >= 0")
     rows = r.prompts_per_step * r.samples_per_prompt
     if rows % a.mini_batches:
         raise ConfigError(
@@ -504,7 +494,7 @@ def validate(config: Config) -> None:
             f"algo.micro_batches={a.micro_batches} must divide the mini-batch "
             f"({rows // a.mini_batches} rows)"
         )
-    if a.lam_min > a.lam_max or a.lam_min < 0:
+    if a.lam_min > a.lam_max:
         raise ConfigError(
             f"algo.lam_min={a.lam_min} / algo.lam_max={a.lam_max}: need 0 <= min <= max"
         )
@@ -514,74 +504,27 @@ def validate(config: Config) -> None:
             f"algo.tokens_per_row={a.tokens_per_row} must hold the longest sequence "
             f"(data.max_prompt_length + rollout.max_new_tokens - 1 = {longest})"
         )
-    if a.refine_steps < 0:
-        raise ConfigError(f"algo.refine_steps={a.refine_steps} must be >= 0")
-    if not 0.0 < a.forking_top_q <= 1.0:
-        raise ConfigError(f"algo.forking_top_q={a.forking_top_q} must be in (0, 1]")
-    if o.lr <= 0:
-        raise ConfigError(f"optim.lr={o.lr} must be > 0")
     if r.samples_per_prompt < 2 and a.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):
         raise ConfigError(
             f"rollout.samples_per_prompt={r.samples_per_prompt}: group advantages need >= 2 samples"
         )
 
 
-# Numeric ranges: key -> (lowest, highest, whether each bound is included); None: unbounded;
-# `null` is always allowed for an Optional field. Keys with a meaning for 0 say so in the fields.
-_RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
-    "model.lora_rank": (0, None, True, True),
-    "model.lora_alpha": (0, None, False, True),
-    "model.attention_block": (1, None, True, True),
-    "model.demo_warmup_steps": (0, None, True, True),
-    "model.demo_warmup_lr": (0, None, False, True),
-    "model.demo_warmup_target": (0, 1, True, True),
-    "model.demo_warmup_noise": (0, 1, True, True),
-    "data.limit": (1, None, True, True),
-    "data.gym_size": (1, 1_000_000, True, True),  # delta_jax.data.gym.MAX_SIZE
-    "data.gym_seed": (0, None, True, True),
-    "rollout.dynamic_sampling_rounds": (0, None, True, True),
-    "rollout.max_turns": (1, None, True, True),
-    "rollout.max_observation_tokens": (1, None, True, True),
-    "rollout.tool_timeout_s": (0, None, False, True),
-    "reward.num_workers": (0, None, True, True),
-    "reward.timeout_s": (0, None, False, True),
-    "reward.overlong_buffer": (0, None, True, True),
-    "reward.overlong_factor": (0, None, True, True),
-    "algo.clip_eps_low": (0, 1, True, True),
-    "algo.clip_eps_high": (0, None, True, True),
-    "algo.dual_clip_c": (1, None, False, True),
-    "algo.tis_cap": (0, None, False, True),
-    "algo.kl_coef": (0, None, True, True),
-    "algo.entropy_coef": (0, None, True, True),
-    "optim.warmup_steps": (0, None, True, True),
-    "optim.min_lr_ratio": (0, 1, True, True),
-    "optim.weight_decay": (0, None, True, True),
-    "optim.grad_clip": (0, None, True, True),
-    "optim.b1": (0, 1, True, False),
-    "optim.b2": (0, 1, True, False),
-    "optim.eps": (0, None, False, True),
-    "run.seed": (0, None, True, True),
-    "run.save_every": (0, None, True, True),
-    "run.keep_last": (1, None, True, True),
-    "run.eval_every": (0, None, True, True),
-    "run.eval_prompts": (1, None, True, True),
-}
-
-
 def _check_ranges(config: Config) -> None:
-    for key, (lo, hi, lo_in, hi_in) in _RANGES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(config, section), name)
-        if value is None:
-            continue
-        low_ok = lo is None or (value >= lo if lo_in else value > lo)
-        high_ok = hi is None or (value <= hi if hi_in else value < hi)
-        if not (low_ok and high_ok):
-            if hi is None:
-                bound = f">= {lo}" if lo_in else f"> {lo}"
-            else:
-                bound = f"in {'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
-            raise ConfigError(f"{key}={value} must be {bound}")
+    for section in _SECTIONS:
+        for f in dataclasses.fields(getattr(config, section)):
+            value = getattr(getattr(config, section), f.name)
+            if "range" not in f.metadata or value is None:
+                continue
+            lo, hi, bounds = f.metadata["range"]
+            low_ok = value >= lo if bounds[0] == "[" else value > lo
+            high_ok = hi is None or (value <= hi if bounds[1] == "]" else value < hi)
+            if not (low_ok and high_ok):
+                if hi is None:
+                    bound = f">= {lo}" if bounds[0] == "[" else f"> {lo}"
+                else:
+                    bound = f"in {bounds[0]}{lo}, {hi}{bounds[1]}"
+                raise ConfigError(f"{section}.{f.name}={value} must be {bound}")
     mesh = config.run.mesh
     if mesh.count(-1) > 1 or any(m == 0 or m < -1 for m in mesh):
         raise ConfigError(

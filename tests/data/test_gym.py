@@ -46,7 +46,7 @@ def test_records_are_a_function_of_the_seed():
     assert entry == reasoning_gym.create_dataset(TASK, size=5, seed=3)[2]
     assert gym.GYM_ENTRY == GYM_ENTRY and gym.MAX_SIZE < gym.EVAL_SEED_OFFSET
     assert config_module.GYM_PREFIX == gym.GYM_PREFIX
-    assert config_module._RANGES["data.gym_size"][1] == gym.MAX_SIZE
+    assert config_module.field_range("data.gym_size")[1] == gym.MAX_SIZE
 
 
 def test_options_are_applied():
