@@ -355,6 +355,29 @@ def _load_benchmark(bench: Benchmark, path: str, tokenizer, *, split, limit, max
     return enc
 
 
+def _correct_per_problem(scores) -> list[int]:
+    return [int(c) for c in (scores.rewards >= 1.0).sum(axis=1)]
+
+
+def _response_budget(name: str, ids, context: int, max_new_tokens: int) -> int:
+    """``max_new_tokens``, capped (with a warning) to what the context holds after the longest
+    prompt; a prompt that leaves no room is an error."""
+    budget = min(max_new_tokens, context - max(len(p) for p in ids))
+    if budget < 1:
+        raise ValueError(
+            f"benchmark {name!r}: prompts of up to {max(map(len, ids))} tokens leave no "
+            f"room in the model's context ({context} positions); lower max_prompt_length"
+        )
+    if budget < max_new_tokens:
+        log.warning(
+            "%s: max_new_tokens %d capped to %d by the model's context",
+            name,
+            max_new_tokens,
+            budget,
+        )
+    return budget
+
+
 def evaluate_benchmarks(
     model_dir: str | Path | None,
     benchmarks: Mapping[str, str | tuple[Benchmark, str]],
@@ -416,16 +439,9 @@ def evaluate_benchmarks(
     stop_ids = tuple(sorted(int(s) for s in eos if isinstance(s, int | np.integer)))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     sampler = Sampler(model, pad_token_id=pad)
+    settings = dict(k=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
     results: dict[str, Any] = {
-        "settings": dict(
-            model=str(model_dir),
-            k=k,
-            temperature=temperature,
-            top_p=top_p,
-            max_new_tokens=max_new_tokens,
-            seed=seed,
-            limit=limit,
-        ),
+        "settings": dict(model=str(model_dir), **settings, seed=seed, limit=limit),
         "benchmarks": {},
     }
     for name, spec in benchmarks.items():
@@ -440,21 +456,9 @@ def evaluate_benchmarks(
         )
         if not enc.ids:
             raise ValueError(f"benchmark {name!r}: {path} has no usable problems")
-        room = model.config.max_position_embeddings - max(len(p) for p in enc.ids)
-        budget = min(max_new_tokens, room)
-        if budget < 1:
-            raise ValueError(
-                f"benchmark {name!r}: prompts of up to {max(map(len, enc.ids))} tokens leave no "
-                f"room in the model's context ({model.config.max_position_embeddings} positions); "
-                "lower max_prompt_length"
-            )
-        if budget < max_new_tokens:
-            log.warning(
-                "%s: max_new_tokens %d capped to %d by the model's context",
-                name,
-                max_new_tokens,
-                budget,
-            )
+        budget = _response_budget(
+            name, enc.ids, model.config.max_position_embeddings, max_new_tokens
+        )
         timeout = 10.0 if bench.is_math else 30.0
         with RewardScorer(bench.reward, num_workers=num_workers, timeout_s=timeout) as scorer:
             scores = sample_and_score(
@@ -472,12 +476,9 @@ def evaluate_benchmarks(
                 seed=seed,
                 batch_prompts=batch_prompts,
             )
-        row: dict[str, Any] = {"problems": len(enc.ids), "path": str(path)}
-        row.update(
-            summarize(scores, pass_ks=[j for j in pass_ks if j <= k], majority=bench.is_math)
-        )
-        row["reasons"] = scores.reasons
-        row["correct_per_problem"] = [int(c) for c in (scores.rewards >= 1.0).sum(axis=1)]
+        row = {"problems": len(enc.ids), "path": str(path)}
+        row |= summarize(scores, pass_ks=[j for j in pass_ks if j <= k], majority=bench.is_math)
+        row |= {"reasons": scores.reasons, "correct_per_problem": _correct_per_problem(scores)}
         results["benchmarks"][name] = row
         log.info("%s: avg@%d %.4f over %d problems", name, k, row[f"avg@{k}"], len(enc.ids))
     results["average"] = suite_averages(results["benchmarks"])

@@ -9,13 +9,14 @@ runs. :func:`execute` runs code once in the code sandbox for a tool call
 penalty lives with the advantages (:func:`delta_jax.losses.advantages.overlong_penalty`).
 """
 
-from delta_jax.rewards.batch import FlippedRewards, RewardBatch, RewardScorer, concat_batches
+from delta_jax.rewards.batch import RewardBatch, RewardScorer, concat_batches
 from delta_jax.rewards.code import CodeResult, ExecResult, execute, extract_code, run_code
 from delta_jax.rewards.custom import load_reward_fn
 from delta_jax.rewards.format import format_reward, score_format
 from delta_jax.rewards.functions import RewardSet, reward_name
 from delta_jax.rewards.gym import extract_gym_answer, score_gym
 from delta_jax.rewards.math import extract_last_boxed, math_reward, score_math
+from delta_jax.rewards.noise import FlippedRewards
 
 __all__ = [
     "CodeResult",

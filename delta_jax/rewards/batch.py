@@ -57,39 +57,36 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import hashlib
 import itertools
 import logging
 import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
-import pickle
-import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from delta_jax.rewards.code import cleanup_sandboxes_of, extract_code, run_code
-from delta_jax.rewards.custom import as_reward, check_call, error_line, load_reward_fn
-from delta_jax.rewards.format import score_format
-from delta_jax.rewards.gym import GYM_ENTRY, import_reasoning_gym, score_gym
-from delta_jax.rewards.math import score_math
+from delta_jax.rewards.code import cleanup_sandboxes_of
+from delta_jax.rewards.custom import check_call, error_line, load_reward_fn
+from delta_jax.rewards.gym import GYM_ENTRY
+from delta_jax.rewards.units import (
+    Scored,
+    call_with_deadline,
+    failed,
+    make_unit_fn,
+    runs_in_process,
+    worker_main,
+)
 
 _BUILTIN = ("math", "code", "format", "reasoning_gym")
 _REQUIRED_FIELD = {"math": "answer", "code": "tests", "reasoning_gym": GYM_ENTRY}
 _CODE_GRACE_S = 10.0  # Pool deadline past run_code's own timeout: sandbox start and clean-up.
 _STARTUP_TIMEOUT_S = 120.0
 _MAX_STARTUP_FAILURES = 3
-
-ScoreFn = Callable[[str, str, Mapping[str, Any]], tuple[float, str]]
-# (reward, reason, cause): the cause is "" unless the reward function failed, else one line.
-Scored = tuple[float, str, str]
-# A unit of work: (prompts, responses, items) of one item, or of one group for batched functions.
-UnitFn = Callable[[Sequence[str], Sequence[str], Sequence[Mapping[str, Any]]], list[Scored]]
 
 log = logging.getLogger(__name__)
 
@@ -110,142 +107,6 @@ class RewardBatch:
     reasons: list[str]
     counts: dict[str, int]
     components: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
-
-
-def _make_score_fn(kind: str | Callable[..., Any], options: Mapping[str, Any]) -> ScoreFn:
-    if kind == "math":
-        return lambda prompt, response, item: score_math(response, item["answer"])
-    if kind == "format":
-        pattern = options.get("pattern")
-        return lambda prompt, response, item: score_format(response, pattern=pattern)
-    if kind == "code":
-        code_kwargs = dict(options.get("code_kwargs", {}))
-
-        def score_code(prompt: str, response: str, item: Mapping[str, Any]) -> tuple[float, str]:
-            code = extract_code(response)
-            if code is None:
-                return 0.0, "no_code"
-            result = run_code(code, item["tests"], **code_kwargs)
-            return float(result.passed), result.reason
-
-        return score_code
-    if kind == "reasoning_gym":
-        # Imported now: a missing package fails the scorer's construction (one line), and a
-        # worker pays the import before it is ready, not within an item's deadline.
-        import_reasoning_gym()
-        return lambda prompt, response, item: score_gym(response, item[GYM_ENTRY])
-    fn = load_reward_fn(kind) if isinstance(kind, str) else kind
-    return lambda prompt, response, item: (as_reward(fn(prompt, response, item)), "ok")
-
-
-def _failed(e: BaseException) -> Scored:
-    return 0.0, f"error:{type(e).__name__}", error_line(e)
-
-
-def _score_one(score_fn: ScoreFn, prompt: str, response: str, item: Mapping[str, Any]) -> Scored:
-    try:
-        reward, reason = score_fn(prompt, response, item)
-        return float(reward), reason, ""
-    except Exception as e:  # noqa: BLE001 - any failure of a reward function is a 0 reward
-        return _failed(e)
-
-
-def _batched_value(value: Any) -> Scored:
-    if value is None:
-        return 0.0, "none", ""
-    try:
-        return as_reward(value), "ok", ""
-    except Exception as e:  # noqa: BLE001 - a number whose conversion raises is a bad value too
-        return _failed(e)
-
-
-def _make_unit_fn(kind: str | Callable[..., Any], options: Mapping[str, Any]) -> UnitFn:
-    """``(prompts, responses, items) -> [(reward, reason)]`` for one unit of work."""
-    if not options.get("batched"):
-        score_fn = _make_score_fn(kind, options)
-        return lambda prompts, responses, items: [
-            _score_one(score_fn, p, r, i) for p, r, i in zip(prompts, responses, items, strict=True)
-        ]
-
-    def batched(prompts, responses, items) -> list[Scored]:
-        n = len(prompts)
-        keys = dict.fromkeys(k for item in items for k in item)
-        columns = {k: [item.get(k) for item in items] for k in keys}
-        try:
-            values = kind(list(prompts), list(responses), **columns)
-            if isinstance(values, str | bytes | Mapping) or not isinstance(values, Iterable):
-                raise TypeError(f"returned {type(values).__name__}, not a list of floats")
-            values = list(values)
-        except Exception as e:  # noqa: BLE001 - any failure of a reward function is a 0 reward
-            return [_failed(e)] * n
-        if len(values) != n:
-            cause = f"returned {len(values)} values for {n} completions"
-            return [(0.0, "error:wrong_length", cause)] * n
-        return [_batched_value(v) for v in values]
-
-    return batched
-
-
-def runs_in_process(fn: Any) -> bool:
-    """Whether a reward callable must run in this process: it cannot reach a spawned worker.
-
-    Functions of ``__main__`` (a script, a notebook cell) would make each worker re-import the
-    main program; lambdas, closures and other unpicklable objects cannot be sent at all.
-    """
-    if isinstance(fn, str):
-        return False
-    if getattr(fn, "__module__", None) == "__main__":
-        return True
-    try:
-        pickle.dumps(fn)
-    except Exception:  # noqa: BLE001 - any pickling failure means: not for the pool
-        return True
-    return False
-
-
-def _call_with_deadline(fn: Callable[[], Any], deadline_s: float) -> tuple[bool, Any]:
-    """Runs ``fn`` in a daemon thread; ``(False, None)`` if it is still running at the deadline
-    (the thread is abandoned: it runs on until ``fn`` returns), ``(True, exception)`` if ``fn``
-    raised (even ``SystemExit``: a thread's exit must not pass for a hang)."""
-    box: list = []
-
-    def run() -> None:
-        try:
-            box.append(fn())
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            box.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(deadline_s)
-    return (False, None) if thread.is_alive() or not box else (True, box[0])
-
-
-def _worker_main(conn, kind, options) -> None:
-    # Ctrl-C is the parent's to handle; workers are shut down through their pipe.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        unit_fn = _make_unit_fn(kind, options)
-        if kind == "math":
-            # The first parse builds math-verify's grammar (about a second): not an item's time.
-            unit_fn([""], ["\\boxed{1}"], [{"answer": "1"}])
-    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
-        conn.send(("init_error", f"{type(e).__name__}: {e}"))
-        return
-    conn.send(("ready",))
-    while True:
-        try:
-            task = conn.recv()
-        except EOFError:
-            return
-        if task is None:
-            return
-        index, prompts, responses, items = task
-        try:
-            results = unit_fn(prompts, responses, items)
-        except Exception as e:  # noqa: BLE001 - the unit functions catch; this is a last guard
-            results = [_failed(e)] * len(prompts)
-        conn.send((index, results))
 
 
 @dataclasses.dataclass
@@ -375,7 +236,7 @@ class RewardScorer:
         # One byte per submission wakes the pool loop, which waits on the workers' pipes too.
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
         self._dispatcher: threading.Thread | None = None
-        self._unit_fn = _make_unit_fn(kind, self._options)
+        self._unit_fn = make_unit_fn(kind, self._options)
         # In this process: serial (num_workers=0), or with deadlines when the callable cannot
         # reach a worker.
         self.in_process = num_workers == 0 or runs_in_process(kind)
@@ -394,7 +255,7 @@ class RewardScorer:
     def _spawn(self) -> _Worker:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
-            target=_worker_main, args=(child_conn, self.kind, self._options), daemon=True
+            target=worker_main, args=(child_conn, self.kind, self._options), daemon=True
         )
         process.start()
         child_conn.close()
@@ -540,13 +401,13 @@ class RewardScorer:
         )
         try:
             for start, *args in job.tasks:
-                done, results = _call_with_deadline(
+                done, results = call_with_deadline(
                     lambda args=args: self._unit_fn(*args), self.deadline_s
                 )
                 if not done:
                     results = [(0.0, "timeout", timeout)] * len(args[0])
                 elif isinstance(results, BaseException):  # past the unit's own handlers
-                    results = [_failed(results)] * len(args[0])
+                    results = [failed(results)] * len(args[0])
                 job.finish(start, results)
         except BaseException as e:  # noqa: BLE001 - a broken scorer fails its job, loudly
             job.future.set_exception(e)
@@ -710,47 +571,3 @@ class RewardScorer:
     def __del__(self) -> None:
         if getattr(self, "_workers", None):
             self.close()
-
-
-class FlippedRewards:
-    """A scorer whose rewards are flipped ``r -> 1 - r`` on a random ``fraction`` of items.
-
-    Reward noise for controlled experiments (``reward.flip_fraction``): a verifier that is wrong
-    on a fixed share of items, the case where DelTA's contrast between positive and negative
-    responses is itself noisy. Which items flip depends only on ``seed`` and the batch's text
-    (a digest of its prompts and responses seeds the choice), so a resumed run, whose sampled
-    responses are the same, flips the same items. Meant for 0/1 rewards. The wrapped scorer's
-    other attributes (``kind``, ``close``...) are its own; ``counts["flipped"]`` says how many
-    rewards flipped.
-    """
-
-    def __init__(self, scorer: RewardScorer, fraction: float, seed: int):
-        if not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"fraction={fraction} must be in [0, 1]")
-        self.scorer, self.fraction, self.seed = scorer, fraction, seed
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.scorer, name)
-
-    def score(
-        self,
-        prompts: Sequence[str],
-        responses: Sequence[str],
-        items: Sequence[Mapping[str, Any]],
-        **kwargs: Any,
-    ) -> RewardBatch:
-        batch = self.scorer.score(prompts, responses, items, **kwargs)
-        return self.finish(batch, prompts, responses)
-
-    def submit(self, prompts, responses, items, **kwargs: Any):
-        """The wrapped scorer's submission; flip the whole batch with :meth:`finish`."""
-        return self.scorer.submit(prompts, responses, items, **kwargs)
-
-    def finish(self, batch: RewardBatch, prompts, responses) -> RewardBatch:
-        """Flips the rewards of a whole scored batch (which items depends on all its text)."""
-        digest = hashlib.blake2b("\0".join([*prompts, *responses]).encode(), digest_size=8)
-        rng = np.random.default_rng([self.seed, int.from_bytes(digest.digest(), "little")])
-        flip = rng.random(len(batch.rewards)) < self.fraction
-        rewards = np.where(flip, 1.0 - batch.rewards, batch.rewards).astype(np.float32)
-        counts = {**batch.counts, "flipped": int(flip.sum())}
-        return RewardBatch(rewards, batch.reasons, counts, batch.components)

@@ -111,8 +111,8 @@ def collect_rollout(
     """Sample, score and assemble one rollout batch (see module docstring); with ``episodes``
     each response is a multi-turn episode (:mod:`delta_jax.envs.episodes`)."""
     stats: Counter = Counter()
-    kept: list[dict] = []  # per-group dicts: where its rows are, and their host-side results
-    spare: list[dict] = []
+    kept: list[Group] = []
+    spare: list[Group] = []
     outputs, offset, wanted = [], 0, None
     take_skipped = getattr(prompt_batches, "take_skipped", lambda: 0)
     for round_ in range(dynamic_rounds + 1):
@@ -134,9 +134,8 @@ def collect_rollout(
             )
         )
         for g, group in enumerate(groups):
-            group["rows"] = offset + g * n + np.arange(n)
-            informative = np.ptp(group["rewards"]) > 0
-            (kept if informative or dynamic_rounds == 0 else spare).append(group)
+            group.rows = offset + g * n + np.arange(n)
+            (kept if group.informative or dynamic_rounds == 0 else spare).append(group)
         offset += out.token_array.shape[0]
         stats["dynamic/rounds"] = round_ + 1
         if len(kept) >= wanted:
@@ -155,21 +154,21 @@ def collect_rollout(
         count = stats.pop("episode/count")
         for key in [k for k in stats if k.startswith("episode/")]:
             stats[key] /= count
-    stats["dynamic/informative_groups"] = int(sum(np.ptp(g["rewards"]) > 0 for g in kept))
+    stats["dynamic/informative_groups"] = sum(g.informative for g in kept)
     return _assemble(kept, tuple(outputs), n, prompt_len, gen_len, advantage, dict(stats))
 
 
-def _assemble(kept, outputs, n, prompt_len, gen_len, advantage, stats) -> Rollout:
+def _assemble(kept: list[Group], outputs, n, prompt_len, gen_len, advantage, stats) -> Rollout:
     """The kept groups' rows in the fixed layout (on device), with advantages and statistics."""
-    rows = np.concatenate([g["rows"] for g in kept])
+    rows = np.concatenate([g.rows for g in kept])
     sequences, logprobs, hidden, action_mask = _padded_rows(
         outputs, rows, prompt_len=prompt_len, gen_len=gen_len
     )
-    joined = lambda key: [x for g in kept for x in g[key]]
-    rewards = np.concatenate([g["rewards"] for g in kept]).astype(np.float32)
+    joined = lambda key: [x for g in kept for x in getattr(g, key)]
+    rewards = np.concatenate([g.rewards for g in kept]).astype(np.float32)
     lengths = np.asarray(joined("lengths"), np.int32)
-    for name in kept[0]["components"]:
-        stats[f"reward/{name}"] = float(np.mean([x for g in kept for x in g["components"][name]]))
+    for name in kept[0].components:
+        stats[f"reward/{name}"] = float(np.mean([x for g in kept for x in g.components[name]]))
     stats.update(
         {
             "reward_mean": float(rewards.mean()),
@@ -183,7 +182,7 @@ def _assemble(kept, outputs, n, prompt_len, gen_len, advantage, stats) -> Rollou
         sequences=sequences,
         rollout_logprobs=logprobs,
         hidden=hidden,
-        prompt_lengths=np.asarray([len(g["prompt_ids"]) for g in kept for _ in range(n)], np.int32),
+        prompt_lengths=np.asarray([len(g.prompt_ids) for g in kept for _ in range(n)], np.int32),
         lengths=lengths,
         rewards=rewards,
         advantages=np.asarray(ADVANTAGE_FNS[advantage](jnp.asarray(rewards), n), np.float32),
@@ -194,33 +193,82 @@ def _assemble(kept, outputs, n, prompt_len, gen_len, advantage, stats) -> Rollou
     )
 
 
+@dataclasses.dataclass
+class Group:
+    """A prompt's ``n`` samples after scoring: the host-side results, and where its rows are
+    among every round's sampler outputs (set when the round is placed)."""
+
+    prompt_ids: list[int]
+    rewards: np.ndarray  # f32[n]
+    lengths: list[int]
+    records: list[PromptRecord]
+    texts: list[str]
+    components: dict[str, np.ndarray]  # each reward function's own rewards [n], by name
+    rows: np.ndarray | None = None
+
+    @property
+    def informative(self) -> bool:
+        """Whether its rewards differ (a group whose rewards are all equal has no gradient)."""
+        return bool(np.ptp(self.rewards) > 0)
+
+
+class _RewardStream:
+    """Rewards scored while the engine decodes: each unit (a row, or a prompt's rows for a
+    batched function) goes to the reward pool as soon as its rows have ended."""
+
+    def __init__(self, scorer, tokenizer, records, n: int, episodes):
+        self.scorer, self.tokenizer, self.episodes = scorer, tokenizer, episodes
+        self.items = [{"answer": r.answer, "tests": r.tests, **r.extra} for r in records]
+        self.prompts = [r.prompt for r in records]
+        self.texts: list[str] = [""] * len(records)
+        self.unit = scorer.unit(n)
+        self.pending: list = [None] * (len(records) // self.unit)
+        self.ended = [0] * len(self.pending)
+
+    def sample_done(self, row: int, tokens: list[int]) -> None:  # the host's only read of tokens
+        if self.episodes is not None:  # its last turn, for environments that score episodes
+            self.episodes.finish(row, tokens)
+        self.texts[row] = self.tokenizer.batch_decode([tokens], skip_special_tokens=True)[0]
+        u = row // self.unit
+        self.ended[u] += 1
+        if self.ended[u] == self.unit:
+            rows = slice(u * self.unit, (u + 1) * self.unit)
+            self.pending[u] = self.scorer.submit(
+                self.prompts[rows], self.texts[rows], self.items[rows], group_size=self.unit
+            )
+
+    def finish(self):
+        """The whole batch's rewards (waits for the units still being scored)."""
+        batch = concat_batches([p.result() for p in self.pending])
+        return self.scorer.finish(batch, self.prompts, self.texts)
+
+
+def _count_engine(stats: Counter, out, episodes, rows: int) -> None:
+    """How full the continuous engine's slots and pool were, and the episodes' statistics."""
+    if out.engine_stats is not None:
+        es = out.engine_stats
+        stats["engine/useful_steps"] += es.useful_steps
+        stats["engine/decode_steps"] += es.decode_steps
+        stats["rollout/preemptions"] += es.preemptions
+        stats["rollout/pages_peak"] = max(stats["rollout/pages_peak"], *es.high_water_pages)
+    if episodes is not None:
+        for key, value in episodes.stats().items():  # means; summed here, divided at the end
+            stats[key] += value * rows
+        stats["episode/count"] += rows
+        stats["rollout/observation_tokens"] += out.engine_stats.observation_tokens
+        stats["response_tokens"] += sum(out.lengths)
+        stats["time/tool_wait"] += out.engine_stats.wait_s
+
+
 def _sample_and_score(
     sampler, params, scorer, tokenizer, pairs, n, gen_len, sampling, seed, overlong, hidden, stats,
     runner,
 ):  # fmt: skip
-    """One sampler call and its rewards; returns the output and one dict per prompt group."""
+    """One sampler call and its rewards; returns the output and its prompts' groups."""
     t0 = time.perf_counter()
     records = [rec for _, rec in pairs for _ in range(n)]
     episodes = None if runner is None else runner.start([episode_row(r) for r in records])
-    items = [{"answer": r.answer, "tests": r.tests, **r.extra} for r in records]
-    prompts = [r.prompt for r in records]
-    texts: list[str] = [""] * len(records)
-    # Rewards stream: each unit (a row, or a prompt's rows for a batched function) goes to the
-    # reward pool as soon as its rows have ended, while the engine decodes the others.
-    unit = scorer.unit(n)
-    pending: list = [None] * (len(records) // unit)
-    ended = [0] * len(pending)
-
-    def score_sample(row: int, tokens: list[int]) -> None:  # the host's only read of tokens
-        if episodes is not None:  # its last turn, for environments that score episodes
-            episodes.finish(row, tokens)
-        texts[row] = tokenizer.batch_decode([tokens], skip_special_tokens=True)[0]
-        u = row // unit
-        ended[u] += 1
-        if ended[u] == unit:
-            rows = slice(u * unit, (u + 1) * unit)
-            pending[u] = scorer.submit(prompts[rows], texts[rows], items[rows], group_size=unit)
-
+    stream = _RewardStream(scorer, tokenizer, records, n, episodes)
     out = sampler.generate(
         [ids for ids, _ in pairs],
         n=n,
@@ -228,34 +276,22 @@ def _sample_and_score(
         seed=seed,
         return_hidden=hidden,
         params=params,
-        on_sample_done=score_sample,
+        on_sample_done=stream.sample_done,
         turns=None if episodes is None else episodes.turns,
         **sampling,
     )
     t1 = time.perf_counter()
-    scored = scorer.finish(concat_batches([p.result() for p in pending]), prompts, texts)
+    scored = stream.finish()
     stats["time/rollout"] += t1 - t0
     # What the step waits for after the last token: the rewards not computed while decoding.
     stats["time/reward_tail"] += time.perf_counter() - t1
     stats.update({f"reward_reason/{k}": v for k, v in scored.counts.items()})
-    if out.engine_stats is not None:  # the continuous engine: how full its slots and pool were
-        es = out.engine_stats
-        stats["engine/useful_steps"] += es.useful_steps
-        stats["engine/decode_steps"] += es.decode_steps
-        stats["rollout/preemptions"] += es.preemptions
-        stats["rollout/pages_peak"] = max(stats["rollout/pages_peak"], *es.high_water_pages)
+    _count_engine(stats, out, episodes, len(records))
     rewards = np.asarray(scored.rewards, np.float32)
     components = dict(scored.components)
-    if episodes is not None:
-        for key, value in episodes.stats().items():  # means; summed here, divided at the end
-            stats[key] += value * len(records)
-        stats["episode/count"] += len(records)
-        stats["rollout/observation_tokens"] += out.engine_stats.observation_tokens
-        stats["response_tokens"] += sum(out.lengths)
-        stats["time/tool_wait"] += out.engine_stats.wait_s
-        given = episodes.rewards()  # environments that score their episodes add their reward
-        if given is not None:
-            rewards, components["environment"] = rewards + given, given
+    given = None if episodes is None else episodes.rewards()
+    if given is not None:  # environments that score their episodes add their reward
+        rewards, components["environment"] = rewards + given, given
     if overlong is not None and overlong[0] > 0:
         rewards = rewards + np.asarray(
             adv_lib.overlong_penalty(
@@ -265,14 +301,15 @@ def _sample_and_score(
                 factor=overlong[1],
             )
         )
+    cut = lambda x, g: x[g * n : (g + 1) * n]
     return out, [
-        dict(
+        Group(
             prompt_ids=prompt_ids,
-            rewards=rewards[g * n : (g + 1) * n],
-            lengths=list(out.lengths[g * n : (g + 1) * n]),
-            records=records[g * n : (g + 1) * n],
-            texts=texts[g * n : (g + 1) * n],
-            components={k: v[g * n : (g + 1) * n] for k, v in components.items()},
+            rewards=cut(rewards, g),
+            lengths=list(cut(out.lengths, g)),
+            records=cut(records, g),
+            texts=cut(stream.texts, g),
+            components={k: cut(v, g) for k, v in components.items()},
         )
         for g, (prompt_ids, _) in enumerate(pairs)
     ]
