@@ -40,8 +40,6 @@ KNOWN = {
     },
     "function": {
         "delta_jax.eval.evaluate_benchmarks",
-        "delta_jax.losses.delta._solve",
-        "delta_jax.losses.policy.policy_loss",
         "delta_jax.models.transformer.__call__",
         "delta_jax.plan.search.plan",
         "delta_jax.rl.rollout._sample_and_score",
