@@ -95,7 +95,24 @@ class Objective:
         ref_logprobs: Float[Array, "B T"] | None = None,
         entropy: Float[Array, "B T"] | None = None,
     ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
-        """The loss and metrics of one micro-batch (``normalizer``: the mini-batch's ``N``)."""
+        """The loss and metrics of one micro-batch.
+
+        Args:
+          logprobs: ``[B, T]`` current-policy log-probs of the sampled tokens.
+          old_logprobs: ``[B, T]`` log-probs the ratio is taken against.
+          advantages: ``[B, T]`` each token's response advantage.
+          mask: ``[B, T]`` tokens of the loss (the actions).
+          normalizer: the whole mini-batch's ``N``, :attr:`count` of its mask.
+          segment_ids: ``[B, T]`` response of each token in packed rows (None: one per row).
+          coefficients: ``[B, T]`` DelTA's ``λ̄`` (with :attr:`uses_delta`).
+          token_mask: ``[B, T]`` forking tokens (with :attr:`uses_forking_mask`).
+          rollout_logprobs: ``[B, T]`` the sampler's log-probs (read with :attr:`tis_cap`).
+          ref_logprobs: ``[B, T]`` reference log-probs (needed when :attr:`kl_coef` > 0).
+          entropy: ``[B, T]`` policy entropy (read when :attr:`entropy_coef` != 0).
+
+        Returns:
+          ``(loss, metrics)`` as :func:`~delta_jax.losses.policy_loss`.
+        """
         return policy_gradient_loss(
             logprobs, old_logprobs, advantages, mask,
             surrogate=self.surrogate, aggregate=self.aggregate, coefficients=coefficients,
