@@ -38,8 +38,6 @@ KNOWN = {
         "delta_jax.sampling.sampler (653 lines)",
     },
     "function": {
-        "delta_jax.losses.delta._solve",
-        "delta_jax.losses.policy.policy_loss",
         "delta_jax.models.transformer.__call__",
         "delta_jax.plan.search.plan",
         "delta_jax.sampling.buckets.prepare_request",

@@ -7,9 +7,23 @@ loss without the rest of delta_jax::
 
   coef = delta_coefficients(hidden, old_logprobs, advantages, mask)  # [B, T], mean 1
   loss, metrics = policy_loss(logprobs, old_logprobs, advantages, mask, coefficients=coef)
+
+The pieces of ``policy_loss`` are small functions of their own, one signature per kind:
+surrogates (:mod:`~delta_jax.losses.surrogates`: ``clipped_surrogate``, ``gspo_surrogate``,
+``sapo_surrogate``), aggregations (:mod:`~delta_jax.losses.aggregation`: ``token_mean``,
+``seq_mean_token_mean``, ...) and KL estimators (:mod:`~delta_jax.losses.kl`);
+``policy_gradient_loss`` composes them when they are passed as functions::
+
+  import functools
+  from delta_jax.losses import clipped_surrogate, policy_gradient_loss, seq_mean_token_mean
+
+  grpo = functools.partial(clipped_surrogate, clip_eps_low=0.2, clip_eps_high=0.2)
+  loss, metrics = policy_gradient_loss(
+      logprobs, old_logprobs, advantages, mask, surrogate=grpo, aggregate=seq_mean_token_mean
+  )
 """
 
-from delta_jax.losses import advantages
+from delta_jax.losses import advantages, aggregation, kl, surrogates
 from delta_jax.losses.advantages import (
     batch_normalize,
     dr_grpo_advantages,
@@ -19,21 +33,62 @@ from delta_jax.losses.advantages import (
     reinforce_pp_baseline_advantages,
     rloo_advantages,
 )
+from delta_jax.losses.aggregation import (
+    response_count,
+    seq_mean_token_mean,
+    seq_mean_token_sum,
+    seq_mean_token_sum_norm,
+    token_count,
+    token_mean,
+)
 from delta_jax.losses.delta import delta_coefficients, delta_coefficients_microbatched
-from delta_jax.losses.policy import forking_tokens_mask, loss_normalizer, policy_loss
+from delta_jax.losses.kl import kl_k1, kl_k2, kl_k3
+from delta_jax.losses.policy import (
+    forking_tokens_mask,
+    loss_normalizer,
+    policy_gradient_loss,
+    policy_loss,
+)
+from delta_jax.losses.surrogates import (
+    clipped_surrogate,
+    gspo_surrogate,
+    sapo_surrogate,
+    sequence_log_ratio,
+    token_log_ratio,
+    truncated_importance_weight,
+)
 
 __all__ = [
     "advantages",
+    "aggregation",
     "batch_normalize",
+    "clipped_surrogate",
     "delta_coefficients",
     "delta_coefficients_microbatched",
     "dr_grpo_advantages",
     "forking_tokens_mask",
     "grpo_advantages",
+    "gspo_surrogate",
     "informative_groups",
+    "kl",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
     "loss_normalizer",
     "overlong_penalty",
+    "policy_gradient_loss",
     "policy_loss",
     "reinforce_pp_baseline_advantages",
+    "response_count",
     "rloo_advantages",
+    "sapo_surrogate",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+    "sequence_log_ratio",
+    "surrogates",
+    "token_count",
+    "token_log_ratio",
+    "token_mean",
+    "truncated_importance_weight",
 ]

@@ -54,87 +54,109 @@ def _compute_dtype(chunks: list[Chunk], lm_head: Array | None) -> jnp.dtype:
     return jnp.result_type(jnp.float32, *(x.dtype for x in arrays if x is not None))
 
 
-def _solve(chunks: list[Chunk], lm_head: Array | None, opts: _Options):
-    """Coefficients (per chunk) and diagnostics from the chunks' sufficient statistics."""
-    chunks, lm_head = jax.lax.stop_gradient((chunks, lm_head))
-    eps = opts.eps
-    ft = _compute_dtype(chunks, lm_head)
-    if opts.scope == "global" and opts.axis_name is not None:
-        reduce = lambda x: jax.lax.psum(x, opts.axis_name)
-    else:
-        reduce = lambda x: x
-
-    masks = [c.mask != 0 for c in chunks]
-    # Per-token advantages [b, T]: a per-response [b] one is broadcast along its tokens.
-    advs = [jnp.broadcast_to(c.advantages.astype(ft).reshape(c.mask.shape[0], -1), c.mask.shape)
-            for c in chunks]  # fmt: skip
+def _proxy(chunks: list[Chunk], masks: list[Array], lm_head: Array | None, opts: _Options, ft):
+    """The token-gradient proxy ``v`` of ``opts.proxy`` over the chunks (``_delta_proxy``)."""
     if opts.proxy == "lm_head_row":
         scales = [
             jnp.where(m, -jnp.expm1(c.logprobs.astype(ft)), 0.0)
             for c, m in zip(chunks, masks, strict=True)
         ]
-        proxy = LmHeadRow([c.hidden for c in chunks], scales)
-    else:
-        probs = []
-        for c, m in zip(chunks, masks, strict=True):
-            valid = m[..., None]
-            logits = jnp.where(valid, c.topk_logits.astype(ft), 0.0)
-            probs.append(jnp.where(valid, jax.nn.softmax(logits, axis=-1), 0.0))
-        proxy = HiddenTopk(lm_head, [c.token_ids for c in chunks], [c.topk_ids for c in chunks],
-                           probs, masks)  # fmt: skip
+        return LmHeadRow([c.hidden for c in chunks], scales)
+    probs = []
+    for c, m in zip(chunks, masks, strict=True):
+        valid = m[..., None]
+        logits = jnp.where(valid, c.topk_logits.astype(ft), 0.0)
+        probs.append(jnp.where(valid, jax.nn.softmax(logits, axis=-1), 0.0))
+    return HiddenTopk(lm_head, [c.token_ids for c in chunks], [c.topk_ids for c in chunks],
+                      probs, masks)  # fmt: skip
 
-    # Row 0 is the positive side P, row 1 the negative side N: [2, b, T] per chunk.
-    sides, masses = [], []
-    for a, m in zip(advs, masks, strict=True):
-        side = jnp.stack([m & (a > 0), m & (a < 0)])
-        sides.append(side)
-        masses.append(jnp.where(side, jnp.abs(a)[None], 0.0))
 
-    def total(chunked):
-        return reduce(sum(jnp.sum(x, axis=(-2, -1)) for x in chunked))
+class _Sides:
+    """The batch's valid tokens split into the positive side P and the negative side N.
 
-    def on_sides(chunked):  # zero outside each side's own tokens
-        return [jnp.where(s, x, 0.0) for s, x in zip(sides, chunked, strict=True)]
+    Per chunk, arrays ``[2, b, T]`` carry P on row 0 and N on row 1. Every statistic of
+    DELTA_SPEC §3 is a sum over tokens (:meth:`total`), all-reduced over ``opts.axis_name`` for
+    the global scope, so the methods read as the spec's formulas whatever the chunking.
+    """
 
-    # Integer counts stay exact beyond 2**24 tokens.
-    n_side = total(sides).astype(ft)  # [2]
-    n_valid = total(masks).astype(ft)
-    per_side = jnp.maximum(n_side, 1.0)
+    def __init__(self, chunks: list[Chunk], lm_head: Array | None, opts: _Options):
+        self.opts = opts
+        self.ft = ft = _compute_dtype(chunks, lm_head)
+        self.masks = [c.mask != 0 for c in chunks]
+        # Per-token advantages [b, T]: a per-response [b] one is broadcast along its tokens.
+        advs = [jnp.broadcast_to(c.advantages.astype(ft).reshape(c.mask.shape[0], -1),
+                                 c.mask.shape) for c in chunks]  # fmt: skip
+        self.proxy = _proxy(chunks, self.masks, lm_head, opts, ft)
+        self.sides, self.masses = [], []  # token sets P / N, and the weights a± on them
+        for a, m in zip(advs, self.masks, strict=True):
+            side = jnp.stack([m & (a > 0), m & (a < 0)])
+            self.sides.append(side)
+            self.masses.append(jnp.where(side, jnp.abs(a)[None], 0.0))
+        # Integer counts stay exact beyond 2**24 tokens.
+        self.n_side = self.total(self.sides).astype(ft)  # [2]
+        self.n_valid = self.total(self.masks).astype(ft)
+        self.per_side = jnp.maximum(self.n_side, 1.0)
 
-    def centroids(weights):  # [2, H]
-        return reduce(proxy.weighted_sums(weights)) / jnp.maximum(total(weights), eps)[:, None]
+    def reduce(self, x: Array) -> Array:
+        """All-reduced over the batch's mesh axis for global statistics inside ``shard_map``."""
+        if self.opts.scope == "global" and self.opts.axis_name is not None:
+            return jax.lax.psum(x, self.opts.axis_name)
+        return x
 
-    def margins(mu):  # Δ+ on row 0 and Δ− = −Δ+ on row 1, [2, b, T] per chunk
+    def total(self, chunked: list[Array]) -> Array:
+        """Sum over every token of every chunk (their last two axes)."""
+        return self.reduce(sum(jnp.sum(x, axis=(-2, -1)) for x in chunked))
+
+    def on_sides(self, chunked: list[Array]) -> list[Array]:
+        """Zero outside each side's own tokens."""
+        return [jnp.where(s, x, 0.0) for s, x in zip(self.sides, chunked, strict=True)]
+
+    def centroids(self, weights: list[Array]) -> Float[Array, "2 H"]:
+        """``μ± = Σ w v / max(Σ w, ε)`` of each side."""
+        sums = self.reduce(self.proxy.weighted_sums(weights))
+        return sums / jnp.maximum(self.total(weights), self.opts.eps)[:, None]
+
+    def margins(self, mu: Float[Array, "2 H"]) -> list[Array]:
+        """``Δ+ = 2 v·(μ+ − μ−) − (‖μ+‖² − ‖μ−‖²)`` on row 0 and ``Δ− = −Δ+`` on row 1."""
         offset = jnp.dot(mu[0], mu[0]) - jnp.dot(mu[1], mu[1])
-        projections = proxy.project(mu[0] - mu[1])
+        projections = self.proxy.project(mu[0] - mu[1])
         return [jnp.stack([2.0 * p - offset, offset - 2.0 * p]) for p in projections]
 
-    def temperature(deltas):  # population std of each side's margins, two passes for stability
-        mean = (total(on_sides(deltas)) / per_side)[:, None, None]
-        spread = total(on_sides([jnp.square(d - mean) for d in deltas]))
-        return jnp.sqrt(jnp.maximum(spread / per_side, eps))
+    def temperature(self, deltas: list[Array]) -> Float[Array, " 2"]:
+        """``γ± = sqrt(max(Var(Δ±), ε))``: population std of each side's margins, two passes."""
+        mean = (self.total(self.on_sides(deltas)) / self.per_side)[:, None, None]
+        spread = self.total(self.on_sides([jnp.square(d - mean) for d in deltas]))
+        return jnp.sqrt(jnp.maximum(spread / self.per_side, self.opts.eps))
 
-    def assign(deltas, gamma):
-        if opts.assignment == "hard":
-            return [(d > 0).astype(ft) for d in deltas]
+    def assign(self, deltas: list[Array], gamma: Float[Array, " 2"]) -> list[Array]:
+        """Soft ``α = σ(Δ/γ)`` or hard ``α = [Δ > 0]`` assignment to the own side."""
+        if self.opts.assignment == "hard":
+            return [(d > 0).astype(self.ft) for d in deltas]
         return [jax.nn.sigmoid(d / gamma[:, None, None]) for d in deltas]
 
-    mu = centroids(masses)
-    deltas = margins(mu)
-    gamma_now = temperature(deltas)  # temperature of the current margins
+
+def _refine(sides: _Sides):
+    """Centroids, their margins and the temperature after K refinements (§3 steps 1-4)."""
+    opts = sides.opts
+    mu = sides.centroids(sides.masses)
+    deltas = sides.margins(mu)
+    gamma_now = sides.temperature(deltas)  # temperature of the current margins
     gamma = gamma_now  # temperature the next scores use: lags the margins by one step
     for step in range(opts.refine_steps):
-        alpha = assign(deltas, gamma)
+        alpha = sides.assign(deltas, gamma)
         if opts.adaptive_gamma:
             gamma = gamma_now
-        mu = centroids([w * a for w, a in zip(masses, alpha, strict=True)])
-        deltas = margins(mu)
+        mu = sides.centroids([w * a for w, a in zip(sides.masses, alpha, strict=True)])
+        deltas = sides.margins(mu)
         if opts.adaptive_gamma and step + 1 < opts.refine_steps:
-            gamma_now = temperature(deltas)
-    alpha = assign(deltas, gamma)
+            gamma_now = sides.temperature(deltas)
+    return mu, deltas, gamma
 
-    lams = []
-    for s, m, a in zip(sides, masks, alpha, strict=True):
+
+def _lambdas(sides: _Sides, alpha: list[Array]) -> list[Array]:
+    """``λ`` from the final scores, self-normalised to mean 1 (§3 steps 6-7)."""
+    opts, lams = sides.opts, []
+    for s, m, a in zip(sides.sides, sides.masks, alpha, strict=True):
         scored = s[0] | s[1]
         score = jnp.where(s[0], a[0], a[1])
         if opts.range_map:
@@ -143,13 +165,18 @@ def _solve(chunks: list[Chunk], lm_head: Array | None, opts: _Options):
         else:
             lams.append(jnp.where(scored, score, 0.0))
     if opts.normalize == "sum":
-        scale = n_valid / jnp.maximum(total(lams), eps)
+        scale = sides.n_valid / jnp.maximum(sides.total(lams), opts.eps)
         lams = [lam * scale for lam in lams]
+    return lams
 
+
+def _diagnostics(sides: _Sides, mu, deltas, gamma, lams) -> dict[str, Array]:
+    """The scalars of ``return_diagnostics`` (see :func:`delta_coefficients`)."""
+    per_side, eps = sides.per_side, sides.opts.eps
     norms = jnp.sqrt(jnp.sum(jnp.square(mu), axis=-1))
-    above = total([s & (lam[None] > 1.0) for s, lam in zip(sides, lams, strict=True)])
-    agree = total([s & (d > 0) for s, d in zip(sides, deltas, strict=True)])
-    diagnostics = {
+    above = sides.total([s & (lam[None] > 1.0) for s, lam in zip(sides.sides, lams, strict=True)])
+    agree = sides.total([s & (d > 0) for s, d in zip(sides.sides, deltas, strict=True)])
+    return {
         "gamma_pos": gamma[0],
         "gamma_neg": gamma[1],
         "centroid_norm_pos": norms[0],
@@ -157,9 +184,17 @@ def _solve(chunks: list[Chunk], lm_head: Array | None, opts: _Options):
         "centroid_cosine": jnp.dot(mu[0], mu[1]) / jnp.maximum(norms[0] * norms[1], eps),
         "frac_above_one_pos": above[0] / per_side[0],
         "frac_above_one_neg": above[1] / per_side[1],
-        "sign_accuracy": jnp.sum(agree) / jnp.maximum(jnp.sum(n_side), 1.0),
+        "sign_accuracy": jnp.sum(agree) / jnp.maximum(jnp.sum(sides.n_side), 1.0),
     }
-    return lams, diagnostics
+
+
+def _solve(chunks: list[Chunk], lm_head: Array | None, opts: _Options):
+    """Coefficients (per chunk) and diagnostics from the chunks' sufficient statistics."""
+    chunks, lm_head = jax.lax.stop_gradient((chunks, lm_head))
+    sides = _Sides(chunks, lm_head, opts)
+    mu, deltas, gamma = _refine(sides)
+    lams = _lambdas(sides, sides.assign(deltas, gamma))
+    return lams, _diagnostics(sides, mu, deltas, gamma, lams)
 
 
 def _run(chunks: list[Chunk], lm_head: Array | None, opts: _Options, mesh: Any):

@@ -1,8 +1,11 @@
-"""Policy-gradient surrogates over token log-probabilities, with optional per-token weights.
+"""Policy-gradient losses over token log-probabilities, with optional per-token weights.
 
-Every function here is pure ``jax.numpy`` over arrays with a ``mask``: it takes log-probs, not a
-model, so it composes with any JAX model and any parallelism (``jit``, sharded batches,
-micro-batches). Conventions for all of them:
+The pieces are small pure functions (:mod:`~delta_jax.losses.surrogates`,
+:mod:`~delta_jax.losses.aggregation`, :mod:`~delta_jax.losses.kl`);
+:func:`policy_gradient_loss` composes them into one loss with its metrics, taking the surrogate,
+the aggregation and the KL estimator as functions; :func:`policy_loss` is the same loss with
+them named by strings. Every function takes log-probs, not a model, so it composes with any JAX
+model and any parallelism (``jit``, sharded batches, micro-batches). Conventions:
 
 * ``B`` responses (rows) of ``T`` positions; ``mask[b, t] != 0`` marks a real response token.
   Padding may hold anything, NaN and inf included: it never reaches a value or a gradient.
@@ -12,22 +15,25 @@ micro-batches). Conventions for all of them:
 * Log-ratios are clamped to ``[-20, 20]`` before ``exp`` (no gradient beyond): a token that
   far off-policy is outside every clip range, and the clamp keeps ``float32`` finite.
 
-The surrogates (``A`` is the effective advantage ``Â · λ̄``, i.e. advantage times coefficient):
+The surrogates by name (``A`` is the effective advantage ``Â · λ̄``, advantage times
+coefficient):
 
-* ``"ppo"``: token-level clipped objective as in DAPO / GRPO (DELTA_SPEC §4),
-  ``ℓ = −min(r A, clip(r, 1−ε_low, 1+ε_high) A)`` with ``r = exp(logπ − logπ_old)``, and for
-  ``A < 0`` the dual clip ``ℓ ← min(ℓ, −c A)`` (Ye et al., 2020). Defaults ε = 0.2 / 0.28.
-* ``"gspo"``: GSPO (Zheng et al., 2025), sequence-level ratio
-  ``s_i = exp(mean_t (logπ − logπ_old))`` over the valid tokens (``mask``, not ``token_mask``)
-  of response ``i``, used in the token-level form ``s_{i,t} = sg[s_i] · π_t / sg[π_t]``
-  (value ``s_i``, gradient ``s_i ∇logπ_t``) inside the same clipped objective, so per-token
-  weights still apply. Defaults ε = 3e-4 / 4e-4 (the GSPO paper); the paper aggregates with
-  ``"seq-mean-token-mean"``.
-* ``"sapo"``: SAPO (Gao et al., 2025), the hard clip replaced by a soft gate
-  ``ℓ = −A · f(r)``, ``f(r) = σ(τ (r − 1)) · 4/τ``, with ``τ = τ+`` where ``A > 0`` and ``τ−``
-  otherwise. ``∂f/∂r = 4 σ (1 − σ)`` equals 1 on-policy (``r = 1``), so near ``r = 1`` the
-  gradient is the plain policy gradient and it decays smoothly off-policy. The paper aggregates
-  with ``"seq-mean-token-mean"``; ``clip_eps_*`` and ``dual_clip_c`` do not apply.
+* ``"ppo"``: :func:`~delta_jax.losses.surrogates.clipped_surrogate`, token-level clipped
+  objective as in DAPO / GRPO (DELTA_SPEC §4), ``ℓ = −min(r A, clip(r, 1−ε_low, 1+ε_high) A)``
+  with ``r = exp(logπ − logπ_old)``, and for ``A < 0`` the dual clip ``ℓ ← min(ℓ, −c A)``
+  (Ye et al., 2020). Defaults ε = 0.2 / 0.28.
+* ``"gspo"``: :func:`~delta_jax.losses.surrogates.gspo_surrogate`, GSPO (Zheng et al., 2025),
+  sequence-level ratio ``s_i = exp(mean_t (logπ − logπ_old))`` over the valid tokens (``mask``,
+  not ``token_mask``) of response ``i``, used in the token-level form
+  ``s_{i,t} = sg[s_i] · π_t / sg[π_t]`` (value ``s_i``, gradient ``s_i ∇logπ_t``) inside the same
+  clipped objective, so per-token weights still apply. Defaults ε = 3e-4 / 4e-4 (the GSPO
+  paper); the paper aggregates with ``"seq-mean-token-mean"``.
+* ``"sapo"``: :func:`~delta_jax.losses.surrogates.sapo_surrogate`, SAPO (Gao et al., 2025), the
+  hard clip replaced by a soft gate ``ℓ = −A · f(r)``, ``f(r) = σ(τ (r − 1)) · 4/τ``, with
+  ``τ = τ+`` where ``A > 0`` and ``τ−`` otherwise. ``∂f/∂r = 4 σ (1 − σ)`` equals 1 on-policy
+  (``r = 1``), so near ``r = 1`` the gradient is the plain policy gradient and it decays
+  smoothly off-policy. The paper aggregates with ``"seq-mean-token-mean"``; ``clip_eps_*`` and
+  ``dual_clip_c`` do not apply.
 
 References:
   Ye et al., "Mastering Complex Control in MOBA Games with Deep RL" (dual clip), 2020.
@@ -41,23 +47,37 @@ References:
 
 from __future__ import annotations
 
+import functools
 import numbers
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
-LOSS_TYPES = ("ppo", "gspo", "sapo")
-AGGREGATIONS = (
-    "token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
+from delta_jax.losses.aggregation import (
+    NAMED_AGGREGATIONS,
+    Aggregate,
+    masked_max,
+    masked_mean,
+    masked_min,
+    token_mean,
 )
-KL_ESTIMATORS = ("k1", "k2", "k3")
+from delta_jax.losses.kl import KL_ESTIMATOR_FNS, KLEstimator, kl_k3
+from delta_jax.losses.surrogates import (
+    Surrogate,
+    clipped_surrogate,
+    gspo_surrogate,
+    sapo_surrogate,
+    token_log_ratio,
+    truncated_importance_weight,
+)
+
+LOSS_TYPES = ("ppo", "gspo", "sapo")
+AGGREGATIONS = tuple(NAMED_AGGREGATIONS)
+KL_ESTIMATORS = tuple(KL_ESTIMATOR_FNS)
 # (ε_low, ε_high) used when clip_eps_low / clip_eps_high are None.
 DEFAULT_CLIP_EPS = {"ppo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
-_MAX_LOG_RATIO = 20.0
 # forking_tokens_mask quantises top_q to this many parts so that k = ceil(q n) is exact in int32.
 _Q_PARTS = 10_000
 
@@ -95,36 +115,6 @@ def _valid_mask(name: str, mask: ArrayLike, shape: tuple[int, ...]) -> Bool[Arra
     return mask != 0
 
 
-def _masked_mean(x: Array, valid: Array) -> Array:
-    n = jnp.sum(valid)
-    return jnp.sum(jnp.where(valid, x, 0)) / jnp.maximum(n, 1).astype(x.dtype)
-
-
-def _masked_extreme(x: Array, valid: Array, fn) -> Array:
-    """min / max over valid entries; 0 when there are none (metrics must stay finite)."""
-    fill = jnp.inf if fn is jnp.min else -jnp.inf
-    return jnp.where(jnp.any(valid), fn(jnp.where(valid, x, fill)), 0).astype(x.dtype)
-
-
-def _segment_keys(segment_ids: ArrayLike, shape: tuple[int, ...]) -> tuple[Array, int]:
-    """One integer per (row, segment) of a packed ``[B, T]`` layout, and how many there can be."""
-    seg = jnp.asarray(segment_ids)
-    if seg.shape != shape or not jnp.issubdtype(seg.dtype, jnp.integer):
-        raise ValueError(
-            f"segment_ids must be integer with shape {shape}, got {seg.dtype}{seg.shape}"
-        )
-    B, T = shape
-    return (jnp.arange(B)[:, None] * (T + 1) + seg).reshape(-1), B * (T + 1)
-
-
-def _per_response_sum(x: Array, segment_ids: ArrayLike | None) -> Array:
-    """``Σ_t x`` of each token's response, broadcast to its tokens: the row, or its segment."""
-    if segment_ids is None:
-        return jnp.broadcast_to(jnp.sum(x, axis=-1, keepdims=True), x.shape)
-    keys, n = _segment_keys(segment_ids, x.shape)
-    return jax.ops.segment_sum(x.reshape(-1), keys, num_segments=n)[keys].reshape(x.shape)
-
-
 def loss_normalizer(
     mask: ArrayLike, aggregation: str = "token-mean", segment_ids: ArrayLike | None = None
 ) -> Float[Array, ""]:
@@ -134,7 +124,9 @@ def loss_normalizer(
     with at least one valid token. Both are counts, so the normaliser of a full batch is the sum
     of its micro-batches' normalisers: compute it once on the full batch (or sum it over
     micro-batches) and pass it as ``normalizer=`` to every micro-batch call, and the micro-batch
-    losses (and gradients) add up to the full-batch ones.
+    losses (and gradients) add up to the full-batch ones. The same counts by function:
+    :func:`~delta_jax.losses.aggregation.token_count`,
+    :func:`~delta_jax.losses.aggregation.response_count`.
 
     Args:
       mask: ``[B, T]`` valid-token mask (non-zero = valid).
@@ -154,47 +146,178 @@ def loss_normalizer(
     mask = jnp.asarray(mask)
     if mask.ndim != 2:
         raise ValueError(f"mask must have shape [B, T], got {mask.shape}")
-    valid = _valid_mask("mask", mask, mask.shape)
-    if aggregation == "token-mean":
-        return jnp.sum(valid).astype(jnp.float32)
-    if segment_ids is None:
-        return jnp.sum(jnp.any(valid, axis=-1)).astype(jnp.float32)
-    keys, n = _segment_keys(segment_ids, mask.shape)
-    has_tokens = jax.ops.segment_max(valid.reshape(-1).astype(jnp.int32), keys, num_segments=n)
-    return jnp.sum(jnp.maximum(has_tokens, 0)).astype(jnp.float32)
+    _, count = NAMED_AGGREGATIONS[aggregation]
+    return count(_valid_mask("mask", mask, mask.shape), segment_ids)
 
 
-def _aggregate(
-    per_token: Float[Array, "B T"],
-    valid: Bool[Array, "B T"],
-    aggregation: str,
-    normalizer,
-    max_response_length,
-    segment_ids=None,
-) -> Float[Array, ""]:
-    """Sums ``per_token`` (zero off ``valid``) as ``aggregation`` says, over the normaliser."""
-    if aggregation == "token-mean":
-        total = jnp.sum(per_token)
-    elif segment_ids is not None:  # packed rows: each token carries its response's share
-        if aggregation == "seq-mean-token-mean":
-            lengths = _per_response_sum(valid.astype(per_token.dtype), segment_ids)
-            per_token = per_token / jnp.maximum(lengths, 1)
-        elif aggregation == "seq-mean-token-sum-norm":
-            per_token = per_token / jnp.asarray(max_response_length, per_token.dtype)
-        total = jnp.sum(per_token)
-    else:
-        per_seq = jnp.sum(per_token, axis=-1)
-        if aggregation == "seq-mean-token-mean":
-            per_seq = per_seq / jnp.maximum(jnp.sum(valid, axis=-1), 1).astype(per_seq.dtype)
-        elif aggregation == "seq-mean-token-sum-norm":
-            constant = valid.shape[-1] if max_response_length is None else max_response_length
-            per_seq = per_seq / jnp.asarray(constant, per_seq.dtype)
-        total = jnp.sum(per_seq)
-    if normalizer is None:
-        normalizer = loss_normalizer(valid, aggregation, segment_ids)
-    normalizer = jnp.asarray(normalizer, total.dtype)
-    # Empty batch: the numerator is 0 too, and 0 is the documented loss.
-    return total / jnp.where(normalizer > 0, normalizer, 1)
+class _Inputs(NamedTuple):
+    """The checked arrays of one loss call, in the compute dtype; constants stop-gradient."""
+
+    logprobs: Array
+    old: Array
+    advantages: Array  # [B, T]
+    valid: Array  # bool: mask
+    keep: Array  # bool: mask and token_mask
+    coefficients: Array | None
+    rollout: Array | None
+    ref: Array | None
+    entropy: Array | None
+
+
+def _checked_inputs(
+    logprobs, old_logprobs, advantages, mask, coefficients, token_mask, rollout, ref, entropy
+) -> _Inputs:
+    """Shapes and dtypes checked (names in the errors), cast to float32 / float64."""
+    lp = _float_array("logprobs", logprobs, None)
+    if lp.ndim != 2:
+        raise ValueError(f"logprobs must have shape [B, T], got {lp.shape}")
+    shape = lp.shape
+    dtype = jnp.promote_types(lp.dtype, jnp.float32)
+    sg = jax.lax.stop_gradient
+
+    def constant(name, x):
+        return None if x is None else sg(_float_array(name, x, shape).astype(dtype))
+
+    valid = _valid_mask("mask", mask, shape)
+    adv = _float_array("advantages", advantages, None)
+    if adv.shape not in (shape[:1], shape):
+        raise ValueError(
+            f"advantages must have shape {shape[:1]} or {shape} (from logprobs {shape}), "
+            f"got {adv.shape}"
+        )
+    if entropy is not None:
+        entropy = _float_array("entropy", entropy, shape).astype(dtype)
+    keep = valid if token_mask is None else valid & _valid_mask("token_mask", token_mask, shape)
+    return _Inputs(
+        logprobs=lp.astype(dtype),
+        old=constant("old_logprobs", old_logprobs),
+        advantages=sg(jnp.broadcast_to(adv.reshape(shape[0], -1), shape).astype(dtype)),
+        valid=valid,
+        keep=keep,
+        coefficients=constant("coefficients", coefficients),
+        rollout=constant("rollout_logprobs", rollout),
+        ref=constant("ref_logprobs", ref),
+        entropy=entropy,
+    )
+
+
+def _coefficient_metrics(coef: Float[Array, "B T"], valid) -> dict[str, Float[Array, ""]]:
+    mean = masked_mean(coef, valid)
+    return {
+        "coef_mean": mean,
+        "coef_min": masked_min(coef, valid),
+        "coef_max": masked_max(coef, valid),
+        "coef_std": jnp.sqrt(masked_mean(jnp.square(coef - mean), valid)),
+    }
+
+
+def policy_gradient_loss(
+    logprobs: Float[Array, "B T"],
+    old_logprobs: Float[Array, "B T"],
+    advantages: Float[Array, " B"] | Float[Array, "B T"],
+    mask: ArrayLike,
+    *,
+    surrogate: Surrogate = clipped_surrogate,
+    aggregate: Aggregate = token_mean,
+    coefficients: Float[Array, "B T"] | None = None,
+    normalizer: float | Float[Array, ""] | None = None,
+    segment_ids: ArrayLike | None = None,
+    token_mask: ArrayLike | None = None,
+    rollout_logprobs: Float[Array, "B T"] | None = None,
+    tis_cap: float | None = None,
+    ref_logprobs: Float[Array, "B T"] | None = None,
+    kl: KLEstimator = kl_k3,
+    kl_coef: float = 0.0,
+    entropy: Float[Array, "B T"] | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
+    """A policy-gradient loss composed of a surrogate, an aggregation and optional terms.
+
+    ``L = agg(m' · w · ℓ^surr) + β · agg(m' · KL) − η · agg(m' · H)``
+
+    with ``ℓ^surr = surrogate(logπ, logπ_old, Â · λ̄, mask)`` (advantages times
+    ``coefficients``), ``w`` the :func:`~delta_jax.losses.surrogates.truncated_importance_weight`
+    (1 when ``rollout_logprobs`` is None), ``KL = kl(logπ, logπ_ref, mask)``, ``H`` the given
+    ``entropy``, ``m'`` the optional ``token_mask`` (1 when None) and ``agg`` = ``aggregate``
+    with ``normalizer`` and ``segment_ids``. :func:`policy_loss` is this function with the
+    surrogate, aggregation and estimator named by strings; its docstring details every term.
+
+    Args:
+      logprobs: ``[B, T]`` log-probs of the sampled tokens under the current policy.
+      old_logprobs: ``[B, T]`` log-probs under the policy that the ratio is taken against.
+      advantages: ``[B]`` (per response) or ``[B, T]`` (per token) advantages ``Â``.
+      mask: ``[B, T]`` valid-token mask (non-zero = valid).
+      surrogate: a :data:`~delta_jax.losses.surrogates.Surrogate`, e.g.
+        ``functools.partial(clipped_surrogate, clip_eps_high=0.2)``.
+      aggregate: an :data:`~delta_jax.losses.aggregation.Aggregate`, e.g. ``token_mean``.
+      coefficients: optional ``[B, T]`` per-token weights ``λ̄`` (e.g. ``delta_coefficients``).
+      normalizer: ``N`` of the aggregation; None: the aggregation's count of this batch.
+      segment_ids: optional ``[B, T]`` packed-row segments (see :func:`policy_loss`).
+      token_mask: optional ``[B, T]`` mask of the tokens that get a loss (and a gradient).
+      rollout_logprobs: optional ``[B, T]`` sampler log-probs, for the weight ``w``.
+      tis_cap: upper bound of ``w``; None leaves ``w`` uncapped.
+      ref_logprobs: optional ``[B, T]`` reference-policy log-probs for the KL term.
+      kl: a :data:`~delta_jax.losses.kl.KLEstimator`, e.g. ``kl_k3``.
+      kl_coef: ``β``, weight of the KL term (needs ``ref_logprobs`` when non-zero).
+      entropy: optional ``[B, T]`` per-token entropy of the current policy (differentiable).
+      entropy_coef: ``η``, weight of the entropy bonus (needs ``entropy`` when non-zero).
+
+    Returns:
+      ``(loss, metrics)`` as :func:`policy_loss`.
+
+    Examples:
+      >>> import functools, jax.numpy as jnp
+      >>> from delta_jax.losses import aggregation, surrogates
+      >>> lp = jnp.array([[-1.0, -0.5, 0.0], [-2.0, -1.0, -0.3]])
+      >>> mask = jnp.array([[1, 1, 0], [1, 1, 1]])
+      >>> grpo = functools.partial(surrogates.clipped_surrogate, clip_eps_high=0.2)
+      >>> loss, metrics = policy_gradient_loss(
+      ...     lp, lp, jnp.array([1.0, -1.0]), mask, surrogate=grpo,
+      ...     aggregate=aggregation.seq_mean_token_mean)
+      >>> float(loss)  # on-policy: −mean over responses of the response's mean A
+      0.0
+    """
+    x = _checked_inputs(
+        logprobs, old_logprobs, advantages, mask, coefficients, token_mask, rollout_logprobs,
+        ref_logprobs, entropy,
+    )  # fmt: skip
+    if tis_cap is not None:
+        if x.rollout is None:
+            raise ValueError("tis_cap was given without rollout_logprobs")
+        _check_number("tis_cap", tis_cap, low=0.0)
+    if x.ref is None and isinstance(kl_coef, numbers.Real) and kl_coef != 0:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs, got None")
+    if x.entropy is None and isinstance(entropy_coef, numbers.Real) and entropy_coef != 0:
+        raise ValueError(f"entropy_coef={entropy_coef} needs entropy, got None")
+
+    valid = x.valid
+    adv = x.advantages if x.coefficients is None else x.advantages * x.coefficients
+    adv = jnp.where(valid, adv, 0)
+    per_token, metrics = surrogate(x.logprobs, x.old, adv, valid, segment_ids=segment_ids)
+    if x.rollout is not None:
+        weight = truncated_importance_weight(x.old, x.rollout, valid, tis_cap)
+        per_token = per_token * weight
+        metrics["tis_weight_mean"] = masked_mean(weight, valid)
+
+    def agg(terms):
+        terms = jnp.where(x.keep, terms, 0)
+        return aggregate(terms, valid, normalizer=normalizer, segment_ids=segment_ids)
+
+    pg_loss = loss = agg(per_token)
+    if x.ref is not None:
+        kl_tokens = kl(x.logprobs, x.ref, valid)
+        loss = loss + kl_coef * agg(kl_tokens)
+        metrics["kl"] = masked_mean(kl_tokens, valid)
+    if x.entropy is not None:
+        loss = loss - entropy_coef * agg(x.entropy)
+        metrics["entropy"] = masked_mean(x.entropy, valid)
+    metrics["pg_loss"] = pg_loss
+    # k3 estimate of KL(π_old‖π) from the token ratio, whatever ratio the surrogate used.
+    log_ratio = token_log_ratio(x.logprobs, x.old, valid)
+    metrics["approx_kl"] = masked_mean(jnp.expm1(log_ratio) - log_ratio, valid)
+    if x.coefficients is not None:
+        metrics.update(_coefficient_metrics(x.coefficients, valid))
+    return loss, {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
 
 
 def policy_loss(
@@ -225,7 +348,9 @@ def policy_loss(
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """Clipped (PPO/DAPO), GSPO or SAPO policy-gradient loss with optional per-token weights.
 
-    Per valid token, with ``A = Â · λ̄`` (advantage times ``coefficients``, the DelTA weights):
+    A convenience over :func:`policy_gradient_loss` with the surrogate, aggregation and KL
+    estimator named by strings. Per valid token, with ``A = Â · λ̄`` (advantage times
+    ``coefficients``, the DelTA weights):
 
     ``ℓ_{b,t} = m'_{b,t} · (w_{b,t} · ℓ^surr_{b,t} + β · KL_{b,t} − η · H_{b,t})``
 
@@ -307,33 +432,30 @@ def policy_loss(
     _check_choice("loss_type", loss_type, LOSS_TYPES)
     _check_choice("aggregation", aggregation, AGGREGATIONS)
     _check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
-    lp = _float_array("logprobs", logprobs, None)
-    if lp.ndim != 2:
-        raise ValueError(f"logprobs must have shape [B, T], got {lp.shape}")
-    shape = lp.shape
-    dtype = jnp.promote_types(lp.dtype, jnp.float32)
-    sg = jax.lax.stop_gradient
+    surrogate = _named_surrogate(
+        loss_type, clip_eps_low, clip_eps_high, dual_clip_c, sapo_tau_pos, sapo_tau_neg
+    )
+    aggregate, _ = NAMED_AGGREGATIONS[aggregation]
+    if max_response_length is not None:
+        _check_number("max_response_length", max_response_length, low=0.0)
+    elif segment_ids is not None and aggregation == "seq-mean-token-sum-norm":
+        raise ValueError("aggregation='seq-mean-token-sum-norm' with segment_ids needs "
+                         "max_response_length")  # fmt: skip
+    if aggregation == "seq-mean-token-sum-norm":
+        aggregate = functools.partial(aggregate, max_response_length=max_response_length)
+    return policy_gradient_loss(
+        logprobs, old_logprobs, advantages, mask, surrogate=surrogate, aggregate=aggregate,
+        coefficients=coefficients, normalizer=normalizer, segment_ids=segment_ids,
+        token_mask=token_mask, rollout_logprobs=rollout_logprobs, tis_cap=tis_cap,
+        ref_logprobs=ref_logprobs, kl=KL_ESTIMATOR_FNS[kl_estimator], kl_coef=kl_coef,
+        entropy=entropy, entropy_coef=entropy_coef,
+    )  # fmt: skip
 
-    def constant(name, x):
-        return None if x is None else sg(_float_array(name, x, shape).astype(dtype))
 
-    lp = lp.astype(dtype)
-    old = constant("old_logprobs", old_logprobs)
-    valid = _valid_mask("mask", mask, shape)
-    adv = _float_array("advantages", advantages, None)
-    if adv.shape not in (shape[:1], shape):
-        raise ValueError(
-            f"advantages must have shape {shape[:1]} or {shape} (from logprobs {shape}), "
-            f"got {adv.shape}"
-        )
-    adv = sg(jnp.broadcast_to(adv.reshape(shape[0], -1), shape).astype(dtype))
-    coef = constant("coefficients", coefficients)
-    rollout = constant("rollout_logprobs", rollout_logprobs)
-    ref = constant("ref_logprobs", ref_logprobs)
-    if entropy is not None:
-        entropy = _float_array("entropy", entropy, shape).astype(dtype)
-    keep = valid if token_mask is None else valid & _valid_mask("token_mask", token_mask, shape)
-
+def _named_surrogate(
+    loss_type: str, clip_eps_low, clip_eps_high, dual_clip_c, tau_pos, tau_neg
+) -> Surrogate:
+    """The surrogate of ``loss_type`` with its hyperparameters bound (range-checked)."""
     default_low, default_high = DEFAULT_CLIP_EPS.get(loss_type, (None, None))  # None: sapo
     clip_eps_low = default_low if clip_eps_low is None else clip_eps_low
     clip_eps_high = default_high if clip_eps_high is None else clip_eps_high
@@ -341,88 +463,14 @@ def policy_loss(
     _check_number("clip_eps_high", clip_eps_high, low=0.0, low_inclusive=True)
     if dual_clip_c is not None:
         _check_number("dual_clip_c", dual_clip_c, low=1.0)
-    _check_number("sapo_tau_pos", sapo_tau_pos, low=0.0)
-    _check_number("sapo_tau_neg", sapo_tau_neg, low=0.0)
-    if max_response_length is not None:
-        _check_number("max_response_length", max_response_length, low=0.0)
-    elif segment_ids is not None and aggregation == "seq-mean-token-sum-norm":
-        raise ValueError("aggregation='seq-mean-token-sum-norm' with segment_ids needs "
-                         "max_response_length")  # fmt: skip
-    if tis_cap is not None:
-        if rollout is None:
-            raise ValueError("tis_cap was given without rollout_logprobs")
-        _check_number("tis_cap", tis_cap, low=0.0)
-    if ref is None and isinstance(kl_coef, numbers.Real) and kl_coef != 0:
-        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs, got None")
-    if entropy is None and isinstance(entropy_coef, numbers.Real) and entropy_coef != 0:
-        raise ValueError(f"entropy_coef={entropy_coef} needs entropy, got None")
-
-    adv = jnp.where(valid, adv if coef is None else adv * coef, 0)
-    token_log_ratio = jnp.clip(jnp.where(valid, lp - old, 0), -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    if loss_type == "gspo":
-        lengths = jnp.maximum(_per_response_sum(valid.astype(dtype), segment_ids), 1)
-        seq_log_ratio = _per_response_sum(jnp.where(valid, lp - old, 0), segment_ids) / lengths
-        lp_valid = jnp.where(valid, lp, 0)
-        # Value s_i, gradient s_i ∇logπ_t: the GSPO-token form.
-        log_ratio = jnp.clip(
-            sg(seq_log_ratio) + lp_valid - sg(lp_valid), -_MAX_LOG_RATIO, _MAX_LOG_RATIO
-        )
-    else:
-        log_ratio = token_log_ratio
-    ratio = jnp.exp(log_ratio)
-
-    metrics = {}
+    _check_number("sapo_tau_pos", tau_pos, low=0.0)
+    _check_number("sapo_tau_neg", tau_neg, low=0.0)
     if loss_type == "sapo":
-        tau = jnp.where(adv > 0, sapo_tau_pos, sapo_tau_neg).astype(dtype)
-        surrogate = -adv * jax.nn.sigmoid(tau * (ratio - 1)) * (4 / tau)
-    else:
-        low, high = 1 - clip_eps_low, 1 + clip_eps_high
-        surrogate = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, low, high))
-        metrics["clip_frac_upper"] = _masked_mean(((adv > 0) & (ratio > high)).astype(dtype), valid)
-        metrics["clip_frac_lower"] = _masked_mean(((adv < 0) & (ratio < low)).astype(dtype), valid)
-        if dual_clip_c is not None:
-            surrogate = jnp.where(adv < 0, jnp.minimum(surrogate, -adv * dual_clip_c), surrogate)
-            metrics["dual_clip_frac"] = _masked_mean(
-                ((adv < 0) & (ratio > dual_clip_c)).astype(dtype), valid
-            )
-    if rollout is not None:
-        tis_log = jnp.clip(jnp.where(valid, old - rollout, 0), -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        weight = jnp.exp(tis_log)
-        if tis_cap is not None:
-            weight = jnp.minimum(weight, tis_cap)
-        surrogate = surrogate * weight
-        metrics["tis_weight_mean"] = _masked_mean(weight, valid)
-
-    def agg(per_token):
-        per_token = jnp.where(keep, per_token, 0)
-        return _aggregate(
-            per_token, valid, aggregation, normalizer, max_response_length, segment_ids
-        )
-
-    pg_loss = agg(surrogate)
-    loss = pg_loss
-    if ref is not None:
-        d = jnp.where(valid, ref - lp, 0)
-        kl = {"k1": lambda: -d, "k2": lambda: 0.5 * d * d, "k3": lambda: jnp.expm1(d) - d}
-        kl = kl[kl_estimator]()
-        loss = loss + kl_coef * agg(kl)
-        metrics["kl"] = _masked_mean(kl, valid)
-    if entropy is not None:
-        loss = loss - entropy_coef * agg(entropy)
-        metrics["entropy"] = _masked_mean(entropy, valid)
-
-    metrics["pg_loss"] = pg_loss
-    metrics["approx_kl"] = _masked_mean(jnp.expm1(token_log_ratio) - token_log_ratio, valid)
-    metrics["ratio_mean"] = _masked_mean(ratio, valid)
-    metrics["ratio_min"] = _masked_extreme(ratio, valid, jnp.min)
-    metrics["ratio_max"] = _masked_extreme(ratio, valid, jnp.max)
-    if coef is not None:
-        mean = _masked_mean(coef, valid)
-        metrics["coef_mean"] = mean
-        metrics["coef_min"] = _masked_extreme(coef, valid, jnp.min)
-        metrics["coef_max"] = _masked_extreme(coef, valid, jnp.max)
-        metrics["coef_std"] = jnp.sqrt(_masked_mean(jnp.square(coef - mean), valid))
-    return loss, {k: sg(v) for k, v in metrics.items()}
+        return functools.partial(sapo_surrogate, tau_pos=tau_pos, tau_neg=tau_neg)
+    clipped = clipped_surrogate if loss_type == "ppo" else gspo_surrogate
+    return functools.partial(
+        clipped, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, dual_clip_c=dual_clip_c
+    )
 
 
 def forking_tokens_mask(

@@ -31,7 +31,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from delta_jax.losses import delta_coefficients, forking_tokens_mask, loss_normalizer, policy_loss
+from delta_jax.losses import delta_coefficients, forking_tokens_mask
 from delta_jax.models import lora, token_logprobs
 from delta_jax.rl.state import TrainState
 from delta_jax.rl.update_plan import UpdatePlan
@@ -159,8 +159,9 @@ def window_loss(plan: UpdatePlan, mesh, mb: TrainBatch, logp, entropy, hidden, n
     its window, as :func:`window_logprobs` gives them.
 
     Every term — surrogate, KL, entropy bonus, DelTA's statistics, the forking-token mask —
-    reads ``mb.loss_mask`` alone (``normalizer``: the mini-batch's :func:`loss_normalizer` of
-    it), so positions off it (prompts, padding, observations) receive no gradient.
+    reads ``mb.loss_mask`` alone (``normalizer``: the mini-batch's count of it,
+    ``plan.objective.count``), so positions off it (prompts, padding, observations) receive no
+    gradient.
     """
     objective = plan.objective
     in_loss = plan.coefficients == "in_loss"
@@ -180,15 +181,10 @@ def window_loss(plan: UpdatePlan, mesh, mb: TrainBatch, logp, entropy, hidden, n
     token_mask = mb.token_mask
     if live_mask:
         token_mask = forking_tokens_mask(sg(entropy), mask, top_q=objective.forking_top_q)
-    kw = objective.loss_kwargs
-    extra = {"entropy": entropy} if "entropy_coef" in kw else {}
-    if "tis_cap" in kw:
-        extra["rollout_logprobs"] = mb.rollout_logprobs
-    if plan.reference:
-        extra["ref_logprobs"] = mb.ref_logprobs
-    loss, metrics = policy_loss(
-        logp, old, mb.advantages, mask, coefficients=coefficients, token_mask=token_mask,
-        normalizer=normalizer, segment_ids=loss_segments(plan, mb), **extra, **kw,
+    loss, metrics = objective(
+        logp, old, mb.advantages, mask, normalizer=normalizer,
+        segment_ids=loss_segments(plan, mb), coefficients=coefficients, token_mask=token_mask,
+        rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy,
     )  # fmt: skip
     # Per-shard statistics carry one value per shard: their mean is logged.
     metrics.update({f"delta/{k}": jnp.mean(v) for k, v in diagnostics.items()})
@@ -219,7 +215,6 @@ def make_train_step(
       donate: donate the state buffers (the caller must not reuse the old state).
       jit_kwargs: extra ``jax.jit`` arguments, e.g. ``in_shardings`` / ``out_shardings``.
     """
-    aggregation = plan.objective.loss_kwargs["aggregation"]
     grad_fn = jax.value_and_grad(
         lambda p, f, mb, n: _micro_loss(graphdef, plan, mesh, p, f, mb, n), has_aux=True
     )
@@ -231,7 +226,7 @@ def make_train_step(
         # The whole mini-batch's denominator: micro-batch losses then sum to its loss.
         flat = lambda x: None if x is None else x.reshape(-1, x.shape[-1])
         segments = flat(loss_segments(plan, batch))
-        normalizer = loss_normalizer(flat(batch.loss_mask), aggregation, segments)
+        normalizer = plan.objective.count(flat(batch.loss_mask), segments)
         # With LoRA adapters only they are differentiated and updated; the base passes through.
         params, frozen = lora.split_trainable(state.params)
 

@@ -17,7 +17,6 @@ from flax import nnx
 
 from delta_jax import sharding as sh
 from delta_jax.config import load_config
-from delta_jax.losses import loss_normalizer
 from delta_jax.models import ModelConfig, Transformer, token_logprobs
 from delta_jax.rl.packing import first_fit_decreasing, make_assemble, plan_rows
 from delta_jax.rl.rollout import Rollout
@@ -310,10 +309,9 @@ def test_observations_get_no_gradient(setup_multi, name):
             hidden=plan.coefficients == "in_loss",
         )
     )(params, mb)  # fmt: skip
-    aggregation = plan.objective.loss_kwargs["aggregation"]
-    normalizer = loss_normalizer(mb.loss_mask, aggregation, loss_segments(plan, mb))
+    normalizer = plan.objective.count(mb.loss_mask, loss_segments(plan, mb))
     value = lambda lp, ent: window_loss(plan, None, mb, lp, ent, hidden, normalizer)
-    wrt = (0, 1) if "entropy_coef" in plan.objective.loss_kwargs else (0,)  # entropy bonus
+    wrt = (0, 1) if plan.objective.entropy_coef else (0,)  # entropy bonus
     (_, metrics), grads = jax.jit(jax.value_and_grad(value, wrt, has_aux=True))(logp, entropy)
     # The observations' window slots, from the layout and the rollout alone.
     index, _ = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths, 1)

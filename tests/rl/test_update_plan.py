@@ -6,7 +6,7 @@ import pytest
 
 from delta_jax import sharding as sh
 from delta_jax.config import ConfigError, load_config
-from delta_jax.losses import delta_coefficients
+from delta_jax.losses import delta_coefficients, seq_mean_token_mean
 from delta_jax.rl.packing import bucket_rows, micro_batch_shape
 from delta_jax.rl.prepare import make_sampler_coefficients
 from delta_jax.rl.update_plan import UpdatePlan
@@ -32,9 +32,7 @@ def test_config_errors_at_load():
         load_config(None, ["algo.aggregation=token_mean"])
     with pytest.raises(ConfigError, match="algo.tokens_per_row=20 must hold the longest"):
         load_config(None, ["algo.tokens_per_row=20"])
-    assert _plan("algo.aggregation=seq-mean-token-mean").objective.loss_kwargs["aggregation"] == (
-        "seq-mean-token-mean"
-    )
+    assert _plan("algo.aggregation=seq-mean-token-mean").objective.aggregate is seq_mean_token_mean
 
 
 def test_row_buckets_are_few():
