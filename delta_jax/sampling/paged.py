@@ -40,10 +40,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
-from delta_jax.models import Transformer, lora
+from delta_jax.models import Transformer
 from delta_jax.models import axes as ax
-from delta_jax.models.attention import accumulation_dtype
-from delta_jax.models.transformer import _attend_cache, _rms_norm, _rope, _rope_tables
+from delta_jax.models.attention import accumulation_dtype, slot_attention
 from delta_jax.sampling import smem
 
 __all__ = [
@@ -340,7 +339,7 @@ def views_to_pages(pool: PagePool, page_table, start, end, shift, mesh: Mesh | N
 def _dense_attention(q, keys, values, visible):
     """Attention of ``q [B, T, N, D]`` over contiguous views (the new K/V already written),
     each query over the columns ``visible [B, T, L]`` marks."""
-    return _attend_cache(q, keys.astype(q.dtype), values.astype(q.dtype), visible)
+    return slot_attention(q, keys.astype(q.dtype), values.astype(q.dtype), visible)
 
 
 def _view_mask(shift: Int[Array, " B"], columns: Int[Array, " B"], width: int):
@@ -444,33 +443,6 @@ def copy_pages(pool: PagePool, src, dst, mesh: Mesh | None, kv_heads: int) -> Pa
     return PagePool(kv=tuple(copy(kv, src, dst) for kv in pool.kv))
 
 
-def _paged_block(cfg, dtype, p, x, cos, sin, kv, write_and_attend):
-    """One decoder block (the maths of ``transformer._block``) with paged K/V; the projections
-    include the LoRA adapters when the block has them (the policy that is trained)."""
-    eps = cfg.rms_norm_eps
-    w = {k: v.astype(dtype) for k, v in p.items()}
-    s = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0  # LoRA scale (if adapters)
-    h = _rms_norm(x, w["attn_norm"], eps, dtype)
-    q = lora.project("BTH,HND->BTND", h, w, "wq", s)
-    k = lora.project("BTH,HKD->BTKD", h, w, "wk", s)
-    v = lora.project("BTH,HKD->BTKD", h, w, "wv", s)
-    if cfg.qkv_bias:
-        q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
-    if cfg.qk_norm:
-        q = _rms_norm(q, w["q_norm"], eps, dtype)
-        k = _rms_norm(k, w["k_norm"], eps, dtype)
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    attn, kv = write_and_attend(kv, k, v, q)
-    B, T, N, D = attn.shape
-    wo = dict(w, wo=w["wo"].reshape(N * D, -1))
-    x = x + lora.project("BTE,EH->BTH", attn.reshape(B, T, N * D), wo, "wo", s)
-    h = _rms_norm(x, w["mlp_norm"], eps, dtype)
-    gate = lora.project("BTH,HF->BTF", h, w, "w_gate", s)
-    up = lora.project("BTH,HF->BTF", h, w, "w_up", s)
-    x = x + lora.project("BTF,FH->BTH", jax.nn.silu(gate) * up, w, "w_down", s)
-    return x, kv
-
-
 def paged_forward(
     model: Transformer,
     layers: list[dict[str, jax.Array]],
@@ -502,7 +474,7 @@ def paged_forward(
     Returns:
       The final RMS-normed hidden states [B, T, H] and the updated pool.
     """
-    cfg, dtype = model.config, model.dtype
+    cfg = model.config
     pallas = attention == "pallas"
     by_table = attention in ("pallas", "dense")
     table, table_spec = (page_table, "R-") if by_table else (pages, "R")
@@ -549,7 +521,7 @@ def paged_forward(
         outs = ("R-H-", ("RH--", "RH--"))
         group_dense = per_group(write_and_attend_dense, mesh, K, specs, outs)
 
-        def layer_kv(state, k, v, q):
+        def layer_kv(q, k, v, state):
             kv, keys, values = state
             attn, (keys, values) = group_dense(keys, values, k, v, q, visible, col)
             return attn, (kv, keys, values)
@@ -560,19 +532,12 @@ def paged_forward(
         specs = ("R-H-", "R-H-", "R-H-", "R-", "R-", "R-", "R-", table_spec)
         group_layer = per_group(write_and_attend, mesh, K, specs, ("R-H-", "R-H-"))
 
-        def layer_kv(kv, k, v, q):
+        def layer_kv(q, k, v, kv):
             return group_layer(kv, _combined(k, v), q, positions, valid, *write_at, table)
 
         layer_state = list(pool.kv)
 
-    x = jnp.take(model.embed[...], ids, axis=0).astype(dtype)
-    x = ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
-    cos, sin = _rope_tables(cfg, positions, dtype)
-    new = []
-    for layer, state in enumerate(layer_state):
-        x, state = _paged_block(cfg, dtype, layers[layer], x, cos, sin, state, layer_kv)
-        new.append(state)
-    hidden = _rms_norm(x, model.final_norm[...], cfg.rms_norm_eps, dtype)
+    hidden, new = model.forward_with(ids, positions, layer_kv, layer_state, layers)
     if decode_views:
         kv = tuple(ax.constrain(kv, PAGE_AXES) for kv, _, _ in new)
         return hidden, PagePool(kv=kv, views=tuple((k, v) for _, k, v in new))
