@@ -127,19 +127,21 @@ def render_observation(
     return text[at + len(marker) :]
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """``text``'s ids, without special tokens (one tokenizer call at a time)."""
     with _TOKENIZER_LOCK:
         return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _decode(tokenizer: Any, ids: list[int]) -> str:
+def decode_ids(tokenizer: Any, ids: list[int]) -> str:
+    """The text of ``ids``, special tokens kept, spaces as they are (one call at a time)."""
     with _TOKENIZER_LOCK:
         return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 def observation_length(text: str, tokenizer: Any = None) -> int:
     """Tokens of `text` (without special tokens) with a tokenizer, else its characters."""
-    return len(text) if tokenizer is None else len(_encode(tokenizer, text))
+    return len(text) if tokenizer is None else len(encode_text(tokenizer, text))
 
 
 def truncate_middle(text: str, max_length: int, tokenizer: Any = None) -> str:
@@ -166,10 +168,10 @@ def truncate_middle(text: str, max_length: int, tokenizer: Any = None) -> str:
             return text
         head = keep // 2
         return text[:head] + OUTPUT_CUT + text[len(text) - (keep - head) :]
-    ids = _encode(tokenizer, text)
+    ids = encode_text(tokenizer, text)
     if len(ids) <= max_length:
         return text
     head = keep // 2
-    first = _decode(tokenizer, ids[:head])
-    last = _decode(tokenizer, ids[len(ids) - (keep - head) :])
+    first = decode_ids(tokenizer, ids[:head])
+    last = decode_ids(tokenizer, ids[len(ids) - (keep - head) :])
     return first + OUTPUT_CUT + last

@@ -53,13 +53,13 @@ import numpy as np
 from delta_jax.envs.base import (
     Environment,
     StepResult,
-    _decode,
-    _encode,
+    decode_ids,
+    encode_text,
     render_observation,
     truncate_middle,
 )
 from delta_jax.rewards.custom import error_line
-from delta_jax.sampling.engine import Turns
+from delta_jax.sampling.spec import Turns
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def stop_tokens(
     """(stop ids, stop sequences): each string's canonical ids, one id or several."""
     ids, sequences = [], []
     for s in stop_strings:
-        encoded = tuple(_encode(tokenizer, s))
+        encoded = tuple(encode_text(tokenizer, s))
         if not encoded:
             raise ValueError(f"the stop string {s!r} encodes to no tokens")
         if len(encoded) == 1:
@@ -341,7 +341,7 @@ class Episodes:
         if episode.env_error:
             return None
         try:
-            text = _decode(runner.tokenizer, turn)
+            text = decode_ids(runner.tokenizer, turn)
             result = check_step(runner.call(lambda: episode.env.step(text), "step"))
             info = result.info
             tool_call = bool(info.get("tool_call"))
@@ -376,7 +376,7 @@ class Episodes:
                 messages=[{"role": "user", "content": episode.user}],
                 tools=runner.tools,
             )
-            ids = _encode(runner.tokenizer, text)
+            ids = encode_text(runner.tokenizer, text)
         except Exception as e:  # an observation the tokenizer or template refuses
             self._fail(episode, "observation", e)
             return None

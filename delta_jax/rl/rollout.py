@@ -29,6 +29,7 @@ from delta_jax.data import PromptRecord
 from delta_jax.envs.episodes import EpisodeRunner, episode_row
 from delta_jax.losses import advantages as adv_lib
 from delta_jax.rewards import concat_batches
+from delta_jax.sampling.spec import EngineStats
 
 
 @dataclasses.dataclass
@@ -55,6 +56,30 @@ class Rollout:
     stats: dict[str, float]
     action_mask: jax.Array | None = None  # bool[B, G] device: True where the policy drew the
     # response token (read before ``lengths`` only); None: single-turn, every token is an action
+
+
+@dataclasses.dataclass
+class Group:
+    """One prompt's ``n`` samples of a sampler call, with their host-side results.
+
+    Attributes:
+      prompt_ids: the prompt's ids.
+      rewards: float32 [n] reward of each sample (environment and overlong terms included).
+      lengths: each sample's generated tokens.
+      records: the prompt's record, once per sample.
+      texts: each sample's decoded response.
+      components: each reward function's [n] values, by name.
+      rows: the samples' rows in the rollout's concatenated sampler outputs (set once the
+        group is placed).
+    """
+
+    prompt_ids: list[int]
+    rewards: np.ndarray
+    lengths: list[int]
+    records: list[PromptRecord]
+    texts: list[str]
+    components: dict[str, np.ndarray]
+    rows: np.ndarray | None = None
 
 
 ADVANTAGE_FNS: dict[str, Callable] = {
@@ -111,8 +136,8 @@ def collect_rollout(
     """Sample, score and assemble one rollout batch (see module docstring); with ``episodes``
     each response is a multi-turn episode (:mod:`delta_jax.envs.episodes`)."""
     stats: Counter = Counter()
-    kept: list[dict] = []  # per-group dicts: where its rows are, and their host-side results
-    spare: list[dict] = []
+    kept: list[Group] = []
+    spare: list[Group] = []
     outputs, offset, wanted = [], 0, None
     take_skipped = getattr(prompt_batches, "take_skipped", lambda: 0)
     for round_ in range(dynamic_rounds + 1):
@@ -134,8 +159,8 @@ def collect_rollout(
             )
         )
         for g, group in enumerate(groups):
-            group["rows"] = offset + g * n + np.arange(n)
-            informative = np.ptp(group["rewards"]) > 0
+            group.rows = offset + g * n + np.arange(n)
+            informative = np.ptp(group.rewards) > 0
             (kept if informative or dynamic_rounds == 0 else spare).append(group)
         offset += out.token_array.shape[0]
         stats["dynamic/rounds"] = round_ + 1
@@ -155,21 +180,20 @@ def collect_rollout(
         count = stats.pop("episode/count")
         for key in [k for k in stats if k.startswith("episode/")]:
             stats[key] /= count
-    stats["dynamic/informative_groups"] = int(sum(np.ptp(g["rewards"]) > 0 for g in kept))
+    stats["dynamic/informative_groups"] = int(sum(np.ptp(g.rewards) > 0 for g in kept))
     return _assemble(kept, tuple(outputs), n, prompt_len, gen_len, advantage, dict(stats))
 
 
 def _assemble(kept, outputs, n, prompt_len, gen_len, advantage, stats) -> Rollout:
     """The kept groups' rows in the fixed layout (on device), with advantages and statistics."""
-    rows = np.concatenate([g["rows"] for g in kept])
+    rows = np.concatenate([g.rows for g in kept])
     sequences, logprobs, hidden, action_mask = _padded_rows(
         outputs, rows, prompt_len=prompt_len, gen_len=gen_len
     )
-    joined = lambda key: [x for g in kept for x in g[key]]
-    rewards = np.concatenate([g["rewards"] for g in kept]).astype(np.float32)
-    lengths = np.asarray(joined("lengths"), np.int32)
-    for name in kept[0]["components"]:
-        stats[f"reward/{name}"] = float(np.mean([x for g in kept for x in g["components"][name]]))
+    rewards = np.concatenate([g.rewards for g in kept]).astype(np.float32)
+    lengths = np.asarray([x for g in kept for x in g.lengths], np.int32)
+    for name in kept[0].components:
+        stats[f"reward/{name}"] = float(np.mean([x for g in kept for x in g.components[name]]))
     stats.update(
         {
             "reward_mean": float(rewards.mean()),
@@ -183,22 +207,30 @@ def _assemble(kept, outputs, n, prompt_len, gen_len, advantage, stats) -> Rollou
         sequences=sequences,
         rollout_logprobs=logprobs,
         hidden=hidden,
-        prompt_lengths=np.asarray([len(g["prompt_ids"]) for g in kept for _ in range(n)], np.int32),
+        prompt_lengths=np.asarray([len(g.prompt_ids) for g in kept for _ in range(n)], np.int32),
         lengths=lengths,
         rewards=rewards,
         advantages=np.asarray(ADVANTAGE_FNS[advantage](jnp.asarray(rewards), n), np.float32),
-        records=joined("records"),
-        responses=joined("texts"),
+        records=[x for g in kept for x in g.records],
+        responses=[x for g in kept for x in g.texts],
         stats=stats,
         action_mask=action_mask,
     )
+
+
+def _count_engine(stats: Counter, es: EngineStats) -> None:
+    """The continuous engine's call into the step's counters: how full its slots and pool were."""
+    stats["engine/useful_steps"] += es.useful_steps
+    stats["engine/decode_steps"] += es.decode_steps
+    stats["rollout/preemptions"] += es.preemptions
+    stats["rollout/pages_peak"] = max(stats["rollout/pages_peak"], *es.high_water_pages)
 
 
 def _sample_and_score(
     sampler, params, scorer, tokenizer, pairs, n, gen_len, sampling, seed, overlong, hidden, stats,
     runner,
 ):  # fmt: skip
-    """One sampler call and its rewards; returns the output and one dict per prompt group."""
+    """One sampler call and its rewards; returns the output and its prompts' :class:`Group`."""
     t0 = time.perf_counter()
     records = [rec for _, rec in pairs for _ in range(n)]
     episodes = None if runner is None else runner.start([episode_row(r) for r in records])
@@ -238,12 +270,8 @@ def _sample_and_score(
     # What the step waits for after the last token: the rewards not computed while decoding.
     stats["time/reward_tail"] += time.perf_counter() - t1
     stats.update({f"reward_reason/{k}": v for k, v in scored.counts.items()})
-    if out.engine_stats is not None:  # the continuous engine: how full its slots and pool were
-        es = out.engine_stats
-        stats["engine/useful_steps"] += es.useful_steps
-        stats["engine/decode_steps"] += es.decode_steps
-        stats["rollout/preemptions"] += es.preemptions
-        stats["rollout/pages_peak"] = max(stats["rollout/pages_peak"], *es.high_water_pages)
+    if out.engine_stats is not None:
+        _count_engine(stats, out.engine_stats)
     rewards = np.asarray(scored.rewards, np.float32)
     components = dict(scored.components)
     if episodes is not None:
@@ -266,7 +294,7 @@ def _sample_and_score(
             )
         )
     return out, [
-        dict(
+        Group(
             prompt_ids=prompt_ids,
             rewards=rewards[g * n : (g + 1) * n],
             lengths=list(out.lengths[g * n : (g + 1) * n]),
