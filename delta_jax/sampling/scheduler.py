@@ -24,10 +24,9 @@ from delta_jax.sampling.pages import (
     pow2,
 )
 from delta_jax.sampling.spec import (
-    SLOT_FIELDS,
-    STATUS_FIELDS,
     EngineSpec,
     EngineStats,
+    HostSlots,
     Prompt,
     Seq,
     Turns,
@@ -188,7 +187,7 @@ class Scheduler:
 
     # ---- admission and prefill ---------------------------------------------------------------
 
-    def _admit(self, group: _Group, state: dict[str, np.ndarray]) -> list[int]:
+    def _admit(self, group: _Group, state: HostSlots) -> list[int]:
         """Fills the group's free slots from its queue while its pages allow; returns the
         prompts to prefill."""
         ps = self.spec.page_size
@@ -238,25 +237,25 @@ class Scheduler:
             self._join(group.base + slot, seq, state)
         return new_prompts
 
-    def _join(self, slot: int, seq: Seq, state: dict[str, np.ndarray]) -> None:
+    def _join(self, slot: int, seq: Seq, state: HostSlots) -> None:
         prompt, ps = self.prompts[seq.prompt], self.spec.page_size
         full = prompt.prefix // ps
-        state["last"][slot] = seq.history[-1] if seq.history else prompt.ids[-1]
-        state["pos"][slot] = self._pos(seq)
-        state["count"][slot] = seq.length
-        state["active"][slot] = True
-        state["max_new"][slot] = seq.max_new
-        state["prompt"][slot] = seq.prompt
-        state["sample"][slot] = seq.sample
-        state["row"][slot] = seq.row
-        state["stops"][slot] = seq.stops
+        state.last[slot] = seq.history[-1] if seq.history else prompt.ids[-1]
+        state.pos[slot] = self._pos(seq)
+        state.count[slot] = seq.length
+        state.active[slot] = True
+        state.max_new[slot] = seq.max_new
+        state.prompt[slot] = seq.prompt
+        state.sample[slot] = seq.sample
+        state.row[slot] = seq.row
+        state.stops[slot] = seq.stops
         # A sequence joins at the start of a turn (its prompt's end, an observation's end, or
         # its last hand-over when preempted: it restarts from there): no id of it counts yet.
-        state["recent"][slot] = -1
+        state.recent[slot] = -1
         if not seq.history and prompt.prefix % ps:
             # The partial last prompt page becomes the sample's own copy.
-            state["copy_src"][slot] = prompt.pages[full]
-            state["copy_dst"][slot] = seq.table[full]
+            state.copy_src[slot] = prompt.pages[full]
+            state.copy_dst[slot] = seq.table[full]
 
     def _prefill(self, per_group: list[list[tuple[np.ndarray, int, list[int]]]]) -> None:
         """Runs every group's prefill jobs ``(ids, first position, page table from position
@@ -334,14 +333,12 @@ class Scheduler:
         spec = self.spec
         S = spec.slots
         width = next(g.queue[0] for g in self.groups if g.queue).stops.size
-        state = {name: np.zeros(S, np.int32) for name in SLOT_FIELDS}
-        state["stops"] = np.full((S, width), -1, np.int32)
         window = 0 if self.stop_sequences is None else self.stop_sequences.shape[1]
-        state["recent"] = np.full((S, window), -1, np.int32)
+        state = HostSlots.empty(S, width, window)
         while any(g.queue or g.running or g.waiting for g in self.groups):
             self._collect(block=False)
-            state["copy_src"][:] = SCRATCH_PAGE
-            state["copy_dst"][:] = SCRATCH_PAGE
+            state.copy_src[:] = SCRATCH_PAGE
+            state.copy_dst[:] = SCRATCH_PAGE
             new = [self._admit(g, state) for g in self.groups]
             if any(new):
                 self._prefill_prompts(new)
@@ -350,13 +347,13 @@ class Scheduler:
                 for slot, seq in group.running:
                     if group.slots[slot - group.base] is not seq:
                         continue  # preempted while an older sequence grew
-                    if not self._grow(group, seq, int(state["pos"][slot]), steps):
+                    if not self._grow(group, seq, int(state.pos[slot]), steps):
                         raise RuntimeError("page pool exhausted by a single sequence")
                 for i, s in enumerate(group.slots):
                     if s is None:  # idle, or joined then preempted: no copy, no step
-                        state["active"][group.base + i] = False
-                        state["copy_src"][group.base + i] = SCRATCH_PAGE
-                        state["copy_dst"][group.base + i] = SCRATCH_PAGE
+                        state.active[group.base + i] = False
+                        state.copy_src[group.base + i] = SCRATCH_PAGE
+                        state.copy_dst[group.base + i] = SCRATCH_PAGE
             if not any(g.running for g in self.groups):
                 if any(g.waiting for g in self.groups):
                     self._collect(block=True)  # every sequence left waits on the host
@@ -378,7 +375,7 @@ class Scheduler:
         self.stats.waiting_pages_peak = tuple(g.waiting_pages_peak for g in self.groups)
         return self.done
 
-    def _tail_steps(self, state: dict[str, np.ndarray]) -> int:
+    def _tail_steps(self, state: HostSlots) -> int:
         """Steps of the next chunk: ``spec.steps``, or, once every queue is empty (no slot can
         be refilled), all that the running sequences have left in one chunk, when their pages
         for it are free now (no host round trip that could not change anything). When sequences
@@ -397,7 +394,7 @@ class Scheduler:
                 if self.on_done is not None and (seq.stops >= 0).any():
                     # Streaming: any step may end this sequence, whose reward should start then.
                     return self.spec.steps
-                pos, rest = int(state["pos"][slot]), seq.max_new - int(state["count"][slot])
+                pos, rest = int(state.pos[slot]), seq.max_new - int(state.count[slot])
                 left = max(left, rest)
                 rests[-1].append(rest)
                 need += self._chunk_pages(seq, pos, seq.max_new) - len(seq.table)
@@ -423,7 +420,7 @@ class Scheduler:
         S = self.spec.group_slots
         return min(S, max(-(-S // 8), pow2(occupied)))
 
-    def _decode(self, state: dict[str, np.ndarray], steps: int) -> None:
+    def _decode(self, state: HostSlots, steps: int) -> None:
         spec = self.spec
         occupied = [[i for i, s in enumerate(g.slots) if s is not None] for g in self.groups]
         B = self._bucket(max(map(len, occupied)))
@@ -434,30 +431,24 @@ class Scheduler:
             rows += [group.base + i for i in local]
             tables.append([[] if group.slots[i] is None else group.slots[i].table for i in local])
         rows = np.asarray(rows)
-        live = state["active"][rows].astype(bool)
-        pos, left = state["pos"][rows][live], (state["max_new"] - state["count"])[rows][live]
+        live = state.active[rows].astype(bool)
+        pos, left = state.pos[rows][live], (state.max_new - state.count)[rows][live]
         steps, table, pages = self.backend.decode_pages(spec, tables, B, pos, left, steps)
-        before = state["count"].copy()
-        fields = np.stack([state[name][rows] for name in SLOT_FIELDS], axis=1)
-        packed = np.concatenate(
-            [fields, state["stops"][rows], state["recent"][rows], table], axis=1
-        )
-        status = self.programs.decode(packed, pages, steps)
+        before = state.count.copy()
+        status = self.programs.decode(state.pack(rows, table), pages, steps)
         self.stats.chunks += 1
-        for i, name in enumerate(STATUS_FIELDS):
-            state[name][rows] = status[:, i]
-        state["recent"][rows] = status[:, len(STATUS_FIELDS) :]
-        new = state["count"] - before
+        state.read_status(rows, status)
+        new = state.count - before
         self.stats.decode_steps += int(new.max()) * len(rows)
         turn_ends = []
         for group in self.groups:
             for slot, seq in group.running:
                 seq.length += int(new[slot])
                 self.stats.useful_steps += int(new[slot])
-                if state["active"][slot]:
+                if state.active[slot]:
                     continue
                 group.slots[slot - group.base] = None
-                if self._turn_ended(seq, int(state["last"][slot]), state["recent"][slot]):
+                if self._turn_ended(seq, int(state.last[slot]), state.recent[slot]):
                     turn_ends.append((group, seq))
                 else:
                     self._finish(group, seq)

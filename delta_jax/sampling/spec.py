@@ -21,6 +21,7 @@ __all__ = [
     "Attention",
     "EngineSpec",
     "EngineStats",
+    "HostSlots",
     "Prompt",
     "Seq",
     "Turns",
@@ -40,6 +41,50 @@ SLOT_FIELDS = ("last", "pos", "count", "active", "max_new", "prompt", "sample", 
 SLOT_FIELDS += ("copy_src", "copy_dst")
 # What the host reads back after a chunk, one [S, 4 + L] matrix (then the window ``recent``).
 STATUS_FIELDS = ("last", "pos", "count", "active")
+
+
+@dataclasses.dataclass
+class HostSlots:
+    """The slots' decode state on the host, one row per slot (global slot index): what a decode
+    chunk is sent (:meth:`pack`) and what it reads back (:meth:`read_status`).
+
+    Attributes:
+      last, pos, count, active, max_new, prompt, sample, row, copy_src, copy_dst: int32 [S],
+        the fields of :data:`SLOT_FIELDS` (see ``delta_jax.sampling.decode.SlotState``).
+      stops: int32 [S, W], each slot's stop ids, padded with -1.
+      recent: int32 [S, L], multi-turn stop sequences' window (-1: none yet).
+    """
+
+    last: np.ndarray
+    pos: np.ndarray
+    count: np.ndarray
+    active: np.ndarray
+    max_new: np.ndarray
+    prompt: np.ndarray
+    sample: np.ndarray
+    row: np.ndarray
+    copy_src: np.ndarray
+    copy_dst: np.ndarray
+    stops: np.ndarray
+    recent: np.ndarray
+
+    @classmethod
+    def empty(cls, slots: int, stop_width: int, window: int) -> HostSlots:
+        fields = {name: np.zeros(slots, np.int32) for name in SLOT_FIELDS}
+        stops = np.full((slots, stop_width), -1, np.int32)
+        return cls(**fields, stops=stops, recent=np.full((slots, window), -1, np.int32))
+
+    def pack(self, rows: np.ndarray, table: np.ndarray) -> np.ndarray:
+        """The ``rows`` slots as one int32 ``[len(rows), F]`` matrix: the fields, the stop ids,
+        the window and the page table (one host-to-device copy per chunk)."""
+        fields = np.stack([getattr(self, name)[rows] for name in SLOT_FIELDS], axis=1)
+        return np.concatenate([fields, self.stops[rows], self.recent[rows], table], axis=1)
+
+    def read_status(self, rows: np.ndarray, status: np.ndarray) -> None:
+        """A decode chunk's ``[len(rows), 4 + L]`` status into the ``rows`` slots."""
+        for i, name in enumerate(STATUS_FIELDS):
+            getattr(self, name)[rows] = status[:, i]
+        self.recent[rows] = status[:, len(STATUS_FIELDS) :]
 
 
 @dataclasses.dataclass
