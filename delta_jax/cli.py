@@ -30,41 +30,12 @@ def _cmd_train(args) -> int:
     return 0
 
 
-def _restore_policy(run_dir: Path, step: int | None):
-    """The policy model of a run, with parameters from its checkpoint (latest by default).
-
-    Read-only: nothing in the run is moved or written. Without ``step``, damaged newer steps
-    are skipped for the newest intact one, named in one warning line and left in place (a
-    training run resuming later moves them aside); a damaged ``step`` is a one-line error.
-    """
-    from flax import nnx
-
-    from delta_jax.checkpoint import Checkpointer
-    from delta_jax.rl.setup import load_model
-    from delta_jax.rl.state import init_train_state, make_optimizer
-
-    config = load_config(run_dir / "config.yaml")
-    model, tokenizer = load_model(config, run_dir)
-    ckpt = Checkpointer(run_dir / "checkpoints", read_only=True)
-    _, params = nnx.split(model, nnx.Param)
-    state = init_train_state(params, make_optimizer(config.optim, total_updates=1))
-    if step is None:
-        step, state, _ = ckpt.restore_latest(state)
-    else:
-        state, _ = ckpt.restore(step, state)
-    if not step:
-        raise ConfigError(f"{run_dir}: no checkpoint found under {run_dir / 'checkpoints'}")
-    ckpt.close()
-    nnx.update(model, state.params)
-    return model, tokenizer, step
-
-
 def _cmd_export(args) -> int:
     from delta_jax.models import lora, save_pretrained
-    from delta_jax.rl.setup import DEMO_MODEL
+    from delta_jax.rl.setup import DEMO_MODEL, restore_policy
 
     run_dir = Path(args.run)
-    model, tokenizer, step = _restore_policy(run_dir, args.step)
+    model, tokenizer, step = restore_policy(run_dir, args.step)
     if args.adapters:
         if not model.config.lora_rank:
             raise ConfigError(f"{run_dir}: --adapters needs a LoRA run (model.lora_rank > 0)")

@@ -302,9 +302,9 @@ def coefficient_stats(rdir: Path, *, prompts: int = 32, n: int = 8) -> dict[str,
     for when, step in (("start", 0), ("final", None)):
         model, tokenizer = parts.model, parts.tokenizer
         if step is None:
-            from delta_jax.cli import _restore_policy
+            from delta_jax.rl.setup import restore_policy
 
-            model, tokenizer, _ = _restore_policy(rdir, None)
+            model, tokenizer, _ = restore_policy(rdir, None)
         batch = capture_batch(
             model,
             tokenizer,

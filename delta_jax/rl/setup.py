@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from delta_jax import sharding as sh
-from delta_jax.config import Config, ConfigError
+from delta_jax.config import Config, ConfigError, load_config
 from delta_jax.data import LoadResult, PromptPipeline, PromptRecord, encode_prompts, load_records
 from delta_jax.data.gym import GYM_ENTRY, is_gym_source
 from delta_jax.data.objects import RowConverter, StreamPrompts, is_stream, records_from_object
@@ -198,6 +198,34 @@ def load_model(config: Config, run_dir: Path, *, model=None, tokenizer=None):
             f"{model.config.vocab_size} rows: resize the model's embeddings to the tokenizer"
         )
     return model, tokenizer
+
+
+def restore_policy(run_dir: Path, step: int | None):
+    """The policy model of a run, with parameters from its checkpoint (latest by default).
+
+    Read-only: nothing in the run is moved or written. Without ``step``, damaged newer steps
+    are skipped for the newest intact one, named in one warning line and left in place (a
+    training run resuming later moves them aside); a damaged ``step`` is a one-line error.
+    """
+    from flax import nnx
+
+    from delta_jax.checkpoint import Checkpointer
+    from delta_jax.rl.state import init_train_state, make_optimizer
+
+    config = load_config(run_dir / "config.yaml")
+    model, tokenizer = load_model(config, run_dir)
+    ckpt = Checkpointer(run_dir / "checkpoints", read_only=True)
+    _, params = nnx.split(model, nnx.Param)
+    state = init_train_state(params, make_optimizer(config.optim, total_updates=1))
+    if step is None:
+        step, state, _ = ckpt.restore_latest(state)
+    else:
+        state, _ = ckpt.restore(step, state)
+    if not step:
+        raise ConfigError(f"{run_dir}: no checkpoint found under {run_dir / 'checkpoints'}")
+    ckpt.close()
+    nnx.update(model, state.params)
+    return model, tokenizer, step
 
 
 def _gym_records(config: Config, source: str, *, eval_set: bool) -> list[PromptRecord]:

@@ -13,9 +13,10 @@ import pytest
 from flax import nnx
 
 from delta_jax import demo
-from delta_jax.cli import _restore_policy, main
+from delta_jax.cli import main
 from delta_jax.compare import RUN_COLUMNS, TABLE_COLUMNS, run_dir, t_interval
 from delta_jax.models import from_pretrained
+from delta_jax.rl.setup import restore_policy
 
 STEPS = 12  # the first 12 of the demo's 100 RL steps (constant schedule: the same 12 steps)
 # Two of the five seeds the README promises (docs/evidence.md has all five at full length). The
@@ -76,7 +77,7 @@ def test_demo_starts_in_the_band_and_rl_raises_the_right_answer(demo_sweep, seed
     ids, mask = demo.reference_batch(demo.build_char_tokenizer(), records, template="short")
     prob = lambda model: float(demo.answer_probability(*nnx.split(model, nnx.Param), ids, mask))
     before = prob(from_pretrained(str(rdir / "demo_model")))
-    after_model, _, step = _restore_policy(rdir, None)
+    after_model, _, step = restore_policy(rdir, None)
     after = prob(after_model)
     assert step == STEPS
     assert after >= 1.1 * before, (before, after)

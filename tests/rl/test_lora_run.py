@@ -12,6 +12,7 @@ from delta_jax import cli
 from delta_jax.config import load_config
 from delta_jax.models import from_pretrained
 from delta_jax.rl import train
+from delta_jax.rl.setup import restore_policy
 from tests.models.hf_helpers import forward
 from tests.rl.conftest import tiny_overrides
 from tests.rl.test_loop import DEMO
@@ -45,7 +46,7 @@ def test_lora_run_trains_adapters_only_and_exports(tmp_path, demo_model_dir):
     assert "base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight" in keys
 
     # The merged export is the trained policy: same logits as base + trained adapters.
-    policy, _, _ = cli._restore_policy(run, None)
+    policy, _, _ = restore_policy(run, None)
     ids = np.random.default_rng(0).integers(3, 40, (2, 9)).astype(np.int32)
     merged = from_pretrained(tmp_path / "merged")
     np.testing.assert_allclose(forward(merged, ids)[0], forward(policy, ids)[0], atol=1e-4)
