@@ -189,7 +189,8 @@ def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int
     idle slot), and the number of sequences that joined (one page copied each). ``slots``
     counts every data group's.
     """
-    from delta_jax.sampling.engine import _SLOT_FIELDS, EngineSpec, pages_for, run_engine
+    from delta_jax.sampling.engine import EngineSpec, pages_for, run_engine
+    from delta_jax.sampling.spec import SLOT_FIELDS
 
     longest = pages_for(max(map(len, prompts)) + max(budgets), page)
     spec = EngineSpec(
@@ -209,11 +210,18 @@ def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int
     )
     lengths: list[np.ndarray] = []
 
-    def call(kind, *arrays):
-        if kind == "prefill":
+    class Programs:  # the device programs' stand-in (sampling.scheduler.DevicePrograms)
+        def prefill(self, *arrays):
             return None
-        packed, steps_left = arrays[0], arrays[2]
-        st = {name: packed[:, i] for i, name in enumerate(_SLOT_FIELDS)}
+
+        def write(self, *arrays):
+            return None
+
+        def decode(self, packed, pages, steps_left):
+            return step(packed, steps_left)
+
+    def step(packed, steps_left):
+        st = {name: packed[:, i] for i, name in enumerate(SLOT_FIELDS)}
         count, pos, active = st["count"].copy(), st["pos"].copy(), st["active"] > 0
         steps = 0
         while steps < steps_left and active.any():
@@ -225,7 +233,7 @@ def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int
 
     arrays = [np.asarray(p, np.int32) for p in prompts]
     stops = np.full((len(budgets), 1), -1, np.int32)
-    _, stats = run_engine(spec, arrays, n, np.asarray(budgets), stops, call)
+    _, stats = run_engine(spec, arrays, n, np.asarray(budgets), stops, Programs())
     assert stats.useful_steps == sum(budgets)
     return np.stack(lengths), len(budgets) + stats.preemptions, stats
 
@@ -238,7 +246,7 @@ def _pool_slope(cfg, mesh, rules, slots: int, table: int, page: int, sizes) -> t
     LM head, sampling) and the slope in whole pools (how many times the cost model charges the
     whole pool per step, where the kernel and the K/V scatter touch only a few of its pages).
     """
-    from delta_jax.sampling.engine import lower_decode
+    from delta_jax.plan.lowering import lower_decode
 
     figures = []
     for pages in sizes:

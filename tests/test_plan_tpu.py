@@ -8,7 +8,7 @@ from delta_jax import plan as plan_lib
 from delta_jax import sharding as sh
 from delta_jax.config import load_config
 from delta_jax.models import ModelConfig
-from delta_jax.sampling.engine import lower_prefill, lower_write
+from delta_jax.plan.lowering import lower_prefill, lower_write
 
 pytest.importorskip("libtpu")
 

@@ -36,7 +36,7 @@ from flax.core import spmd
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_lib
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 from jax.sharding import PartitionSpec
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from delta_jax.models import axes as ax
 
@@ -291,6 +291,39 @@ def splash(q, k, v, segment_ids, *, block: int = 512, name: str | None = None):
     return jnp.einsum("BNTD->BTND", out)[:, :T]
 
 
+def slot_attention(
+    q: Float[Array, "B T N D"],
+    k: Float[Array, "B K D S"],
+    v: Float[Array, "B K S D"],
+    mask: Bool[Array, "B T S"],
+) -> Float[Array, "B T N D"]:
+    """Attention of queries over cache slots, each query over the slots ``mask`` marks.
+
+    Keys are stored transposed (``[D, S]`` per head, the KV cache's layout, see
+    :class:`~delta_jax.models.transformer.KVCache`).
+
+    Both dots are written with the ``[B, K]`` batch dims leading and the query rows (T x G)
+    merged, the canonical batched-matmul form: XLA:CPU then runs them as plain batched matmuls
+    (an einsum with ``T`` between the batch dims made it transpose each layer's cache at every
+    decode step), and for ``T = 1`` the query transposes are free bitcasts.
+    """
+    B, T, N, D = q.shape
+    K, S = k.shape[1], v.shape[2]
+    G = N // K
+    batch = ((0, 1), (0, 1))
+    acc_dtype = accumulation_dtype(q.dtype)
+    q = jnp.swapaxes(q.reshape(B, T, K, G, D), 1, 2).reshape(B, K, T * G, D)
+    scores = jax.lax.dot_general(
+        q, k, (((3,), (2,)), batch), preferred_element_type=acc_dtype
+    ).reshape(B, K, T, G, S)
+    scores = scores * (D**-0.5)
+    # A finite fill keeps rows with no visible key (padded queries) finite: uniform weights.
+    scores = jnp.where(mask[:, None, :, None, :], scores, jnp.finfo(acc_dtype).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(B, K, T * G, S)
+    out = jax.lax.dot_general(probs, v, (((3,), (2,)), batch))  # [B, K, T*G, D]
+    return jnp.swapaxes(out.reshape(B, K, T, G, D), 1, 2).reshape(B, T, N, D)
+
+
 def cudnn(q, k, v, segment_ids):
     """``jax.nn.dot_product_attention`` with cuDNN's fused kernel (CUDA GPUs only).
 
@@ -315,6 +348,7 @@ __all__ = [
     "cudnn",
     "dense",
     "resolve_impl",
+    "slot_attention",
     "splash",
     "visible",
 ]

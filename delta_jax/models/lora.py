@@ -4,8 +4,8 @@ Which library, and why not qwix. ``qwix`` (the LoRA library Tunix uses) adds ada
 intercepting ``jnp.einsum`` / ``dot_general`` calls made inside an NNX module's ``__call__`` and
 matching the right-hand operand to one of *that module's* parameters by identity. Our
 :class:`~delta_jax.models.transformer.Transformer` keeps the L blocks' weights stacked on a
-leading layer axis and applies them in a plain function (``_block``) to per-layer slices (taken
-by ``lax.scan`` or by indexing), so the operands qwix sees are slices, not parameters of the
+leading layer axis and applies them in a plain function (``decoder_block``) to per-layer slices
+(taken by ``lax.scan`` or by indexing), so the operands qwix sees are slices, not parameters of the
 calling module: it finds nothing to adapt. Rewriting the model as per-layer modules for qwix's
 sake would give up the scan-over-layers layout the checkpoints, the sharding rules and the
 sampler are built on. So the adapters are explicit here — ``A [*in, r]`` and ``B [r, *out]``

@@ -9,6 +9,10 @@ imported checkpoints give the same logits. Attention without a cache (training, 
 Pallas splash on TPU, cuDNN on GPU); with a KV cache (sampling) it is the decode path, laid out
 for XLA:CPU.
 
+The block exists once (:func:`decoder_block`), with the attention step passed in: the full
+forward, the cached decode and the paged rollout engine (:mod:`delta_jax.sampling.paged`) all
+run it through :meth:`Transformer.forward_with`.
+
 The L decoder blocks are stored stacked (every block parameter has a leading ``layers`` axis);
 ``config.scan_layers`` chooses ``lax.scan`` over that axis or an unrolled loop, so both variants
 share one parameter layout (and one checkpoint format). Calls with a KV cache (inference) always
@@ -21,7 +25,7 @@ works.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.struct
@@ -34,12 +38,16 @@ from jaxtyping import Array, Bool, Float, Int
 
 from delta_jax.models import axes as ax
 from delta_jax.models import lora
-from delta_jax.models.attention import accumulation_dtype, attention
+from delta_jax.models.attention import accumulation_dtype, attention, slot_attention
 from delta_jax.models.config import ModelConfig
 
 # Logical axes of each layer's cached keys and values (the layout :class:`KVCache` describes).
 KEY_CACHE_AXES = (ax.BATCH, ax.KV_HEADS, ax.HEAD_DIM, ax.CACHE_LENGTH)
 VALUE_CACHE_AXES = (ax.BATCH, ax.KV_HEADS, ax.CACHE_LENGTH, ax.HEAD_DIM)
+
+# An attention step: ``attend(q [B, T, N, D], k [B, T, K, D], v [B, T, K, D], state) ->
+# (out [B, T, N, D], state)``; the one thing the callers of :func:`decoder_block` change.
+Attend = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
 @flax.struct.dataclass
@@ -243,98 +251,127 @@ class Transformer(nnx.Module):
           :class:`ModelOutput` (logits [B, T, V], hidden [B, T, H], cache).
         """
         cfg = self.config
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be [B, T], got shape {input_ids.shape}")
+        mask, positions = _check_inputs(input_ids, attention_mask, positions, segment_ids, cache)
         B, T = input_ids.shape
-        if segment_ids is not None:
-            if cache is not None:
-                raise ValueError("segment_ids (packed rows) cannot be combined with a KV cache")
-            if segment_ids.shape != (B, T):
-                raise ValueError(
-                    f"segment_ids shape {segment_ids.shape} != input_ids shape {(B, T)}"
-                )
-            if attention_mask is None:
-                attention_mask = segment_ids > 0
-            if positions is None:
-                positions = segment_positions(segment_ids)
-        if attention_mask is None:
-            attention_mask = jnp.ones((B, T), bool)
-        if attention_mask.shape != (B, T):
-            raise ValueError(
-                f"attention_mask shape {attention_mask.shape} != input_ids shape {(B, T)}"
-            )
-        mask = attention_mask.astype(bool)
-        if positions is None:
-            before = (
-                0
-                if cache is None
-                else jnp.sum(
-                    cache.mask & (jnp.arange(cache.mask.shape[1]) < cache.index), -1, keepdims=True
-                )
-            )
-            positions = jnp.maximum(before + jnp.cumsum(mask, -1) - 1, 0)
-        elif positions.shape != (B, T):
-            raise ValueError(f"positions shape {positions.shape} != input_ids shape {(B, T)}")
-        if cache is not None and cache.mask.shape[0] != B:
-            raise ValueError(f"cache batch {cache.mask.shape[0]} != input_ids batch {B}")
-
-        dtype = self.dtype
-        x = jnp.take(self.embed[...], input_ids, axis=0).astype(dtype)
-        x = ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
-        cos, sin = _rope_tables(cfg, positions, dtype)
-
         if cache is None:
             # Padding (mask 0) becomes segment 0, a segment of its own (see models.attention).
             segments = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids
             segments = jnp.where(mask, segments, 0).astype(jnp.int32)
-            slot_mask = None
+
+            def attend(q, k, v, state):
+                impl, block = cfg.attention, cfg.attention_block
+                out = attention(q, k, v, segments, impl=impl, block=block, name=_ATTENTION)
+                return checkpoint_name(out, _ATTENTION), state
+
+            states = None
         else:
-            S = cache.mask.shape[1]
             # Start indices must share a dtype: a literal 0 is int64 under x64, the index int32.
             zero = jnp.zeros_like(cache.index)
             slot_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (zero, cache.index))
+            S = slot_mask.shape[1]
             causal = jnp.arange(S)[None, :] <= (cache.index + jnp.arange(T))[:, None]
-            segments = causal[None] & slot_mask[:, None, :]  # bool[B, T, S] over cache slots
-        index = 0 if cache is None else cache.index
+            visible = causal[None] & slot_mask[:, None, :]  # bool[B, T, S] over cache slots
 
-        def block(x, p, kv):
-            return _block(cfg, dtype, p, x, cos, sin, segments, kv, index)
+            def attend(q, k, v, kv):
+                return _cached_attention(q, k, v, kv, visible, cache.index)
 
-        block = _remat(block, cfg.remat)
-
-        params = self.blocks.arrays()
-        new_k, new_v = [], []
-        if cfg.scan_layers and cache is None and layers is None:
-
-            def body(x, p):
-                return block(x, p, None)[0], None
-
-            x, _ = jax.lax.scan(body, x, params)
-        else:
-            for layer in range(cfg.num_layers):
-                p = (
-                    jax.tree.map(lambda a, i=layer: a[i], params)
-                    if layers is None
-                    else layers[layer]
-                )
-                kv = None if cache is None else (cache.k[layer], cache.v[layer])
-                x, kv = block(x, p, kv)
-                if kv is not None:
-                    new_k.append(kv[0])
-                    new_v.append(kv[1])
-
-        hidden = _rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, dtype)
-        hidden = ax.constrain(hidden, (ax.BATCH, ax.LENGTH, ax.EMBED))
+            states = list(zip(cache.k, cache.v, strict=True))
+        hidden, states = self.forward_with(input_ids, positions, attend, states, layers)
         logits = None
         if return_logits:
-            logits = jnp.einsum("BTH,HV->BTV", hidden, lm_head_weight(self).astype(dtype))
+            logits = jnp.einsum("BTH,HV->BTV", hidden, lm_head_weight(self).astype(self.dtype))
             logits = ax.constrain(logits, (ax.BATCH, ax.LENGTH, ax.VOCAB))
         new_cache = None
         if cache is not None:
-            new_cache = KVCache(
-                k=tuple(new_k), v=tuple(new_v), mask=slot_mask, index=cache.index + T
-            )
+            k, v = zip(*states, strict=True)
+            new_cache = KVCache(k=k, v=v, mask=slot_mask, index=cache.index + T)
         return ModelOutput(logits=logits, hidden=hidden, cache=new_cache)
+
+    def forward_with(
+        self,
+        input_ids: Int[Array, "B T"],
+        positions: Int[Array, "B T"],
+        attend: Attend,
+        states: Sequence[Any] | None = None,
+        layers: Sequence[dict[str, jax.Array]] | None = None,
+    ) -> tuple[Float[Array, "B T H"], list[Any] | None]:
+        """The decoder with the caller's attention step: embedding, the L blocks, final norm.
+
+        Every caller runs the same blocks (:func:`decoder_block`): the full forward (attention
+        within segments), the cached decode (a KV cache per layer) and the paged engine (K/V in
+        pages, :mod:`delta_jax.sampling.paged`); only ``attend`` differs.
+
+        Args:
+          input_ids: int[B, T] token ids.
+          positions: int[B, T] RoPE positions.
+          attend: the attention step, ``attend(q, k, v, state) -> (heads, state)``.
+          states: one attention state per layer (layer ``i``'s step gets ``states[i]``), or
+            None (no state: then the blocks may run as a scan, see ``config.scan_layers``).
+          layers: optional per-layer parameters from :meth:`layer_params`.
+
+        Returns:
+          The final RMS-normed hidden state [B, T, H] and the layers' new states (None when
+          ``states`` is None).
+        """
+        cfg, dtype = self.config, self.dtype
+        x = jnp.take(self.embed[...], input_ids, axis=0).astype(dtype)
+        x = ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
+        cos, sin = _rope_tables(cfg, positions, dtype)
+
+        def block(x, p, state):
+            # A step with a state (a KV cache, pages) is a decode path.
+            flat = states is not None
+            return decoder_block(cfg, dtype, p, x, cos, sin, attend, state, flat_heads=flat)
+
+        block = _remat(block, cfg.remat)
+        params = self.blocks.arrays()
+        if states is None and cfg.scan_layers and layers is None:
+            x, _ = jax.lax.scan(lambda x, p: (block(x, p, None)[0], None), x, params)
+            new = None
+        else:
+            new = []
+            for layer in range(cfg.num_layers):
+                p = layers[layer] if layers else jax.tree.map(lambda a, i=layer: a[i], params)
+                x, state = block(x, p, None if states is None else states[layer])
+                new.append(state)
+            new = None if states is None else new
+        hidden = _rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, dtype)
+        return ax.constrain(hidden, (ax.BATCH, ax.LENGTH, ax.EMBED)), new
+
+
+def _check_inputs(input_ids, attention_mask, positions, segment_ids, cache):
+    """The forward pass's inputs checked, and its mask and positions (see ``__call__``)."""
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [B, T], got shape {input_ids.shape}")
+    B, T = input_ids.shape
+    if segment_ids is not None:
+        if cache is not None:
+            raise ValueError("segment_ids (packed rows) cannot be combined with a KV cache")
+        if segment_ids.shape != (B, T):
+            raise ValueError(f"segment_ids shape {segment_ids.shape} != input_ids shape {(B, T)}")
+        if attention_mask is None:
+            attention_mask = segment_ids > 0
+        if positions is None:
+            positions = segment_positions(segment_ids)
+    if attention_mask is None:
+        attention_mask = jnp.ones((B, T), bool)
+    if attention_mask.shape != (B, T):
+        raise ValueError(f"attention_mask shape {attention_mask.shape} != input_ids shape {(B, T)}")
+    mask = attention_mask.astype(bool)
+    if positions is None:
+        before = (
+            0
+            if cache is None
+            else jnp.sum(
+                cache.mask & (jnp.arange(cache.mask.shape[1]) < cache.index), -1, keepdims=True
+            )
+        )
+        positions = jnp.maximum(before + jnp.cumsum(mask, -1) - 1, 0)
+    elif positions.shape != (B, T):
+        raise ValueError(f"positions shape {positions.shape} != input_ids shape {(B, T)}")
+    if cache is not None and cache.mask.shape[0] != B:
+        raise ValueError(f"cache batch {cache.mask.shape[0]} != input_ids batch {B}")
+    return mask, positions
 
 
 def segment_positions(segment_ids: Int[Array, "B T"]) -> Int[Array, "B T"]:
@@ -425,13 +462,41 @@ def _matmul(spec: str, x, w: dict[str, jax.Array], weight: str, lora_scale: floa
     return checkpoint_name(lora.project(spec, x, w, weight, lora_scale), _MATMUL)
 
 
-def _block(cfg: ModelConfig, dtype, p: dict[str, Any], x, cos, sin, segments, kv, index):
-    """One decoder block.
+def decoder_block(
+    cfg: ModelConfig,
+    dtype,
+    p: dict[str, Any],
+    x: Float[Array, "B T H"],
+    cos: Float[Array, "B T 1 D"],
+    sin: Float[Array, "B T 1 D"],
+    attend: Attend,
+    state: Any = None,
+    *,
+    flat_heads: bool = False,
+) -> tuple[Float[Array, "B T H"], Any]:
+    """One decoder block, ``x += Attn(RMSNorm(x)); x += SwiGLU(RMSNorm(x))``, with the
+    attention step passed in.
 
-    Without a cache (``kv`` None) ``segments`` is int[B, T] (segment ids, 0 = padding) and the
-    attention is ``cfg.attention``'s. With a cache ``kv`` is this layer's ([B, K, D, S],
-    [B, K, S, D]) cache, ``segments`` the bool[B, T, S] visibility of the slots, and the
-    attention is the decode path (:func:`_cached_attention`).
+    The projections include the LoRA adapters when ``p`` holds them. ``attend(q, k, v, state)``
+    gets the queries [B, T, N, D] and the new keys and values [B, T, K, D] (after q/k-norm and
+    RoPE) and returns the attention output per head [B, T, N, D] and its new state: attention
+    within segments for the full forward, a KV-cache write and read for the cached decode, a
+    page write and read for the paged engine.
+
+    Args:
+      cfg: the model's configuration (its flags select the family's maths).
+      dtype: compute dtype; the weights are cast to it.
+      p: one layer's parameters.
+      x: the residual stream [B, T, H].
+      cos, sin: RoPE tables of the tokens' positions.
+      attend: the attention step.
+      state: the attention step's state of this layer (a cache, pages), passed through.
+      flat_heads: project the attention output as ``[B, T, N·D] @ [N·D, H]`` (the decode
+        paths, see the comment) instead of contracting ``(N, D)`` as a pair (the full
+        forward); the same maths.
+
+    Returns:
+      (the new residual stream [B, T, H], the attention step's new state).
     """
     eps = cfg.rms_norm_eps
     w = {k: v.astype(dtype) for k, v in p.items()}
@@ -446,42 +511,40 @@ def _block(cfg: ModelConfig, dtype, p: dict[str, Any], x, cos, sin, segments, kv
         q = _rms_norm(q, w["q_norm"], eps, dtype)
         k = _rms_norm(k, w["k_norm"], eps, dtype)
     q = ax.constrain(_rope(q, cos, sin), (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
-    k = _rope(k, cos, sin)
-    if kv is None:
-        out = attention(
-            q, k, v, segments, impl=cfg.attention, block=cfg.attention_block, name=_ATTENTION
-        )
-        x = x + _matmul("BTND,NDH->BTH", checkpoint_name(out, _ATTENTION), w, "wo", s)
+    heads, state = attend(q, _rope(k, cos, sin), v, state)
+    if flat_heads:
+        # The decode paths contract the flattened (head, head_dim) pair: given the pair,
+        # XLA:CPU transposes the whole projection at every decode step.
+        B, T, N, D = heads.shape
+        wo = dict(w, wo=w["wo"].reshape(N * D, -1))
+        x = x + _matmul("BTE,EH->BTH", heads.reshape(B, T, N * D), wo, "wo", s)
     else:
-        out, kv = _cached_attention(q, k, v, kv, segments, index, w, s)
-        x = x + out
+        x = x + _matmul("BTND,NDH->BTH", heads, w, "wo", s)
     x = ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
     h = _rms_norm(x, w["mlp_norm"], eps, dtype)
     gate = _matmul("BTH,HF->BTF", h, w, "w_gate", s)
     up = _matmul("BTH,HF->BTF", h, w, "w_up", s)
     act = ax.constrain(jax.nn.silu(gate) * up, (ax.BATCH, ax.LENGTH, ax.MLP))
     x = x + _matmul("BTF,FH->BTH", act, w, "w_down", s)
-    return ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED)), kv
+    return ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED)), state
 
 
-def _cached_attention(q, k, v, kv, visible, index, w, lora_scale):
-    """The decode path: writes K/V at ``index`` into the cache, attends, projects -> [B, T, H].
+def _cached_attention(q, k, v, kv, visible, index):
+    """The cached decode's attention step: writes K/V at slot ``index`` into this layer's
+    cache, attends over it.
 
     Its layout serves XLA:CPU, which runs the sampler's decode loop on CPU: keys are cached
-    transposed (see :class:`KVCache`), the two dots are canonical batched matmuls with the query
-    rows merged, and the output projection contracts the flattened (head, head_dim) pair (given
-    the pair, XLA:CPU transposes the whole projection at every call).
+    transposed (see :class:`KVCache`) and the two dots are canonical batched matmuls with the
+    query rows merged (:func:`~delta_jax.models.attention.slot_attention`).
 
     Args:
       q: [B, T, N, D]; k, v: [B, T, K, D], the new tokens' keys and values.
       kv: this layer's cache ([B, K, D, S], [B, K, S, D]).
       visible: bool[B, T, S], slot s visible to query t.
       index: the first slot to write.
-      w: the block's weights (``wo`` [N, D, H] output projection, its LoRA adapters if any).
-      lora_scale: the adapters' scale.
 
     Returns:
-      (attention output projected, [B, T, H]; the updated cache).
+      (attention output [B, T, N, D]; the updated cache).
     """
     # Write first, then attend over the updated cache: the attention dots then read the
     # DUS result in place (attending to the old cache and the new K/V apart leaves the read
@@ -492,33 +555,4 @@ def _cached_attention(q, k, v, kv, visible, index, w, lora_scale):
     zero = jnp.zeros_like(index)  # one index dtype (a literal 0 is int64 under x64)
     ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (zero, zero, zero, index))
     cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (zero, zero, index, zero))
-    attn = _attend_cache(q, ck.astype(q.dtype), cv.astype(q.dtype), visible)
-    B, T, N, D = attn.shape
-    w = dict(w, wo=w["wo"].reshape(N * D, -1))
-    out = lora.project("BTE,EH->BTH", attn.reshape(B, T, N * D), w, "wo", lora_scale)
-    return out, (ck, cv)
-
-
-def _attend_cache(q, k, v, mask):
-    """Attention over cache slots: q [B,T,N,D], k [B,K,D,S], v [B,K,S,D], mask [B,T,S] -> [B,T,N,D].
-
-    Both dots are written with the ``[B, K]`` batch dims leading and the query rows (T x G)
-    merged, the canonical batched-matmul form: XLA:CPU then runs them as plain batched matmuls
-    (an einsum with ``T`` between the batch dims made it transpose each layer's cache at every
-    decode step), and for ``T = 1`` the query transposes are free bitcasts.
-    """
-    B, T, N, D = q.shape
-    K, S = k.shape[1], v.shape[2]
-    G = N // K
-    batch = ((0, 1), (0, 1))
-    acc_dtype = accumulation_dtype(q.dtype)
-    q = jnp.swapaxes(q.reshape(B, T, K, G, D), 1, 2).reshape(B, K, T * G, D)
-    scores = jax.lax.dot_general(
-        q, k, (((3,), (2,)), batch), preferred_element_type=acc_dtype
-    ).reshape(B, K, T, G, S)
-    scores = scores * (D**-0.5)
-    # A finite fill keeps rows with no visible key (padded queries) finite: uniform weights.
-    scores = jnp.where(mask[:, None, :, None, :], scores, jnp.finfo(acc_dtype).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(B, K, T * G, S)
-    out = jax.lax.dot_general(probs, v, (((3,), (2,)), batch))  # [B, K, T*G, D]
-    return jnp.swapaxes(out.reshape(B, K, T, G, D), 1, 2).reshape(B, T, N, D)
+    return slot_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), visible), (ck, cv)

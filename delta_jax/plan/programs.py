@@ -20,14 +20,15 @@ from delta_jax.models import Transformer, lora
 from delta_jax.models.axes import logical_to_mesh
 from delta_jax.models.transformer import KEY_CACHE_AXES, VALUE_CACHE_AXES
 from delta_jax.plan.compiler import collective_bytes, compile_program
+from delta_jax.plan.lowering import lower_decode, lower_prefill
 from delta_jax.plan.report import ProgramMemory
 from delta_jax.rl.state import init_train_state, make_optimizer
 from delta_jax.rl.train_step import abstract_batch, make_train_step
 from delta_jax.rl.update_plan import UpdatePlan
-from delta_jax.sampling import sampler as sampler_lib
 from delta_jax.sampling.buckets import Buckets, prepare_request
-from delta_jax.sampling.engine import lower_decode, pages_for, prefill_chunk
-from delta_jax.sampling.paged import PAGE_AXES, PageList, PagePool
+from delta_jax.sampling.paged import PAGE_AXES
+from delta_jax.sampling.pages import pages_for, pow2
+from delta_jax.sampling.static import static_program
 from delta_jax.sampling.strategies import make_strategy
 
 
@@ -153,7 +154,9 @@ class Planner:
         )
         return compile_program(lambda: step.lower(self.state, batch), self.mesh, sh.TRAIN_RULES)
 
-    def _request(self, prompts: int):
+    def request(self, prompts: int):
+        """The rollout's request for ``prompts`` prompts as the trainer builds it: the request
+        arrays, its rows, prompt bucket and generation bucket."""
         c, mc = self.config, self.model_config
         request = prepare_request(
             [[1] * c.data.max_prompt_length] * prompts,
@@ -211,7 +214,7 @@ class Planner:
             page_size=c.rollout.page_size,
             num_pages=num_pages,
         )
-        request, *_ = self._request(c.rollout.prompts_per_step)
+        request, *_ = self.request(c.rollout.prompts_per_step)
         return sampler.engine_spec(
             request, c.rollout.samples_per_prompt, False, multi_turn=multi_turn
         )
@@ -230,7 +233,7 @@ class Planner:
     def engine(self, spec) -> tuple[ProgramMemory, ProgramMemory]:
         """Compiles the engine's decode chunk and its largest prefill chunk for ``spec``."""
         mc, compute = self.model_config, jnp.dtype(self.config.model.dtype)
-        list_pages = 1 if spec.attention == "pallas" else _pow2(spec.group_slots * spec.max_table)
+        list_pages = 1 if spec.attention == "pallas" else pow2(spec.group_slots * spec.max_table)
         decode = compile_program(
             lambda: lower_decode(
                 mc,
@@ -255,36 +258,22 @@ class Planner:
 
     def _lower_prefill(self, spec):
         """The engine's prefill program at its largest: the last chunk of the longest prompts."""
-        mc, mesh = self.model_config, self.sample_mesh
-        _, _, prompt_len, _ = self._request(self.config.rollout.prompts_per_step)
+        _, _, prompt_len, _ = self.request(self.config.rollout.prompts_per_step)
         rows = spec.prefill_rows
-        T = min(spec.prefill_len, max(spec.min_len, _pow2(prompt_len)))
+        T = min(spec.prefill_len, max(spec.min_len, pow2(prompt_len)))
         per_group = rows // spec.groups
-        listed = spec.groups * _pow2(per_group * pages_for(-(-prompt_len // T) * T, spec.page_size))
-
-        def aval(shape, dtype, names):
-            names = names + (None,) * (len(shape) - len(names))
-            where = NamedSharding(mesh, logical_to_mesh(names, sh.SAMPLE_RULES, mesh, shape))
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
-
-        page = (spec.num_pages, spec.page_size, 2 * mc.num_kv_heads, mc.head_dim)
-        pool = PagePool(
-            kv=tuple(aval(page, self.cache_dtype(), PAGE_AXES) for _ in range(mc.num_layers))
+        return lower_prefill(
+            self.model_config,
+            self.sample_mesh,
+            sh.SAMPLE_RULES,
+            rows=rows,
+            length=T,
+            page_size=spec.page_size,
+            num_pages=spec.num_pages,
+            list_pages=pow2(per_group * pages_for(-(-prompt_len // T) * T, spec.page_size)),
+            cache_dtype=self.cache_dtype(),
+            model=(self.graphdef, self._sample_params(), self.rest),
         )
-        pages = PageList(
-            **{k: aval((listed,), jnp.int32, ("batch",)) for k in ("page", "seq", "index")}
-        )
-        args = (
-            self._sample_params(),
-            self.rest,
-            pool,
-            aval((rows, T), jnp.int32, ("batch",)),
-            aval((rows, T), jnp.int32, ("batch",)),
-            aval((rows, T), jnp.bool_, ("batch",)),
-            pages,
-        )
-        fn = functools.partial(prefill_chunk, graphdef=self.graphdef, mesh=mesh)
-        return jax.jit(fn, donate_argnums=(2,)).lower(*args)
 
     # ---- the static sampler (rollout.engine: static) ------------------------------------------
 
@@ -292,7 +281,7 @@ class Planner:
         """Per-device bytes of the static sampler's cache, in the model's layout (one K and one
         V buffer per layer, ``KEY_CACHE_AXES`` / ``VALUE_CACHE_AXES``)."""
         mc, mesh = self.model_config, self.sample_mesh
-        _, rows, P, G = self._request(prompts)
+        _, rows, P, G = self.request(prompts)
         B, K, D, S = rows, mc.num_kv_heads, mc.head_dim, P + G
         total = 0
         for names, shape in ((KEY_CACHE_AXES, (B, K, D, S)), (VALUE_CACHE_AXES, (B, K, S, D))):
@@ -303,7 +292,7 @@ class Planner:
     def sampler(self, prompts: int) -> ProgramMemory:
         """Compiles the static sampler's prefill + decode program for ``prompts`` prompts."""
         c, mesh = self.config, self.sample_mesh
-        request, _, _, gen_len = self._request(prompts)
+        request, _, _, gen_len = self.request(prompts)
 
         def rows(x):
             names = ("batch",) + (None,) * (x.ndim - 1)
@@ -323,7 +312,7 @@ class Planner:
         )
         fn = jax.jit(
             functools.partial(
-                sampler_lib._program,
+                static_program,
                 graphdef=self.graphdef,
                 n=c.rollout.samples_per_prompt,
                 gen_len=gen_len,
@@ -335,7 +324,3 @@ class Planner:
             )
         )
         return compile_program(lambda: fn.lower(*args), mesh, sh.SAMPLE_RULES)
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())

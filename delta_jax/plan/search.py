@@ -298,7 +298,7 @@ def _step_time(planner: Planner, report: PlanReport, slots: int, mean_new, log):
         log(f"compiling the train step with {k} unrolled layer(s) for its cost analysis")
         shallow = Planner(c, planner.mesh, mc.replace(num_layers=k, scan_layers=False))
         layers[k] = shallow.train(report.micro_batch_rows)
-    _, _, prompt_len, _ = planner._request(c.rollout.prompts_per_step)
+    _, _, prompt_len, _ = planner.request(c.rollout.prompts_per_step)
     chunk = min(spec.prefill_len, max(spec.min_len, 1 << max(0, (prompt_len - 1).bit_length())))
     tensor = planner.sample_mesh.shape.get("tensor", 1)
     G = spec.groups
@@ -371,7 +371,7 @@ def _static_measure(planner: Planner, prompts: int, log) -> dict[str, Any]:
     log(f"compiling the static sampler ({prompts} prompts)")
     sampler = planner.sampler(prompts)
     log(f"  sampler temporaries {sampler.temporaries / GiB:.2f} GiB ({sampler.compile_s:.0f}s)")
-    _, _, P, G = planner._request(prompts)
+    _, _, P, G = planner.request(prompts)
     return dict(
         cache_slots=P + G,
         num_pages=0,

@@ -1,8 +1,9 @@
 """Rollout sampling: a KV-cache sampler and the strategies it draws tokens with."""
 
 from delta_jax.sampling.buckets import Buckets
-from delta_jax.sampling.engine import Turns
-from delta_jax.sampling.sampler import SAMPLING_RULES, Sampler, SamplerOutput
+from delta_jax.sampling.output import SamplerOutput
+from delta_jax.sampling.sampler import SAMPLING_RULES, Sampler
+from delta_jax.sampling.spec import Turns
 from delta_jax.sampling.strategies import Categorical, Greedy, SampleResult, make_strategy
 
 __all__ = [

@@ -109,6 +109,48 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+def _check_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
+    """The prompts as 1-D integer arrays; a ``ValueError`` naming the first bad one."""
+    if not isinstance(prompts, Sequence) or isinstance(prompts, str) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token-id lists, got an empty list")
+    arrays = []
+    for i, p in enumerate(prompts):
+        a = np.asarray(p)
+        if a.ndim != 1 or a.size == 0:
+            raise ValueError(
+                f"prompts[{i}] must be a non-empty 1-D list of ids, got shape {a.shape}"
+            )
+        if not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(f"prompts[{i}] must hold integer ids, got dtype {a.dtype}")
+        if a.min() < 0 or a.max() >= vocab_size:
+            raise ValueError(
+                f"prompts[{i}] has ids outside [0, {vocab_size}): min {a.min()}, max {a.max()}"
+            )
+        arrays.append(a)
+    return arrays
+
+
+def _lengths(longest: int, longest_gen: int, buckets: Buckets, limit: int) -> tuple[int, int]:
+    """The prompt and generation buckets of a request, clipped to the cache limit."""
+    prompt_len = bucket_size(longest, buckets.prompt, buckets.min_length, "prompt length")
+    gen_len = bucket_size(longest_gen, buckets.generation, buckets.min_length, "max_new_tokens")
+    if longest + longest_gen > limit:
+        raise ValueError(
+            f"prompt of length {longest} plus max_new_tokens {longest_gen} needs "
+            f"{longest + longest_gen} cache slots, more than max_cache_length={limit}"
+        )
+    # Clip to the limit while keeping one shape per bucket where possible: first the generation
+    # bucket, then the prompt bucket, and only then exact lengths.
+    if prompt_len + gen_len > limit:
+        if limit - prompt_len >= longest_gen:
+            gen_len = limit - prompt_len
+        elif limit - gen_len >= longest:
+            prompt_len = limit - gen_len
+        else:
+            prompt_len, gen_len = longest, limit - longest
+    return prompt_len, gen_len
+
+
 def prepare_request(
     prompts: Sequence[Sequence[int]],
     *,
@@ -140,22 +182,7 @@ def prepare_request(
     Raises:
       ValueError: naming the offending argument.
     """
-    if not isinstance(prompts, Sequence) or isinstance(prompts, str) or len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty list of token-id lists, got an empty list")
-    arrays = []
-    for i, p in enumerate(prompts):
-        a = np.asarray(p)
-        if a.ndim != 1 or a.size == 0:
-            raise ValueError(
-                f"prompts[{i}] must be a non-empty 1-D list of ids, got shape {a.shape}"
-            )
-        if not np.issubdtype(a.dtype, np.integer):
-            raise ValueError(f"prompts[{i}] must hold integer ids, got dtype {a.dtype}")
-        if a.min() < 0 or a.max() >= vocab_size:
-            raise ValueError(
-                f"prompts[{i}] has ids outside [0, {vocab_size}): min {a.min()}, max {a.max()}"
-            )
-        arrays.append(a)
+    arrays = _check_prompts(prompts, vocab_size)
     num_prompts = len(arrays)
 
     if _is_int(max_new_tokens):
@@ -175,25 +202,7 @@ def prepare_request(
         raise ValueError(f"stop_token_ids must be ids in [0, {vocab_size}), got {stop_token_ids!r}")
 
     longest = max(a.size for a in arrays)
-    longest_gen = max(budgets)
-    prompt_len = bucket_size(longest, buckets.prompt, buckets.min_length, "prompt length")
-    gen_len = bucket_size(longest_gen, buckets.generation, buckets.min_length, "max_new_tokens")
-    limit = max_cache_length
-    if longest + longest_gen > limit:
-        raise ValueError(
-            f"prompt of length {longest} plus max_new_tokens {longest_gen} needs "
-            f"{longest + longest_gen} cache slots, more than max_cache_length={limit}"
-        )
-    # Clip to the limit while keeping one shape per bucket where possible: first the generation
-    # bucket, then the prompt bucket, and only then exact lengths.
-    if prompt_len + gen_len > limit:
-        if limit - prompt_len >= longest_gen:
-            gen_len = limit - prompt_len
-        elif limit - gen_len >= longest:
-            prompt_len = limit - gen_len
-        else:
-            prompt_len, gen_len = longest, limit - longest
-
+    prompt_len, gen_len = _lengths(longest, max(budgets), buckets, max_cache_length)
     batch = bucket_size(num_prompts, buckets.batch, 1, "number of prompts")
     # Rows (batch * n) must split evenly over the mesh's data shards.
     while (batch * n) % row_multiple:

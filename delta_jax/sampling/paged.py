@@ -1,4 +1,4 @@
-"""Paged KV cache: a page pool per layer, a host-side page allocator and the paged forward pass.
+"""Paged KV cache: a page pool per layer, the paged attentions and the paged forward pass.
 
 Every layer keeps its keys and values in one pool of ``num_pages`` fixed-size pages laid out as
 JAX's ragged paged attention kernel reads them, ``[pages, page_size, 2K, D]`` with keys in the
@@ -7,18 +7,22 @@ hold its positions ``0, page_size, 2 page_size, ...``. Page 0 is a scratch page:
 write there and unused page-table entries point there, so no real page is ever touched by them.
 
 The forward pass (:func:`paged_forward`) takes ``T`` tokens per sequence at given positions,
-writes their K/V into the pages those positions fall in, and attends over the sequence's pages:
+writes their K/V into the pages those positions fall in, and attends over the sequence's pages
+with a paged attention, all of one signature (:data:`PagedAttention`):
 
-* ``xla``: the pages in use, as one flat list (a power-of-two bucket of the total), each
-  attended to on its own and merged per sequence with the flash-attention rescaling, so the
-  work grows with the sum of the actual lengths, not with the longest one or the pool; used on
-  GPU, and for prefill on accelerators;
-* ``pallas``: JAX's ``ragged_paged_attention`` TPU kernel (one query per sequence, decode);
-* ``dense``: the CPU path (XLA:CPU, where per-op overheads dominate small decode steps): every
-  sequence's page-table pages gathered into one contiguous view and attended to at once with
-  the static sampler's attention, a handful of ops per layer instead of a loop over page
-  blocks (decode: once per chunk, into views the steps write; prefill: once per layer, after
-  the chunk's K/V are written into the pages).
+* :func:`xla_attention`: the pages in use, as one flat list (a power-of-two bucket of the
+  total), each attended to on its own and merged per sequence with the flash-attention
+  rescaling, so the work grows with the sum of the actual lengths, not with the longest one or
+  the pool; used on GPU, and for prefill on accelerators;
+* :func:`pallas_attention`: JAX's ``ragged_paged_attention`` TPU kernel (one query per
+  sequence, decode);
+* :func:`~delta_jax.sampling.dense_cpu.dense_attention`: the CPU path (XLA:CPU, where per-op
+  overheads dominate small steps): every sequence's page-table pages gathered into one
+  contiguous view and attended to at once with the static sampler's attention; its decode runs
+  on views gathered once per chunk (:mod:`delta_jax.sampling.dense_cpu`).
+
+Which one an engine uses, with the page layout the host sends it, is its backend
+(:mod:`delta_jax.sampling.backends`), picked once.
 
 On a mesh the pool is split like the sequences: the page axis over the row (data) axes, so each
 data group of the sampling mesh holds its own share of the pages next to its own slots, and the
@@ -30,7 +34,8 @@ its own sequences only.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any
 
 import flax.struct
 import jax
@@ -40,56 +45,51 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
-from delta_jax.models import Transformer, lora
+from delta_jax.models import Transformer
 from delta_jax.models import axes as ax
 from delta_jax.models.attention import accumulation_dtype
-from delta_jax.models.transformer import _attend_cache, _rms_norm, _rope, _rope_tables
 from delta_jax.sampling import smem
+from delta_jax.sampling.pages import SCRATCH_PAGE, PageAllocator
 
 __all__ = [
     "PAGE_AXES",
+    "SCRATCH_PAGE",
     "PageAllocator",
     "PageList",
     "PagePool",
+    "PagedAttention",
+    "combined",
     "copy_pages",
-    "dense_views",
     "init_pool",
     "paged_forward",
+    "pallas_attention",
     "per_group",
-    "views_to_pages",
+    "write_rows",
     "write_slots",
+    "xla_attention",
 ]
 
 # Logical axes of a layer's pages: the pages follow the rows (each data group owns a contiguous
 # share of the page axis, as it owns a contiguous block of the slots), the KV heads are split
 # over ``tensor``.
 PAGE_AXES = (ax.BATCH, None, ax.KV_HEADS, ax.HEAD_DIM)
-SCRATCH_PAGE = 0
 # Ragged paged attention kernel blocks: KV pages and queries (sequences, at decode) per block.
 PALLAS_KV_PAGES_PER_BLOCK = 16
 PALLAS_QUERIES_PER_BLOCK = 32
 # XLA path: pages gathered and attended to at once (about 1 MiB of float32 K/V for small heads).
 XLA_PAGES_PER_BLOCK = 64
 
-Attention = Literal["xla", "pallas", "dense"]
+# A paged attention: ``attend(q [B, T, N, D], kv [pages, page_size, 2K, D], positions [B, T],
+# valid [B, T], pages) -> [B, T, N, D]``, the new K/V already in ``kv``; ``pages`` is a flat
+# :class:`PageList` or page tables ``[B, NB]``, as the attention reads them.
+PagedAttention = Callable[..., jax.Array]
 
 
 @flax.struct.dataclass
 class PagePool:
-    """K/V pages of every layer: a tuple of L arrays ``[pages, page_size, 2K, D]``.
-
-    ``views``: the ``dense`` CPU path's per-sequence contiguous copies of the pages, one
-    ``(keys [B, K, D, W], values [B, K, W, D])`` pair per layer (``W = NB * page_size``),
-    built once per decode chunk (:func:`dense_views`); the chunk's steps write the views only,
-    and :func:`views_to_pages` writes what they wrote into the pages once the chunk ends. None
-    outside a decode chunk. The views are right-aligned as the static sampler's left-padded
-    cache is: sequence ``b``'s position ``p`` sits in column ``p + shift[b]``, so that every
-    sequence feeds its next token at the same column and a step writes one column of all of
-    them (a dynamic-update-slice, not a scatter at per-sequence positions).
-    """
+    """K/V pages of every layer: a tuple of L arrays ``[pages, page_size, 2K, D]``."""
 
     kv: tuple[Float[Array, "P S C D"], ...]
-    views: tuple | None = None
 
     @property
     def page_size(self) -> int:
@@ -106,40 +106,6 @@ def init_pool(model: Transformer, num_pages: int, page_size: int, dtype: Any) ->
     return PagePool(
         kv=tuple(ax.constrain(jnp.zeros(shape, dtype), PAGE_AXES) for _ in range(c.num_layers))
     )
-
-
-class PageAllocator:
-    """Free list of one data group's pages (host side, group-local indices); page 0 is the
-    group's scratch page, never handed out.
-
-    Attributes:
-      num_pages: pages in the group's share of the pool, scratch included.
-      high_water: the most pages ever in use at once since construction.
-    """
-
-    def __init__(self, num_pages: int):
-        self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, 0, -1))
-        self.high_water = 0
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_pages - 1 - len(self._free)
-
-    def alloc(self, count: int) -> list[int] | None:
-        """``count`` pages, or None (nothing taken) when fewer are free."""
-        if count > len(self._free):
-            return None
-        pages = [self._free.pop() for _ in range(count)]
-        self.high_water = max(self.high_water, self.num_used)
-        return pages
-
-    def free(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
 
 
 @flax.struct.dataclass
@@ -184,7 +150,7 @@ def write_slots(
     return jnp.where(valid, page, SCRATCH_PAGE), positions % page_size
 
 
-def _combined(k, v):
+def combined(k, v):
     """K and V ``[B, T, K, D]`` in the pool's layout ``[B, T, 2K, D]``: keys even, values odd."""
     B, T, K, D = k.shape
     return jnp.stack([k, v], axis=3).reshape(B, T, 2 * K, D)
@@ -196,7 +162,7 @@ def _write_pages(kv, new, page, offset):
     return kv.at[page.reshape(-1), offset.reshape(-1)].set(flat, mode="drop")
 
 
-def _xla_attention(q, kv, positions, pages: PageList):
+def xla_attention(q, kv, positions, valid, pages: PageList):
     """Attention of q [B,T,N,D] over the listed pages: work grows with the pages in use.
 
     The list is walked in blocks of ``XLA_PAGES_PER_BLOCK`` pages by a ``while_loop`` that
@@ -270,99 +236,7 @@ def _segment_sum(x, segments, num):
     return jax.ops.segment_sum(x, segments, num_segments=num, indices_are_sorted=True)
 
 
-def dense_views(pool: PagePool, page_table, shift, mesh: Mesh | None, kv_heads: int) -> PagePool:
-    """The ``dense`` CPU path: ``pool`` with every sequence's table pages gathered once into
-    contiguous key and value views in the static sampler's cache layout, sequence ``b``'s
-    position ``p`` in column ``p + shift[b]`` (right-aligned, :class:`PagePool`).
-
-    XLA:CPU runs a decode step of a small batch as a few dozen small ops, and gathering the
-    pages at every step (plus transposing them to batch-leading layouts for the dots) costs
-    more than the attention itself; gathered once per chunk, a step only writes its new K/V
-    into the views and attends with the static sampler's attention. Unused table entries point
-    at the scratch page and are masked like positions past the query.
-    """
-
-    specs = ("R-H-", "R-", "R")
-    gather = per_group(_gather_views, mesh, kv_heads, specs, ("RH--", "RH--"))
-    return pool.replace(views=tuple(gather(kv, page_table, shift) for kv in pool.kv))
-
-
-def _gather_views(kv, table, shift=None):
-    """Every sequence's table pages as contiguous keys ``[B, K, D, L]`` and values
-    ``[B, K, L, D]`` (``L = NB * page_size``), the static sampler's cache layout; with
-    ``shift [B]``, position ``p`` of sequence ``b`` in column ``p + shift[b]`` (one gather of
-    positions; columns before ``shift[b]`` hold position 0 and are never visible)."""
-    B, NB = table.shape
-    _, page_size, C, D = kv.shape
-    L = NB * page_size
-    if shift is None:
-        ctx = jnp.take(kv, table, axis=0, mode="clip").reshape(B, L, C, D)
-    else:
-        pos = jnp.clip(jnp.arange(L)[None, :] - shift[:, None], 0, L - 1)  # [B, L]
-        flat = jnp.take_along_axis(table, pos // page_size, axis=1) * page_size + pos % page_size
-        ctx = jnp.take(kv.reshape(-1, C, D), flat, axis=0, mode="clip")  # [B, L, C, D]
-    ctx = ctx.reshape(B, L, C // 2, 2, D)
-    keys = jnp.transpose(ctx[..., 0, :], (0, 2, 3, 1))  # [B, K, D, L]
-    return keys, jnp.swapaxes(ctx[..., 1, :], 1, 2)  # [B, K, L, D]
-
-
-def views_to_pages(pool: PagePool, page_table, start, end, shift, mesh: Mesh | None, kv_heads: int):
-    """The ``dense`` path's write-back, once per chunk: positions ``[start[b], end[b])`` of
-    sequence ``b`` (those its steps wrote, in columns ``shift[b]`` on) from its views into its
-    pages; nothing else is written (shared prompt pages, other positions and the scratch page
-    keep their contents).
-
-    Writing each step's K/V into the pages as well made XLA:CPU copy a layer's pool share at
-    every step of the loop; the views are what the steps read, the pages what later chunks
-    gather and the prefill continues.
-    """
-
-    def write(kv, keys, values, table, start, end, shift):
-        page_size, L = kv.shape[1], keys.shape[-1]
-        pos = jnp.arange(table.shape[1] * page_size)
-        new = _combined(jnp.einsum("BKDL->BLKD", keys), jnp.einsum("BKLD->BLKD", values))
-        cols = jnp.clip(pos[None, :] + shift[:, None], 0, L - 1)  # [B, NB * page_size]
-        new = jnp.take_along_axis(new, cols[:, :, None, None], axis=1)
-        written = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
-        page = jnp.where(written, table[:, pos // page_size], kv.shape[0])  # else dropped
-        offset = jnp.broadcast_to(pos % page_size, page.shape)
-        return kv.at[page, offset].set(new.astype(kv.dtype), mode="drop")
-
-    specs = ("R-H-", "RH--", "RH--", "R-", "R", "R", "R")
-    write = per_group(write, mesh, kv_heads, specs, "R-H-")
-    kv = tuple(
-        write(kv, keys, values, page_table, start, end, shift)
-        for kv, (keys, values) in zip(pool.kv, pool.views, strict=True)
-    )
-    return PagePool(kv=kv)
-
-
-def _dense_attention(q, keys, values, visible):
-    """Attention of ``q [B, T, N, D]`` over contiguous views (the new K/V already written),
-    each query over the columns ``visible [B, T, L]`` marks."""
-    return _attend_cache(q, keys.astype(q.dtype), values.astype(q.dtype), visible)
-
-
-def _view_mask(shift: Int[Array, " B"], columns: Int[Array, " B"], width: int):
-    """``[B, 1, width]``: the view columns a decode query of sequence ``b`` sees, its positions
-    from column ``shift[b]`` up to its own column ``columns[b]``."""
-    j = jnp.arange(width)[None, None, :]
-    return (j >= shift[:, None, None]) & (j <= columns[:, None, None])
-
-
-def _write_views(keys, values, k, v, col):
-    """Writes every sequence's new K and V ``[B, 1, K, D]`` at column ``col`` of the
-    right-aligned views (one dynamic-update-slice each)."""
-    keys = jax.lax.dynamic_update_slice_in_dim(
-        keys, jnp.einsum("BTKD->BKDT", k).astype(keys.dtype), col, axis=3
-    )
-    values = jax.lax.dynamic_update_slice_in_dim(
-        values, jnp.einsum("BTKD->BKTD", v).astype(values.dtype), col, axis=2
-    )
-    return keys, values
-
-
-def _pallas_attention(q, kv, positions, valid, page_table):
+def pallas_attention(q, kv, positions, valid, page_table):
     """Decode attention (T = 1) with JAX's ragged paged attention TPU kernel (one group)."""
     B, T, N, D = q.shape
     if T != 1:
@@ -444,33 +318,6 @@ def copy_pages(pool: PagePool, src, dst, mesh: Mesh | None, kv_heads: int) -> Pa
     return PagePool(kv=tuple(copy(kv, src, dst) for kv in pool.kv))
 
 
-def _paged_block(cfg, dtype, p, x, cos, sin, kv, write_and_attend):
-    """One decoder block (the maths of ``transformer._block``) with paged K/V; the projections
-    include the LoRA adapters when the block has them (the policy that is trained)."""
-    eps = cfg.rms_norm_eps
-    w = {k: v.astype(dtype) for k, v in p.items()}
-    s = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0  # LoRA scale (if adapters)
-    h = _rms_norm(x, w["attn_norm"], eps, dtype)
-    q = lora.project("BTH,HND->BTND", h, w, "wq", s)
-    k = lora.project("BTH,HKD->BTKD", h, w, "wk", s)
-    v = lora.project("BTH,HKD->BTKD", h, w, "wv", s)
-    if cfg.qkv_bias:
-        q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
-    if cfg.qk_norm:
-        q = _rms_norm(q, w["q_norm"], eps, dtype)
-        k = _rms_norm(k, w["k_norm"], eps, dtype)
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    attn, kv = write_and_attend(kv, k, v, q)
-    B, T, N, D = attn.shape
-    wo = dict(w, wo=w["wo"].reshape(N * D, -1))
-    x = x + lora.project("BTE,EH->BTH", attn.reshape(B, T, N * D), wo, "wo", s)
-    h = _rms_norm(x, w["mlp_norm"], eps, dtype)
-    gate = lora.project("BTH,HF->BTF", h, w, "w_gate", s)
-    up = lora.project("BTH,HF->BTF", h, w, "w_up", s)
-    x = x + lora.project("BTF,FH->BTH", jax.nn.silu(gate) * up, w, "w_down", s)
-    return x, kv
-
-
 def paged_forward(
     model: Transformer,
     layers: list[dict[str, jax.Array]],
@@ -478,102 +325,63 @@ def paged_forward(
     positions: Int[Array, "B T"],
     valid: Bool[Array, "B T"],
     pool: PagePool,
+    pages: PageList | Int[Array, "B NB"],
     *,
-    pages: PageList | None = None,
-    page_table: Int[Array, "B NB"] | None = None,
-    attention: Attention = "xla",
+    attend: PagedAttention = xla_attention,
     mesh: Mesh | None = None,
-    view_shift: Int[Array, " B"] | None = None,
 ) -> tuple[Float[Array, "B T H"], PagePool]:
     """Runs the decoder on ``T`` tokens per sequence over its pages.
 
     Token ``(b, t)`` is written at ``positions[b, t]`` (when ``valid``) and attends to positions
     ``<= positions[b, t]`` of its sequence, which must all have been written before or in this
-    call. The sequences' pages come as a flat :class:`PageList` (``xla``) or as a page table
-    ``[B, NB]`` listing each sequence's pages from position 0 on (``pallas``, ``dense``: its
-    decode steps read ``pool.views``, its prefill gathers the table), in group-local
-    page indices: with a ``mesh``, rows, page lists and pool pages are split over the data
-    groups (the ``batch`` rule) and each group's writes and attention run on its own share.
-
-    ``view_shift [B]``: the ``dense`` decode's view columns (:class:`PagePool`): token ``b``
-    is written and attends at column ``positions[b] + view_shift[b]``, the same for every
-    sequence that is live.
+    call, with the paged attention ``attend`` (:data:`PagedAttention`: :func:`xla_attention`,
+    :func:`pallas_attention`, or the CPU path's
+    :func:`~delta_jax.sampling.dense_cpu.dense_attention`). The sequences' pages come as
+    ``attend`` reads them: a flat :class:`PageList`, or page tables ``[B, NB]`` listing each
+    sequence's pages from position 0 on, in group-local page indices: with a ``mesh``, rows,
+    page lists and pool pages are split over the data groups (the ``batch`` rule) and each
+    group's writes and attention run on its own share.
 
     Returns:
       The final RMS-normed hidden states [B, T, H] and the updated pool.
     """
-    cfg, dtype = model.config, model.dtype
-    pallas = attention == "pallas"
-    by_table = attention in ("pallas", "dense")
-    table, table_spec = (page_table, "R-") if by_table else (pages, "R")
-    K, page_size = cfg.num_kv_heads, pool.page_size
+    K, page_size = model.config.num_kv_heads, pool.page_size
+    listed = isinstance(pages, PageList)
+    pages_spec = "R" if listed else "R-"
 
-    def where(positions, valid, table):
-        kw = dict(page_table=table) if by_table else dict(pages=table)
-        return write_slots(positions, valid, page_size, **kw)
+    def where(positions, valid, pages):
+        at = dict(pages=pages) if listed else dict(page_table=pages)
+        return write_slots(positions, valid, page_size, **at)
 
-    # The dense path's decode steps write the views only (the chunk writes the pages at its
-    # end); its prefill (no views) writes the pages, then attends over the gathered table.
-    decode_views = attention == "dense" and pool.views is not None
-    write_at = None
-    if not decode_views:
-        write_at = per_group(where, mesh, K, ("R-", "R-", table_spec), ("R-", "R-"))(
-            positions, valid, table
-        )
+    page, offset = per_group(where, mesh, K, ("R-", "R-", pages_spec), ("R-", "R-"))(
+        positions, valid, pages
+    )
 
-    def write_and_attend(kv, new, q, positions, valid, page, offset, table):
+    def write_and_attend(kv, new, q, positions, valid, page, offset, pages):
         kv = _write_pages(kv, new, page, offset)
-        if pallas:
-            return _pallas_attention(q, kv, positions, valid, table), kv
-        if attention == "dense":  # a prefill chunk on CPU: one gather, one batched attention
-            keys, values = _gather_views(kv, table)
-            visible = jnp.arange(keys.shape[-1])[None, None, :] <= positions[:, :, None]
-            return _dense_attention(q, keys, values, visible), kv
-        return _xla_attention(q, kv, positions, table), kv
+        return attend(q, kv, positions, valid, pages), kv
 
-    def write_and_attend_dense(keys, values, k, v, q, visible, col):
-        if q.shape[1] != 1:
-            raise ValueError(f"the dense paged attention path is for decode (T = 1), got {q.shape}")
-        keys, values = _write_views(keys, values, k, v, col)
-        return _dense_attention(q, keys, values, visible), (keys, values)
+    specs = ("R-H-", "R-H-", "R-H-", "R-", "R-", "R-", "R-", pages_spec)
+    group_layer = per_group(write_and_attend, mesh, K, specs, ("R-H-", "R-H-"))
 
-    if decode_views:
-        if view_shift is None:
-            raise ValueError("the dense decode path needs view_shift (the views' columns)")
-        # Every live sequence feeds its token at the same column; it sees its own positions
-        # (from column view_shift on) up to that one.
-        columns = positions[:, 0] + view_shift
-        col = jnp.max(jnp.where(valid[:, 0], columns, 0))
-        visible = _view_mask(view_shift, columns, pool.views[0][0].shape[-1])
-        specs = ("RH--", "RH--", "R-H-", "R-H-", "R-H-", "R--", "")
-        outs = ("R-H-", ("RH--", "RH--"))
-        group_dense = per_group(write_and_attend_dense, mesh, K, specs, outs)
+    def layer_kv(q, k, v, kv):
+        return group_layer(kv, combined(k, v), q, positions, valid, page, offset, pages)
 
-        def layer_kv(state, k, v, q):
-            kv, keys, values = state
-            attn, (keys, values) = group_dense(keys, values, k, v, q, visible, col)
-            return attn, (kv, keys, values)
-
-        keys, values = zip(*pool.views, strict=True)
-        layer_state = list(zip(pool.kv, keys, values, strict=True))
-    else:
-        specs = ("R-H-", "R-H-", "R-H-", "R-", "R-", "R-", "R-", table_spec)
-        group_layer = per_group(write_and_attend, mesh, K, specs, ("R-H-", "R-H-"))
-
-        def layer_kv(kv, k, v, q):
-            return group_layer(kv, _combined(k, v), q, positions, valid, *write_at, table)
-
-        layer_state = list(pool.kv)
-
-    x = jnp.take(model.embed[...], ids, axis=0).astype(dtype)
-    x = ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
-    cos, sin = _rope_tables(cfg, positions, dtype)
-    new = []
-    for layer, state in enumerate(layer_state):
-        x, state = _paged_block(cfg, dtype, layers[layer], x, cos, sin, state, layer_kv)
-        new.append(state)
-    hidden = _rms_norm(x, model.final_norm[...], cfg.rms_norm_eps, dtype)
-    if decode_views:
-        kv = tuple(ax.constrain(kv, PAGE_AXES) for kv, _, _ in new)
-        return hidden, PagePool(kv=kv, views=tuple((k, v) for _, k, v in new))
+    hidden, new = model.forward_with(ids, positions, layer_kv, list(pool.kv), layers)
     return hidden, PagePool(kv=tuple(ax.constrain(kv, PAGE_AXES) for kv in new))
+
+
+def write_rows(out, row, count, cols, mesh, kv_heads):
+    """Writes each live slot's column value at (its row, its token index) of the output
+    buffers; idle slots' rows are out of range and dropped. Per data group on a mesh (rows
+    group-local, each group's block of the buffers)."""
+
+    def write(buf, row, count, col):
+        return buf.at[row, count].set(col.astype(buf.dtype), mode="drop")
+
+    new = {}
+    for name, col in cols.items():
+        spec = "R" + "-" * (out[name].ndim - 1)
+        fn = per_group(write, mesh, kv_heads, (spec, "R", "R", "R" + "-" * (col.ndim - 1)), spec)
+        new[name] = fn(out[name], row, count, col)
+    return new

@@ -25,37 +25,36 @@ accumulation.
 
 Compiled programs are keyed by (prompt batch bucket, ``n``, prompt bucket, generation bucket,
 stop-list width, the strategy's static fields, ``return_hidden``, parameter shapes/dtypes); each
-new one is logged (``logging``, logger ``delta_jax.sampling.sampler``) and counted in
-:attr:`Sampler.num_compilations`. Sampling *values* (temperature, top-p, min-p, seed, stop ids,
-per-row lengths) are traced and never recompile.
+new one is logged (``logging``, logger ``delta_jax.sampling.programs``) and counted in
+:attr:`Sampler.num_compilations`, in one :class:`~delta_jax.sampling.programs.ProgramCache` with
+the continuous engine's programs. The program itself is :mod:`delta_jax.sampling.static`.
+Sampling *values* (temperature, top-p, min-p, seed, stop ids, per-row lengths) are traced and
+never recompile.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
-from flax.core import spmd
-from jax.experimental import multihost_utils
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
-from jaxtyping import Array, Bool, Float, Int
 
-from delta_jax.models import KVCache, Transformer, lm_head_weight
-from delta_jax.models.attention import accumulation_dtype
-from delta_jax.models.axes import constrain, logical_to_mesh
-from delta_jax.models.transformer import KEY_CACHE_AXES, VALUE_CACHE_AXES
+from delta_jax.models import Transformer
+from delta_jax.models.axes import logical_to_mesh
+from delta_jax.sampling import dense_cpu, engine
 from delta_jax.sampling.buckets import Buckets, RequestArrays, prepare_request
+from delta_jax.sampling.output import SamplerOutput
+from delta_jax.sampling.pages import pages_for
+from delta_jax.sampling.programs import ProgramCache
+from delta_jax.sampling.spec import EngineSpec, Turns
+from delta_jax.sampling.static import static_program
 from delta_jax.sampling.strategies import (
-    Categorical,
-    Greedy,
     make_strategy,
     strategy_signature,
     validate_sampling_args,
@@ -63,15 +62,6 @@ from delta_jax.sampling.strategies import (
 from delta_jax.sharding import SAMPLE_RULES as SAMPLING_RULES
 
 __all__ = ["SAMPLING_RULES", "Sampler", "SamplerOutput"]
-
-logger = logging.getLogger(__name__)
-
-
-def _to_host(array: jax.Array) -> np.ndarray:
-    """A device array as NumPy; arrays spanning several processes are gathered first."""
-    if isinstance(array, jax.Array) and not array.is_fully_addressable:
-        return np.asarray(multihost_utils.process_allgather(array, tiled=True))
-    return np.asarray(array)
 
 
 def _validate_turns(turns, engine: str, vocab_size: int) -> None:
@@ -96,212 +86,6 @@ def _validate_turns(turns, engine: str, vocab_size: int) -> None:
         raise ValueError(f"turns.max_turns must be an int >= 1, got {turns.max_turns!r}")
     if turns.max_turns < 1:
         raise ValueError(f"turns.max_turns must be an int >= 1, got {turns.max_turns!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplerOutput:
-    """Result of :meth:`Sampler.generate`; rows are prompt-major (row ``i * n + j``).
-
-    Device arrays keep the bucket shapes (R = prompt batch bucket * n rows, G generation bucket);
-    rows ``>= num_rows`` are padding with length 0. Positions at or after a row's length hold
-    ``pad_token_id`` and log-prob 0. The list properties cover the real rows only and are built
-    on first access (one device-to-host copy).
-
-    Attributes:
-      token_array: int32 [R, G] generated ids (stop token included).
-      logprob_array: f32 [R, G] log-prob under the distribution each token was drawn from.
-      untruncated_logprob_array: f32 [R, G] log-prob under ``log_softmax(logits / temperature)``
-        (temperature 1 for greedy).
-      length_array: int32 [R] generated tokens per row.
-      hidden_array: [R, G, H] final hidden state that produced each token's logits (compute
-        dtype), or None unless ``return_hidden``.
-      prompt_array: int32 [R, P] left-padded prompt of each row.
-      prompt_mask_array: bool [R, P] real prompt tokens.
-      num_steps: int32 scalar, generated columns when the loop exited (the longest row).
-      num_rows: real rows, ``len(prompts) * n``.
-      engine_stats: what the continuous engine did (slot occupancy, pages), else None.
-      action_mask_array: bool [R, G] for multi-turn requests (``turns``): True at the tokens the
-        model sampled, False at observations (and after the length); None for one turn.
-    """
-
-    token_array: Int[Array, "R G"]
-    logprob_array: Float[Array, "R G"]
-    untruncated_logprob_array: Float[Array, "R G"]
-    length_array: Int[Array, " R"]
-    hidden_array: Float[Array, "R G H"] | None
-    prompt_array: Int[Array, "R P"]
-    prompt_mask_array: Bool[Array, "R P"]
-    num_steps: Int[Array, ""]
-    num_rows: int
-    engine_stats: Any = None
-    action_mask_array: Bool[Array, "R G"] | None = None
-
-    @functools.cached_property
-    def lengths(self) -> list[int]:
-        """Generated tokens per real row."""
-        return _to_host(self.length_array)[: self.num_rows].tolist()
-
-    def _ragged(self, array: jax.Array) -> list[list]:
-        host = _to_host(array)
-        return [host[r, :length].tolist() for r, length in enumerate(self.lengths)]
-
-    @functools.cached_property
-    def tokens(self) -> list[list[int]]:
-        """Generated ids per real row (without padding)."""
-        return self._ragged(self.token_array)
-
-    @functools.cached_property
-    def logprobs(self) -> list[list[float]]:
-        """Behaviour log-probs per real row."""
-        return self._ragged(self.logprob_array)
-
-    @functools.cached_property
-    def untruncated_logprobs(self) -> list[list[float]]:
-        """Untruncated temperature-scaled log-probs per real row."""
-        return self._ragged(self.untruncated_logprob_array)
-
-
-@struct.dataclass
-class _LoopState:
-    """Decode-loop carry; ``step`` is the number of generated columns written so far."""
-
-    step: Int[Array, ""]
-    cache: KVCache
-    last: Int[Array, " R"]
-    tokens: Int[Array, "R G"]
-    logprobs: Float[Array, "R G"]
-    untruncated: Float[Array, "R G"]
-    hidden: Float[Array, "R G H"] | None
-    lengths: Int[Array, " R"]
-    done: Bool[Array, " R"]
-
-
-def _write(buf: jax.Array, column: jax.Array, step: Int[Array, ""]) -> jax.Array:
-    return jax.lax.dynamic_update_slice_in_dim(buf, column[:, None].astype(buf.dtype), step, 1)
-
-
-def _program(
-    params: nnx.State,
-    rest: nnx.State,
-    prompt_ids: Int[Array, "Bp P"],
-    prompt_mask: Bool[Array, "Bp P"],
-    max_new: Int[Array, " R"],
-    stop_ids: Int[Array, "R S"],
-    seed: Int[Array, ""],
-    strategy: Greedy | Categorical,
-    *,
-    graphdef: nnx.GraphDef,
-    n: int,
-    gen_len: int,
-    cache_dtype: Any,
-    return_hidden: bool,
-    pad_id: int,
-    hoist_layers: bool,
-) -> dict[str, jax.Array]:
-    """Prefill + decode for one bucket; every shape argument is static through the key."""
-    model: Transformer = nnx.merge(graphdef, params, rest)
-    num_prompts, prompt_len = prompt_ids.shape
-    rows = num_prompts * n
-    key = jax.random.key(seed)
-    # On CPU, per-layer weights sliced once here instead of at every decode step (XLA:CPU does
-    # not always hoist the slices out of the loop). Accelerators fuse the slices into the dots
-    # for free, where hoisting would only hold a second copy of the weights.
-    layers = model.layer_params() if hoist_layers else None
-
-    pre = model(
-        prompt_ids,
-        attention_mask=prompt_mask,
-        cache=model.init_cache(num_prompts, prompt_len, cache_dtype),
-        return_logits=False,
-        layers=layers,
-    )
-
-    def rep(x: jax.Array, axis: int) -> jax.Array:
-        return x if n == 1 else jnp.repeat(x, n, axis=axis)
-
-    def grow(prefilled: jax.Array, names: tuple[str, ...]) -> jax.Array:
-        """Prompt K or V of ``Bp`` rows and P slots -> ``R`` rows and P + G slots (>= P empty)."""
-        slots = [(0, 0)] * prefilled.ndim
-        slots[names.index("cache_length")] = (0, gen_len)
-        return constrain(jnp.pad(rep(prefilled, axis=0), slots), names)
-
-    cache = pre.cache.replace(
-        k=tuple(grow(k, KEY_CACHE_AXES) for k in pre.cache.k),
-        v=tuple(grow(v, VALUE_CACHE_AXES) for v in pre.cache.v),
-        mask=jnp.pad(rep(prompt_mask, axis=0), ((0, 0), (0, gen_len))),
-    )
-    # Cast once, outside the loop (per step it would re-read and re-write the whole head). A tied
-    # head is used as the [V, H] embedding: transposing it would copy it at every call.
-    tied = model.config.tie_word_embeddings
-    head = (model.embed[...] if tied else lm_head_weight(model)).astype(pre.hidden.dtype)
-    head_spec = "RH,VH->RV" if tied else "RH,HV->RV"
-    prompt_lengths = jnp.sum(rep(prompt_mask, axis=0), axis=-1, dtype=jnp.int32)
-    h0 = rep(pre.hidden[:, -1], axis=0)  # left padding: the last column is the last real token
-
-    # Logits and log-probs in float32, or float64 for a float64 model (x64 numerics checks).
-    acc = accumulation_dtype(pre.hidden.dtype)
-
-    def advance(s: _LoopState, h: Float[Array, "R H"]) -> _LoopState:
-        logits = jnp.einsum(head_spec, h, head, preferred_element_type=acc)
-        out = strategy(logits, jax.random.fold_in(key, s.step))
-        live = ~s.done
-        token = jnp.where(live, out.token, pad_id)
-        lengths = s.lengths + live
-        stopped = jnp.any(token[:, None] == stop_ids, axis=-1) | (lengths >= max_new)
-        hidden = s.hidden
-        if hidden is not None:
-            hidden = _write(hidden, jnp.where(live[:, None], h, 0), s.step)
-        return s.replace(
-            step=s.step + 1,
-            last=token,
-            tokens=_write(s.tokens, token, s.step),
-            logprobs=_write(s.logprobs, jnp.where(live, out.logprob, 0.0), s.step),
-            untruncated=_write(
-                s.untruncated, jnp.where(live, out.untruncated_logprob, 0.0), s.step
-            ),
-            hidden=hidden,
-            lengths=lengths,
-            done=s.done | (live & stopped),
-        )
-
-    def body(s: _LoopState) -> _LoopState:
-        positions = (prompt_lengths + s.step - 1)[:, None]
-        out = model(
-            s.last[:, None],
-            attention_mask=jnp.ones((rows, 1), bool),
-            positions=positions,
-            cache=s.cache,
-            return_logits=False,
-            layers=layers,
-        )
-        return advance(s.replace(cache=out.cache), out.hidden[:, 0])
-
-    def cond(s: _LoopState) -> jax.Array:
-        return (s.step < gen_len) & ~jnp.all(s.done)
-
-    hidden_dtype = pre.hidden.dtype
-    state = _LoopState(
-        step=jnp.zeros((), jnp.int32),
-        cache=cache,
-        last=jnp.zeros((rows,), jnp.int32),
-        tokens=jnp.full((rows, gen_len), pad_id, jnp.int32),
-        logprobs=jnp.zeros((rows, gen_len), acc),
-        untruncated=jnp.zeros((rows, gen_len), acc),
-        hidden=(jnp.zeros((rows, gen_len, h0.shape[-1]), hidden_dtype) if return_hidden else None),
-        lengths=jnp.zeros((rows,), jnp.int32),
-        done=max_new <= 0,  # padding rows
-    )
-    state = jax.lax.while_loop(cond, body, advance(state, h0))
-    return dict(
-        tokens=state.tokens,
-        logprobs=state.logprobs,
-        untruncated=state.untruncated,
-        lengths=state.lengths,
-        hidden=state.hidden,
-        steps=state.step,
-        prompt_ids=rep(prompt_ids, axis=0),
-        prompt_mask=rep(prompt_mask, axis=0),
-    )
 
 
 def _platform(mesh: Mesh | None) -> str:
@@ -373,7 +157,7 @@ class Sampler:
     decode_chunk: int = 16
     prefill_chunk: int = 512
     attention: str = "auto"
-    _programs: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
+    _programs: ProgramCache = dataclasses.field(init=False, repr=False)
 
     @property
     def num_compilations(self) -> int:
@@ -395,7 +179,7 @@ class Sampler:
         return_hidden: bool = False,
         params: nnx.State | None = None,
         on_sample_done: Callable[[int, list[int]], None] | None = None,
-        turns: Any = None,
+        turns: Turns | None = None,
     ) -> SamplerOutput:
         """Samples ``n`` continuations of every prompt.
 
@@ -420,7 +204,7 @@ class Sampler:
             once it has ended: by the continuous engine as soon as that happens, while other
             rows still decode (so their rewards can be computed meanwhile); by the static
             sampler for every row, in row order, after the batch ends.
-          turns: a multi-turn request (:class:`~delta_jax.sampling.engine.Turns`: the ids and
+          turns: a multi-turn request (:class:`~delta_jax.sampling.spec.Turns`: the ids and
             id sequences that end a turn, the turn limit, and the host's ``submit(row, turn)``
             returning a future of the observation's ids); continuous engine only. Observations
             are written into the rows as context and marked in ``action_mask_array``.
@@ -488,6 +272,8 @@ class Sampler:
         return output
 
     def __post_init__(self):
+        # The compiled programs of both engines (frozen dataclass: set once, here).
+        object.__setattr__(self, "_programs", ProgramCache(self.mesh, self.rules))
         if self.engine not in ("static", "continuous"):
             raise ValueError(f"engine must be 'static' or 'continuous', got {self.engine!r}")
         if self.attention not in ("auto", "xla", "pallas", "dense"):
@@ -502,12 +288,20 @@ class Sampler:
     def _generate_continuous(
         self, prompts, request, n, strategy, seed, return_hidden, params, on_sample_done, turns
     ):
-        from delta_jax.sampling import engine
-
         arrays = [np.asarray(p, np.int32) for p in prompts]
-        seed = np.uint32(seed % 2**32)
         out, stats = engine.generate_continuous(
-            self, request, arrays, n, strategy, seed, return_hidden, params, on_sample_done, turns
+            self.model,
+            request,
+            arrays,
+            n,
+            strategy,
+            np.uint32(seed % 2**32),
+            params,
+            spec=self.engine_spec(request, n, return_hidden, multi_turn=turns is not None),
+            programs=self._programs,
+            cache_dtype=self.resolved_cache_dtype(),
+            on_sample_done=on_sample_done,
+            turns=turns,
         )
         return dataclasses.replace(out, engine_stats=stats)
 
@@ -516,8 +310,6 @@ class Sampler:
     ):
         """The continuous engine's static configuration for a request's buckets (``multi_turn``:
         the default pool also holds the pages of sequences waiting on the host)."""
-        from delta_jax.sampling.engine import EngineSpec, pages_for
-
         # Data groups: the mesh's row shards, each with its own slots and share of the pool.
         groups = self._row_multiple()
         prompts = request.num_rows // n
@@ -613,41 +405,23 @@ class Sampler:
             jax.tree.structure(params),
             param_avals,
         )
-        compiled = self._programs.get(key)
-        if compiled is not None:
-            return compiled
         cache_dtype = self.resolved_cache_dtype()
-        fn = jax.jit(
-            functools.partial(
-                _program,
-                graphdef=graphdef,
-                n=n,
-                gen_len=gen_len,
-                cache_dtype=cache_dtype,
-                return_hidden=return_hidden,
-                pad_id=self.pad_token_id,
-                hoist_layers=_platform(self.mesh) == "cpu",
+        fn = functools.partial(
+            static_program,
+            graphdef=graphdef,
+            n=n,
+            gen_len=gen_len,
+            cache_dtype=cache_dtype,
+            return_hidden=return_hidden,
+            pad_id=self.pad_token_id,
+            hoist_layers=dense_cpu.slices_layers_once(self.mesh),
+        )
+
+        def describe() -> str:
+            return (
+                f"prompts={ids.shape[0]} n={n} prompt_len={ids.shape[1]} gen_len={gen_len} "
+                f"stops={stops.shape[1]} mode={strategy_signature(strategy)} "
+                f"hidden={return_hidden} cache={jnp.dtype(cache_dtype).name}"
             )
-        )
-        start = time.perf_counter()
-        if self.mesh is None:
-            compiled = fn.lower(*args).compile()
-        else:
-            with jax.set_mesh(self.mesh), spmd.logical_axis_rules(self.rules):
-                compiled = fn.lower(*args).compile()
-        self._programs[key] = compiled
-        logger.info(
-            "sampler compile #%d: prompts=%d n=%d prompt_len=%d gen_len=%d stops=%d mode=%s "
-            "hidden=%s cache=%s (%.2fs)",
-            len(self._programs),
-            ids.shape[0],
-            n,
-            ids.shape[1],
-            gen_len,
-            stops.shape[1],
-            strategy_signature(strategy),
-            return_hidden,
-            jnp.dtype(cache_dtype).name,
-            time.perf_counter() - start,
-        )
-        return compiled
+
+        return self._programs.get(key, fn, args, kind="sampler", describe=describe)

@@ -246,8 +246,8 @@ def test_decode_compiles_for_tpu_with_ragged_paged_attention():
     """The decode program with JAX's Pallas kernel, compiled for a v5p 2x2x1 slice (no TPU)."""
     topologies = pytest.importorskip("jax.experimental.topologies")
     pytest.importorskip("libtpu")
+    from delta_jax.plan.lowering import lower_decode
     from delta_jax.sampling import SAMPLING_RULES
-    from delta_jax.sampling.engine import lower_decode
 
     topo = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu")
     mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(2, 2), ("data", "tensor"))

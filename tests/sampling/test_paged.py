@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from delta_jax.sampling import paged
+from delta_jax.sampling import dense_cpu, paged
 
 
 def _oracle(q, kv, positions, tables, page_size):
@@ -37,8 +37,12 @@ def test_xla_paged_attention_matches_oracle_across_blocks(monkeypatch):
     tables = [[5, 9, 1], [3, 7, 11, 2, 8, 4], [], [13, 6, 20]]
     positions = np.array([[9, 10], [20, 23], [0, 0], [2, 11]])
     arrays = paged.PageList(**{k: jnp.asarray(v) for k, v in _flat(tables, B, size=20).items()})
-    got = jax.jit(paged._xla_attention)(
-        jnp.asarray(q, jnp.float32), jnp.asarray(kv, jnp.float32), jnp.asarray(positions), arrays
+    got = jax.jit(paged.xla_attention)(
+        jnp.asarray(q, jnp.float32),
+        jnp.asarray(kv, jnp.float32),
+        jnp.asarray(positions),
+        None,  # valid: the XLA path reads the page list only
+        arrays,
     )
     want = _oracle(q, kv, positions, tables, page_size)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
@@ -78,15 +82,17 @@ def test_dense_cpu_path_matches_oracle_after_writes():
 
     @jax.jit
     def step(kv, q, new, positions, table):
-        pool = paged.dense_views(paged.PagePool(kv=(kv,)), table, shift, None, K)
+        pool = paged.PagePool(kv=(kv,))
+        views = dense_cpu.dense_views(pool, table, shift, None, K)
         k, v = new[:, :, 0::2], new[:, :, 1::2]  # the pool's layout: keys even, values odd
         columns = positions[:, 0] + shift
-        keys, values = paged._write_views(*pool.views[0], k, v, columns[0])
-        visible = paged._view_mask(shift, columns, keys.shape[-1])
-        out = paged._dense_attention(q, keys, values, visible)
-        pool = pool.replace(views=((keys, values),))
+        keys, values = dense_cpu.write_views(*views[0], k, v, columns[0])
+        visible = dense_cpu.view_mask(shift, columns, keys.shape[-1])
+        out = dense_cpu.view_attention(q, keys, values, visible)
+        views = ((keys, values),)
         start = positions[:, 0]
-        return out, paged.views_to_pages(pool, table, start, start + 1, shift, None, K).kv[0]
+        pages = dense_cpu.views_to_pages(pool, views, table, start, start + 1, shift, None, K)
+        return out, pages.kv[0]
 
     got, pages = step(*(jnp.asarray(x, jnp.float32) for x in (kv, q, new)), positions, table)
     want_kv = kv.copy()
@@ -113,8 +119,9 @@ def test_dense_write_back_writes_only_the_chunk_positions():
     values = np.broadcast_to(-100.0 - column[:, None], (3, K, L, D)).copy()
     start, end = np.array([3, 0, 2]), np.array([6, 0, 3])  # row 1 wrote nothing
     shift = np.array([2, 5, 0])
-    pool = paged.PagePool(kv=(jnp.asarray(kv),), views=((jnp.asarray(keys), jnp.asarray(values)),))
-    got = np.asarray(paged.views_to_pages(pool, table, start, end, shift, None, K).kv[0])
+    pool = paged.PagePool(kv=(jnp.asarray(kv),))
+    views = ((jnp.asarray(keys), jnp.asarray(values)),)
+    got = np.asarray(dense_cpu.views_to_pages(pool, views, table, start, end, shift, None, K).kv[0])
     want = kv.copy()
     for b in range(3):
         for pos in range(start[b], end[b]):

@@ -77,12 +77,12 @@ def test_kernel_in_slot_chunks_matches_the_xla_path_and_the_oracle(interpret):
     valid = np.ones((B, 1), bool)
     valid[7] = False  # idle: the kernel reads its scratch page only
 
-    got = jax.jit(paged._pallas_attention)(q, kv, positions, valid, table)
+    got = jax.jit(paged.pallas_attention)(q, kv, positions, valid, table)
     assert interpret[-1] == [(0, 8), (8, 8), (16, 4)]
     got = np.asarray(got)
     live = valid[:, 0]
     flat = paged.PageList(**{k: jnp.asarray(v) for k, v in _flat(tables, B, size=64).items()})
-    xla = np.asarray(jax.jit(paged._xla_attention)(q, kv, positions, flat))
+    xla = np.asarray(jax.jit(paged.xla_attention)(q, kv, positions, valid, flat))
     np.testing.assert_allclose(got[live], xla[live], atol=ATOL, rtol=ATOL)
     want = _oracle(q, kv, positions, tables, page_size)
     np.testing.assert_allclose(got[live], want[live], atol=ATOL, rtol=ATOL)

@@ -43,8 +43,8 @@ def test_too_wide_a_table_is_one_line():
 def _decode(slots_per_group: int, width: int):
     from jax.experimental import topologies
 
+    from delta_jax.plan.lowering import lower_decode
     from delta_jax.sampling import SAMPLING_RULES
-    from delta_jax.sampling.engine import lower_decode
 
     topo = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu")
     mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(2, 2), ("data", "tensor"))

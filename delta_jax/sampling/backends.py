@@ -1,0 +1,200 @@
+"""The continuous engine's paged attention backends, picked once when the engine is built.
+
+A backend is one paged attention path with both of its halves: how the host lays out the pages
+it reads (a flat page list or page tables, how wide, how many steps a chunk may run), and what
+the device programs do with them (the prefill's attention, a decode step, the start and end of
+a decode chunk). The scheduler and the programs call the same methods whatever the backend;
+none of them branches on the platform or the attention path.
+
+* :class:`XlaBackend`: flat page lists and :func:`~delta_jax.sampling.paged.xla_attention`
+  (GPU; the prefill on accelerators);
+* :class:`PallasBackend`: page tables and the TPU kernel for decode, the XLA path for prefill;
+* :class:`DenseCpuBackend`: page tables and the CPU path (:mod:`delta_jax.sampling.dense_cpu`),
+  whose views and chunk-local buffers stay inside it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import jax.numpy as jnp
+import numpy as np
+
+from delta_jax.models import Transformer
+from delta_jax.sampling import dense_cpu
+from delta_jax.sampling.paged import (
+    PagedAttention,
+    PageList,
+    PagePool,
+    paged_forward,
+    pallas_attention,
+    write_rows,
+    xla_attention,
+)
+from delta_jax.sampling.pages import page_lists, page_tables, pages_for, pow2
+from delta_jax.sampling.spec import EngineSpec
+
+__all__ = ["DenseCpuBackend", "PagedBackend", "PallasBackend", "XlaBackend", "backend_for"]
+
+
+class PagedBackend:
+    """What the engine asks of a paged attention path (the XLA path's behaviour by default).
+
+    Host methods take NumPy; device methods run inside the decode and prefill programs.
+    """
+
+    name: ClassVar[str] = "xla"
+    # The prefill's and the decode's paged attention (one signature, ``PagedAttention``).
+    prefill_attention: ClassVar[PagedAttention] = staticmethod(xla_attention)
+    decode_attention: ClassVar[PagedAttention] = staticmethod(xla_attention)
+
+    # ---- host ------------------------------------------------------------------------------
+
+    def table(self, spec: EngineSpec, tables, rows: int, least: int = 0) -> np.ndarray:
+        """Every group's per-row page tables, as wide as the widest (and ``least`` pages) up
+        to a power of two of pages (from the length bucket's floor up to ``max_table``)."""
+        widest = max(least, *(len(t) for group in tables for t in group))
+        floor = pages_for(spec.min_len, spec.page_size)
+        return page_tables(tables, rows, self._width(spec, pow2(max(widest, floor))))
+
+    def _width(self, spec: EngineSpec, pages: int) -> int:
+        return min(spec.max_table, pages)
+
+    def prefill_pages(self, spec: EngineSpec, tables, rows: int, length: int) -> np.ndarray:
+        """The pages a prefill call of ``length`` tokens per row reads: flat page lists, one
+        length per group (a power of two)."""
+        used = max(sum(map(len, t)) for t in tables)
+        size = pow2(max(used, rows * pages_for(length, spec.page_size)))
+        return page_lists(tables, rows, size)
+
+    def decode_pages(self, spec: EngineSpec, tables, rows: int, pos, left, steps: int):
+        """``(steps, page table, page list)`` of a decode chunk over ``rows`` rows per group
+        (``pos``, ``left``: the live rows' positions and token budgets left). One list length
+        per row bucket (every row at the longest sequence): the XLA path reads only the real
+        entries, so a longer list costs nothing but its indices."""
+        table = np.zeros((len(tables) * rows, 1), np.int32)
+        return steps, table, page_lists(tables, rows, rows * spec.seq_pages)
+
+    # ---- device ----------------------------------------------------------------------------
+
+    def prefill_layout(self, pages: np.ndarray, place):
+        """The prefill's pages on device (:class:`PageList` from ``[U, 3]`` entries)."""
+        return PageList(*(place(pages[:, i]) for i in range(3)))
+
+    def begin_chunk(self, pool: PagePool, slots, out, mesh, kv_heads: int):
+        """A decode chunk's start: the state its steps carry, and the buffers they write."""
+        return pool, out
+
+    def step(self, model: Transformer, layers, slots, state, mesh):
+        """One decode step of every slot: the hidden states ``[S, 1, H]`` and the new state."""
+        return paged_forward(
+            model,
+            layers,
+            slots.last[:, None],
+            slots.pos[:, None],
+            slots.active[:, None],
+            state,
+            self._decode_pages(slots),
+            attend=self.decode_attention,
+            mesh=mesh,
+        )
+
+    def _decode_pages(self, slots):
+        return slots.pages
+
+    def write(self, out, cols, slots, i, mesh, kv_heads: int):
+        """Step ``i``'s outputs ``cols`` (per slot) into the buffers, at each live slot's row
+        and token index (idle slots' rows are out of range: dropped)."""
+        rows = jnp.where(slots.active, slots.row, out["tokens"].shape[0])
+        return write_rows(out, rows, slots.count, cols, mesh, kv_heads)
+
+    def end_chunk(self, state, written, out, first, start, slots, keep, mesh, kv_heads):
+        """A decode chunk's end: ``(pool, output buffers)``."""
+        return state, written
+
+
+class XlaBackend(PagedBackend):
+    """Flat page lists, :func:`~delta_jax.sampling.paged.xla_attention` (GPU)."""
+
+
+class PallasBackend(PagedBackend):
+    """Page tables and the ragged paged attention TPU kernel for decode; the prefill (several
+    tokens per row) on the XLA path."""
+
+    name = "pallas"
+    decode_attention = staticmethod(pallas_attention)
+
+    def decode_pages(self, spec, tables, rows, pos, left, steps):
+        return steps, self.table(spec, tables, rows), page_lists([[]] * len(tables), rows, 1)
+
+    def _decode_pages(self, slots):
+        return slots.page_table
+
+
+class DenseCpuBackend(PagedBackend):
+    """The CPU path (:mod:`delta_jax.sampling.dense_cpu`): page tables, gathered into views once
+    per chunk; a prefill gathers each row's table once per layer."""
+
+    name = "dense"
+    prefill_attention = staticmethod(dense_cpu.dense_attention)
+
+    def _width(self, spec, pages):
+        # The CPU path gathers every table entry: never wider than the longest sequence.
+        return min(spec.max_table, pages, spec.seq_pages)
+
+    def prefill_pages(self, spec, tables, rows, length):
+        return self.table(spec, tables, rows)
+
+    def decode_pages(self, spec, tables, rows, pos, left, steps):
+        # Right-aligned views: the longest context plus the steps the chunk runs must fit in
+        # the views, as wide as the page table; a chunk that would not fit in the widest table
+        # runs fewer steps.
+        base = int(pos.max(initial=0))
+        widest = min(spec.max_table, spec.seq_pages) * spec.page_size
+        steps = max(1, min(steps, widest - base))
+        least = pages_for(base + min(steps, int(left.max(initial=1))), spec.page_size)
+        table = self.table(spec, tables, rows, least)
+        return steps, table, page_lists([[]] * len(tables), rows, 1)
+
+    def prefill_layout(self, pages, place):
+        return place(pages)
+
+    def begin_chunk(self, pool, slots, out, mesh, kv_heads):
+        state, local = dense_cpu.begin_chunk(
+            pool, slots.active, slots.pos, slots.page_table, out, mesh, kv_heads
+        )
+        return (pool, *state), local
+
+    def step(self, model, layers, slots, state, mesh):
+        pool, views, shift = state
+        hidden, views = dense_cpu.decode_forward(
+            model,
+            layers,
+            slots.last[:, None],
+            slots.pos[:, None],
+            slots.active[:, None],
+            views,
+            shift,
+            mesh,
+        )
+        return hidden, (pool, views, shift)
+
+    def write(self, out, cols, slots, i, mesh, kv_heads):
+        return dense_cpu.write_column(out, cols, i)
+
+    def end_chunk(self, state, written, out, first, start, slots, keep, mesh, kv_heads):
+        pool, views, shift = state
+        return dense_cpu.end_chunk(
+            pool, views, shift, written, out, first, start, slots, keep, mesh, kv_heads
+        )
+
+
+def backend_for(attention: str) -> PagedBackend:
+    """The backend of an attention path (``EngineSpec.attention``: ``"xla"``, ``"pallas"`` or
+    ``"dense"``)."""
+    backends: dict[str, Any] = {
+        "xla": XlaBackend,
+        "pallas": PallasBackend,
+        "dense": DenseCpuBackend,
+    }
+    return backends[attention]()

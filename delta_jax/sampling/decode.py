@@ -1,0 +1,337 @@
+"""The continuous engine's device programs as pure functions of the parameters, the page pool
+and the output buffers: the decode chunk (the static decode loop, a ``lax.while_loop`` of
+decode steps over the slots), the prefill chunk and the observation write.
+:class:`~delta_jax.sampling.programs.EnginePrograms` compiles them and owns their state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+from jaxtyping import Array, Bool, Int
+
+from delta_jax.models import Transformer, lm_head_weight
+from delta_jax.models import axes as ax
+from delta_jax.models.attention import accumulation_dtype
+from delta_jax.sampling.backends import PagedBackend
+from delta_jax.sampling.paged import (
+    PagedAttention,
+    PageList,
+    PagePool,
+    copy_pages,
+    paged_forward,
+    write_rows,
+    xla_attention,
+)
+from delta_jax.sampling.spec import SLOT_FIELDS, STATUS_FIELDS
+from delta_jax.sampling.strategies import Categorical, Greedy
+
+__all__ = [
+    "SlotState",
+    "decode_chunk",
+    "decode_program",
+    "init_outputs",
+    "prefill_chunk",
+    "unpack_slots",
+    "write_observations",
+]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SlotState:
+    """Per-slot decode state, passed in and returned by every decode chunk.
+
+    Attributes:
+      last: token each slot feeds next.
+      pos: position ``last`` is written at.
+      count: tokens generated so far (the index of the next token's RNG stream).
+      active: slot holds a sequence that has not ended.
+      max_new: the sequence's token budget.
+      prompt: prompt index of the sequence (RNG stream).
+      sample: sample index of the sequence (RNG stream).
+      row: the sequence's row of the output buffers (group-local; out of range for an idle
+        slot, whose writes are dropped).
+      stops: stop ids of the sequence, padded with -1.
+      recent: multi-turn stop sequences: the last ``L`` ids the sequence drew in its current
+        turn, oldest first (-1: none yet); ``L`` is the longest stop sequence, 0 without any.
+      page_table: the sequence's pages from position 0 on (0 = scratch), for the ``pallas``
+        and ``dense`` paths (one column otherwise).
+      pages: every live sequence's pages as one flat list, for the ``xla`` path (one padding
+        entry otherwise).
+      copy_src: page to copy into ``copy_dst`` before decoding (the prompt's partial last page
+        when the sequence joined this chunk; else the scratch page onto itself).
+      copy_dst: see ``copy_src``.
+    """
+
+    last: Int[Array, " S"]
+    pos: Int[Array, " S"]
+    count: Int[Array, " S"]
+    active: Bool[Array, " S"]
+    max_new: Int[Array, " S"]
+    prompt: Int[Array, " S"]
+    sample: Int[Array, " S"]
+    row: Int[Array, " S"]
+    stops: Int[Array, "S W"]
+    recent: Int[Array, "S L"]
+    page_table: Int[Array, "S NB"]
+    pages: PageList
+    copy_src: Int[Array, " S"]
+    copy_dst: Int[Array, " S"]
+
+
+def _row_keys(seed, prompt, sample, count):
+    def one(p, s, t):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(seed, p), s), t)
+
+    return jax.vmap(one)(prompt, sample, count)
+
+
+# Per-slot integer fields of SlotState, packed with the stop ids, the stop-sequence window and
+
+
+def unpack_slots(
+    packed: Int[Array, "S F"], pages: Int[Array, "U 3"], stop_width: int, window: int = 0
+):
+    """The :class:`SlotState` of a packed ``[S, fields + stops + window + table]`` matrix and a
+    ``[U, 3]`` (page, seq, index) page list."""
+    cols = {name: packed[:, i] for i, name in enumerate(SLOT_FIELDS)}
+    cols["active"] = cols["active"] > 0
+    F, W = len(SLOT_FIELDS), stop_width
+    return SlotState(
+        **cols,
+        stops=packed[:, F : F + W],
+        recent=packed[:, F + W : F + W + window],
+        page_table=packed[:, F + W + window :],
+        pages=PageList(page=pages[:, 0], seq=pages[:, 1], index=pages[:, 2]),
+    )
+
+
+def decode_chunk(
+    params: nnx.State,
+    rest: nnx.State,
+    pool: PagePool,
+    out: dict[str, Array],
+    slots: SlotState,
+    limit: Int[Array, ""],
+    resumable: Bool[Array, ""],
+    seed: Int[Array, ""],
+    strategy: Greedy | Categorical,
+    layers: list[dict[str, Array]] | None = None,
+    stop_sequences: Int[Array, "Q L"] | None = None,
+    *,
+    graphdef: nnx.GraphDef,
+    return_hidden: bool,
+    pad_id: int,
+    backend: PagedBackend,
+    mesh: Mesh | None,
+) -> dict[str, Any]:
+    """Up to ``limit`` decode steps of every live slot (exits early when none is live).
+
+    Each step's token, log-probs and hidden state go straight into the request's output
+    buffers ``out`` (``[rows, gen_len]``, carried on device from chunk to chunk and read once
+    at the end) at the sequence's row and token index, so a chunk returns only the slots' new
+    state and its length is a traced value (no recompilation for a longer chunk).
+
+    ``stop_sequences`` (multi-turn requests): a slot also stops at the step where the ids it
+    drew in its turn (``slots.recent``, shifted every step) end with one of these rows,
+    right-aligned and left-padded with -1 (a wildcard); None (single-turn requests) leaves the
+    window out of the program and of the status.
+
+    ``resumable`` (multi-turn requests): a sequence that stops in this chunk may continue
+    later from its pages (a turn's end). The CPU path writes the chunk's K/V back into the pages
+    only when a sequence may read them again: one still live after the chunk, or a resumable
+    one; the last chunk of a request skips the write-back.
+
+    ``backend``: the paged attention path (:mod:`delta_jax.sampling.backends`): what a step
+    attends with, and what a chunk's start and end do (the CPU path's views and chunk-local
+    buffers).
+
+    ``layers`` (on CPU): each layer's weights, sliced once per request
+    (:class:`~delta_jax.sampling.programs.EnginePrograms`) instead of at every step, which
+    XLA:CPU does not reliably hoist out of the loop; None (accelerators) slices them inside the
+    loop, where the slices fuse into the matmuls (a copy would hold every weight twice).
+    """
+    model: Transformer = nnx.merge(graphdef, params, rest)
+    K = model.config.num_kv_heads
+    pool = copy_pages(pool, slots.copy_src, slots.copy_dst, mesh, K)
+    draw = _sampler(model, strategy, seed, return_hidden, pad_id)
+
+    def body(carry):
+        i, state, s, written = carry
+        weights = model.layer_params() if layers is None else layers
+        h, state = backend.step(model, weights, s, state, mesh)
+        cols = draw(h[:, 0], s)
+        written = backend.write(written, cols, s, i, mesh, K)
+        return i + 1, state, _advance(s, cols["tokens"], stop_sequences), written
+
+    def cond(carry):
+        i, _, s, _ = carry
+        return (i < limit) & jnp.any(s.active)
+
+    start, first = slots.pos, slots.count
+    state, written = backend.begin_chunk(pool, slots, out, mesh, K)
+    _, state, slots, written = jax.lax.while_loop(
+        cond, body, (jnp.zeros((), jnp.int32), state, slots, written)
+    )
+    keep = resumable | jnp.any(slots.active)
+    pool, out = backend.end_chunk(state, written, out, first, start, slots, keep, mesh, K)
+    status = jnp.stack([getattr(slots, f).astype(jnp.int32) for f in STATUS_FIELDS], axis=1)
+    if stop_sequences is not None:
+        status = jnp.concatenate([status, slots.recent], axis=1)
+    return dict(pool=pool, out=out, status=status)
+
+
+def _sampler(model: Transformer, strategy, seed, return_hidden: bool, pad_id: int):
+    """``draw(h [S, H], slots)``: every slot's next token drawn from its hidden state (``pad_id``
+    for idle slots), with its log-probs (and the hidden state), each slot with its sequence's
+    RNG stream at its token index."""
+    tied = model.config.tie_word_embeddings
+    head = (model.embed[...] if tied else lm_head_weight(model)).astype(model.dtype)
+    head_spec = "SH,VH->SV" if tied else "SH,HV->SV"
+    key = jax.random.key(seed)
+    acc = accumulation_dtype(model.dtype)  # float32; float64 for a float64 model (x64 checks)
+
+    def draw(h, s: SlotState) -> dict[str, Array]:
+        logits = jnp.einsum(head_spec, h, head, preferred_element_type=acc)
+        keys = _row_keys(key, s.prompt, s.sample, s.count)
+        res = jax.vmap(lambda row, k: strategy(row[None], k))(logits, keys)
+        cols = dict(
+            tokens=jnp.where(s.active, res.token[:, 0], pad_id),
+            logprobs=res.logprob[:, 0],
+            untruncated=res.untruncated_logprob[:, 0],
+        )
+        if return_hidden:
+            cols["hidden"] = h
+        return cols
+
+    return draw
+
+
+def _advance(s: SlotState, token, stop_sequences) -> SlotState:
+    """The slots after a step that drew ``token``: live ones count it and feed it next; a slot
+    stops at one of its stop ids, at its budget, or (multi-turn) where its turn's ids end with
+    a stop sequence."""
+    live = s.active
+    count = s.count + live
+    stopped = jnp.any(token[:, None] == s.stops, axis=-1) | (count >= s.max_new)
+    recent = s.recent
+    if stop_sequences is not None:
+        shifted = jnp.concatenate([recent[:, 1:], token[:, None]], axis=1)
+        recent = jnp.where(live[:, None], shifted, recent)
+        ends = (stop_sequences < 0) | (recent[:, None, :] == stop_sequences)  # [S, Q, L]
+        stopped |= jnp.any(jnp.all(ends, axis=-1), axis=-1)
+    return dataclasses.replace(
+        s,
+        recent=recent,
+        last=jnp.where(live, token, s.last),
+        pos=s.pos + live,
+        count=count,
+        active=live & ~stopped,
+    )
+
+
+def decode_program(
+    params,
+    rest,
+    pool,
+    out,
+    packed,
+    pages,
+    limit,
+    resumable,
+    seed,
+    strategy,
+    layers=None,
+    stop_sequences=None,
+    *,
+    stop_width,
+    **kw,
+):
+    """:func:`decode_chunk` on the packed slot matrix and page list the host sends."""
+    window = 0 if stop_sequences is None else stop_sequences.shape[1]
+    return decode_chunk(
+        params,
+        rest,
+        pool,
+        out,
+        unpack_slots(packed, pages, stop_width, window),
+        limit,
+        resumable,
+        seed,
+        strategy,
+        layers,
+        stop_sequences,
+        **kw,
+    )
+
+
+def init_outputs(rows: int, gen_len: int, hidden: int | None, dtype, pad_id: int):
+    """The output buffers of one request (call inside ``jit``: created sharded by rows)."""
+    names = (ax.BATCH, None)
+    out = dict(
+        tokens=ax.constrain(jnp.full((rows, gen_len), pad_id, jnp.int32), names),
+        # float32; float64 for a float64 model (x64 numerics checks)
+        logprobs=ax.constrain(jnp.zeros((rows, gen_len), accumulation_dtype(dtype)), names),
+        untruncated=ax.constrain(jnp.zeros((rows, gen_len), accumulation_dtype(dtype)), names),
+    )
+    if hidden is not None:
+        out["hidden"] = ax.constrain(jnp.zeros((rows, gen_len, hidden), dtype), (*names, None))
+    return out
+
+
+def write_observations(
+    out: dict[str, Array],
+    rows: Int[Array, " S"],
+    cols: Int[Array, " S"],
+    ids: Int[Array, "S T"],
+    valid: Bool[Array, "S T"],
+    *,
+    mesh: Mesh | None,
+    kv_heads: int,
+) -> dict[str, Array]:
+    """Writes observation ``ids[s]`` into output row ``rows[s]`` (-1: none) from column
+    ``cols[s]`` on; their log-probs (and hidden states) are zero: they were not sampled."""
+    S, T = ids.shape
+    dropped = out["tokens"].shape[0]  # out of range: the write is dropped
+    at = jnp.where(valid & (rows[:, None] >= 0), rows[:, None], dropped).reshape(-1)
+    col = (cols[:, None] + jnp.arange(T)).reshape(-1)
+    values = {name: jnp.zeros((S * T, *buf.shape[2:]), buf.dtype) for name, buf in out.items()}
+    values["tokens"] = ids.reshape(-1)
+    return write_rows(out, at, col, values, mesh, kv_heads)
+
+
+def prefill_chunk(
+    params: nnx.State,
+    rest: nnx.State,
+    pool: PagePool,
+    ids: Int[Array, "B T"],
+    positions: Int[Array, "B T"],
+    valid: Bool[Array, "B T"],
+    pages: PageList | Int[Array, "B NB"],
+    layers: list[dict[str, Array]] | None = None,
+    *,
+    graphdef: nnx.GraphDef,
+    mesh: Mesh | None,
+    attend: PagedAttention = xla_attention,
+) -> PagePool:
+    """Writes the K/V of a chunk of prompt tokens into the prompts' pages (no LM head).
+
+    ``pages``: the rows' pages as ``attend`` reads them: a flat list
+    (:func:`~delta_jax.sampling.paged.xla_attention`), or page tables from position 0 (the CPU
+    path's :func:`~delta_jax.sampling.dense_cpu.dense_attention`: each row's pages gathered
+    once per layer and attended to in one batched attention, where the list's block loop runs
+    as many small steps); ``layers``: the per-layer weights sliced once per request (CPU), or
+    None.
+    """
+    model: Transformer = nnx.merge(graphdef, params, rest)
+    layers = model.layer_params() if layers is None else layers
+    _, pool = paged_forward(
+        model, layers, ids, positions, valid, pool, pages, attend=attend, mesh=mesh
+    )
+    return pool

@@ -1,0 +1,270 @@
+"""The dense CPU path of the continuous engine: what only XLA:CPU needs, in one place.
+
+XLA:CPU runs a decode step of a small batch as a few dozen small ops, where per-op overheads
+dominate. This path turns the paged pool into the static sampler's contiguous cache once per
+decode chunk and decodes on that:
+
+* *views*: every sequence's page-table pages gathered once per chunk into contiguous keys
+  ``[B, K, D, W]`` and values ``[B, K, W, D]`` per layer (``W = NB * page_size``), the static
+  sampler's cache layout, right-aligned as its left-padded cache is: sequence ``b``'s position
+  ``p`` sits in column ``p + shift[b]``, so that every sequence feeds its next token at the same
+  column and a step writes one column of all of them (a dynamic-update-slice, not a scatter at
+  per-sequence positions); the steps attend with the static sampler's slot attention;
+* the chunk's K/V are written back into the pages once, at its end (:func:`views_to_pages`),
+  only when a sequence may read them again;
+* the chunk's outputs are collected in chunk-local ``[slots, gen_len]`` buffers, written by one
+  dynamic-update-slice per field and step, and scattered into the request's buffers once at its
+  end (per step a scatter at each slot's row and token index costs XLA:CPU more than the step);
+* a prefill chunk gathers each row's table pages once per layer and attends in one batched
+  attention (:func:`dense_attention`), where the XLA path's page-block loop runs many small steps.
+
+The views are this path's state only: the pool (:class:`~delta_jax.sampling.paged.PagePool`)
+holds pages, nothing else.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jaxtyping import Array, Bool, Float, Int
+
+from delta_jax.models import Transformer
+from delta_jax.models import axes as ax
+from delta_jax.models.attention import slot_attention
+from delta_jax.sampling.paged import PagePool, combined, per_group, write_rows
+
+__all__ = [
+    "Views",
+    "begin_chunk",
+    "decode_forward",
+    "dense_attention",
+    "dense_views",
+    "end_chunk",
+    "slices_layers_once",
+    "view_attention",
+    "view_mask",
+    "views_to_pages",
+    "write_column",
+    "write_views",
+]
+
+
+def slices_layers_once(mesh) -> bool:
+    """Whether both engines slice each layer's weights once per call instead of at every
+    decode step: on CPU (XLA:CPU does not reliably hoist the slices out of the loop).
+    Accelerators fuse the slices into the matmuls for free, where a copy would hold every
+    weight twice."""
+    return (jax.devices() if mesh is None else mesh.devices.flat)[0].platform == "cpu"
+
+
+# Per layer: keys [B, K, D, W] and values [B, K, W, D].
+Views = tuple[tuple[Float[Array, "B K D W"], Float[Array, "B K W D"]], ...]
+
+
+def dense_views(pool: PagePool, page_table, shift, mesh: Mesh | None, kv_heads: int) -> Views:
+    """Every sequence's table pages gathered once into contiguous key and value views in the
+    static sampler's cache layout, sequence ``b``'s position ``p`` in column ``p + shift[b]``
+    (right-aligned, see the module docstring).
+
+    XLA:CPU runs a decode step of a small batch as a few dozen small ops, and gathering the
+    pages at every step (plus transposing them to batch-leading layouts for the dots) costs
+    more than the attention itself; gathered once per chunk, a step only writes its new K/V
+    into the views and attends with the static sampler's attention. Unused table entries point
+    at the scratch page and are masked like positions past the query.
+    """
+
+    specs = ("R-H-", "R-", "R")
+    gather = per_group(_gather_views, mesh, kv_heads, specs, ("RH--", "RH--"))
+    return tuple(gather(kv, page_table, shift) for kv in pool.kv)
+
+
+def _gather_views(kv, table, shift=None):
+    """Every sequence's table pages as contiguous keys ``[B, K, D, L]`` and values
+    ``[B, K, L, D]`` (``L = NB * page_size``), the static sampler's cache layout; with
+    ``shift [B]``, position ``p`` of sequence ``b`` in column ``p + shift[b]`` (one gather of
+    positions; columns before ``shift[b]`` hold position 0 and are never visible)."""
+    B, NB = table.shape
+    _, page_size, C, D = kv.shape
+    L = NB * page_size
+    if shift is None:
+        ctx = jnp.take(kv, table, axis=0, mode="clip").reshape(B, L, C, D)
+    else:
+        pos = jnp.clip(jnp.arange(L)[None, :] - shift[:, None], 0, L - 1)  # [B, L]
+        flat = jnp.take_along_axis(table, pos // page_size, axis=1) * page_size + pos % page_size
+        ctx = jnp.take(kv.reshape(-1, C, D), flat, axis=0, mode="clip")  # [B, L, C, D]
+    ctx = ctx.reshape(B, L, C // 2, 2, D)
+    keys = jnp.transpose(ctx[..., 0, :], (0, 2, 3, 1))  # [B, K, D, L]
+    return keys, jnp.swapaxes(ctx[..., 1, :], 1, 2)  # [B, K, L, D]
+
+
+def views_to_pages(
+    pool: PagePool,
+    views: Views,
+    page_table,
+    start,
+    end,
+    shift,
+    mesh: Mesh | None,
+    kv_heads: int,
+) -> PagePool:
+    """The write-back, once per chunk: positions ``[start[b], end[b])`` of
+    sequence ``b`` (those its steps wrote, in columns ``shift[b]`` on) from its views into its
+    pages; nothing else is written (shared prompt pages, other positions and the scratch page
+    keep their contents).
+
+    Writing each step's K/V into the pages as well made XLA:CPU copy a layer's pool share at
+    every step of the loop; the views are what the steps read, the pages what later chunks
+    gather and the prefill continues.
+    """
+
+    def write(kv, keys, values, table, start, end, shift):
+        page_size, L = kv.shape[1], keys.shape[-1]
+        pos = jnp.arange(table.shape[1] * page_size)
+        new = combined(jnp.einsum("BKDL->BLKD", keys), jnp.einsum("BKLD->BLKD", values))
+        cols = jnp.clip(pos[None, :] + shift[:, None], 0, L - 1)  # [B, NB * page_size]
+        new = jnp.take_along_axis(new, cols[:, :, None, None], axis=1)
+        written = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
+        page = jnp.where(written, table[:, pos // page_size], kv.shape[0])  # else dropped
+        offset = jnp.broadcast_to(pos % page_size, page.shape)
+        return kv.at[page, offset].set(new.astype(kv.dtype), mode="drop")
+
+    specs = ("R-H-", "RH--", "RH--", "R-", "R", "R", "R")
+    write = per_group(write, mesh, kv_heads, specs, "R-H-")
+    kv = tuple(
+        write(kv, keys, values, page_table, start, end, shift)
+        for kv, (keys, values) in zip(pool.kv, views, strict=True)
+    )
+    return PagePool(kv=kv)
+
+
+def view_attention(q, keys, values, visible):
+    """Attention of ``q [B, T, N, D]`` over contiguous views (the new K/V already written),
+    each query over the columns ``visible [B, T, L]`` marks."""
+    return slot_attention(q, keys.astype(q.dtype), values.astype(q.dtype), visible)
+
+
+def view_mask(shift: Int[Array, " B"], columns: Int[Array, " B"], width: int):
+    """``[B, 1, width]``: the view columns a decode query of sequence ``b`` sees, its positions
+    from column ``shift[b]`` up to its own column ``columns[b]``."""
+    j = jnp.arange(width)[None, None, :]
+    return (j >= shift[:, None, None]) & (j <= columns[:, None, None])
+
+
+def write_views(keys, values, k, v, col):
+    """Writes every sequence's new K and V ``[B, 1, K, D]`` at column ``col`` of the
+    right-aligned views (one dynamic-update-slice each)."""
+    keys = jax.lax.dynamic_update_slice_in_dim(
+        keys, jnp.einsum("BTKD->BKDT", k).astype(keys.dtype), col, axis=3
+    )
+    values = jax.lax.dynamic_update_slice_in_dim(
+        values, jnp.einsum("BTKD->BKTD", v).astype(values.dtype), col, axis=2
+    )
+    return keys, values
+
+
+def dense_attention(
+    q: Float[Array, "B T N D"],
+    kv: Float[Array, "P S C D"],
+    positions: Int[Array, "B T"],
+    valid: Bool[Array, "B T"],
+    table: Int[Array, "B NB"],
+) -> Float[Array, "B T N D"]:
+    """The paged attention of the CPU path's prefill (the backends' one signature): each row's
+    table pages gathered once, one batched attention of every query over the positions up to
+    its own."""
+    keys, values = _gather_views(kv, table)
+    visible = jnp.arange(keys.shape[-1])[None, None, :] <= positions[:, :, None]
+    return view_attention(q, keys, values, visible)
+
+
+def decode_forward(
+    model: Transformer,
+    layers,
+    ids: Int[Array, "B 1"],
+    positions: Int[Array, "B 1"],
+    valid: Bool[Array, "B 1"],
+    views: Views,
+    view_shift: Int[Array, " B"],
+    mesh: Mesh | None,
+) -> tuple[Float[Array, "B 1 H"], Views]:
+    """One decode step on the views: token ``b`` is written and attends at column
+    ``positions[b] + view_shift[b]``, the same for every live sequence; it sees its own
+    positions (from column ``view_shift[b]`` on) up to that one."""
+    if ids.shape[1] != 1:
+        raise ValueError(f"the dense paged attention path is for decode (T = 1), got {ids.shape}")
+    columns = positions[:, 0] + view_shift
+    col = jnp.max(jnp.where(valid[:, 0], columns, 0))
+    visible = view_mask(view_shift, columns, views[0][0].shape[-1])
+
+    def write_and_attend(keys, values, k, v, q, visible, col):
+        keys, values = write_views(keys, values, k, v, col)
+        return view_attention(q, keys, values, visible), (keys, values)
+
+    specs = ("RH--", "RH--", "R-H-", "R-H-", "R-H-", "R--", "")
+    outs = ("R-H-", ("RH--", "RH--"))
+    group = per_group(write_and_attend, mesh, model.config.num_kv_heads, specs, outs)
+
+    def attend(q, k, v, layer_views):
+        return group(*layer_views, k, v, q, visible, col)
+
+    hidden, new = model.forward_with(ids, positions, attend, list(views), layers)
+    return hidden, tuple(new)
+
+
+def begin_chunk(pool: PagePool, active, pos, page_table, out, mesh: Mesh | None, kv_heads: int):
+    """A decode chunk's start: the right-aligned views and chunk-local output buffers
+    ``[slots, gen_len]``. Every live slot feeds its next token at column ``base`` (the longest
+    context), so a step writes one column of all of them; the host sized the page table for
+    ``base`` plus the chunk's steps.
+
+    Returns:
+      ``(views, shift)`` and the chunk-local buffers.
+    """
+    base = jnp.max(jnp.where(active, pos, 0))
+    shift = jnp.where(active, base - pos, 0)
+    views = dense_views(pool, page_table, shift, mesh, kv_heads)
+    S, G = active.shape[0], out["tokens"].shape[1]
+    local = {
+        name: ax.constrain(
+            jnp.zeros((S, G, *buf.shape[2:]), buf.dtype), (ax.BATCH,) + (None,) * (buf.ndim - 1)
+        )
+        for name, buf in out.items()
+    }
+    return (views, shift), local
+
+
+def write_column(local, cols, i):
+    """Step ``i``'s outputs of every slot into column ``i`` of the chunk-local buffers."""
+
+    def write(buf, col):
+        return jax.lax.dynamic_update_slice_in_dim(buf, col[:, None].astype(buf.dtype), i, 1)
+
+    return {name: write(local[name], col) for name, col in cols.items()}
+
+
+def end_chunk(pool, views, shift, local, out, first, start, slots, keep, mesh, kv_heads):
+    """A decode chunk's end: the chunk-local outputs into the request's buffers (slot ``s``'s
+    first ``count[s] - first[s]`` columns, its live steps, at its row from its token index
+    ``first[s]`` on; the rest is dropped), and the chunk's K/V into the pages when ``keep``
+    (a sequence may read them again: one still live, or a resumable one).
+
+    Returns:
+      The pool and the output buffers.
+    """
+    S, G = local["tokens"].shape
+    j = jnp.arange(G)[None, :]
+    live = j < (slots.count - first)[:, None]
+    rows = jnp.where(live, slots.row[:, None], out["tokens"].shape[0])  # else dropped
+    cols = first[:, None] + j
+    values = {name: buf.reshape(S * G, *buf.shape[2:]) for name, buf in local.items()}
+    out = write_rows(out, rows.reshape(-1), cols.reshape(-1), values, mesh, kv_heads)
+    pool = jax.lax.cond(
+        keep,
+        lambda pool: views_to_pages(
+            pool, views, slots.page_table, start, slots.pos, shift, mesh, kv_heads
+        ),
+        lambda pool: pool,
+        pool,
+    )
+    return pool, out

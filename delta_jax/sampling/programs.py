@@ -1,0 +1,253 @@
+"""Compiled programs: one cache for both engines, and the continuous engine's device programs.
+
+:class:`ProgramCache` lowers, compiles, counts and logs each program once per key, under the
+sampler's mesh and rules; the static sampler and the continuous engine share it
+(``Sampler.num_compilations``). :class:`EnginePrograms` is the engine's device side for one
+request: it owns the page pool and the output buffers (donated to every program, so XLA updates
+them in place) and runs the named programs the host scheduler asks for (:meth:`prefill`,
+:meth:`write`, :meth:`decode`); per decode chunk the host sends one packed slot matrix and one
+page list and reads back the slots' status, nothing else.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.core import spmd
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from delta_jax.models import Transformer
+from delta_jax.models.axes import logical_to_mesh
+from delta_jax.sampling import dense_cpu
+from delta_jax.sampling.backends import PagedBackend
+from delta_jax.sampling.decode import (
+    decode_program,
+    init_outputs,
+    prefill_chunk,
+    write_observations,
+)
+from delta_jax.sampling.output import to_host
+from delta_jax.sampling.paged import init_pool
+from delta_jax.sampling.spec import EngineSpec
+from delta_jax.sampling.strategies import strategy_signature
+
+__all__ = ["EnginePrograms", "ProgramCache"]
+
+logger = logging.getLogger(__name__)
+
+READ_ROWS = 8  # rows per host read of finished outputs (one compiled gather)
+
+
+class ProgramCache:
+    """Compiled programs by key, each lowered and compiled once under ``mesh`` and ``rules``.
+
+    Args:
+      mesh: the device mesh the programs run on, or None (one device).
+      rules: the logical-axis rules active while tracing.
+    """
+
+    def __init__(self, mesh: Mesh | None, rules):
+        self.mesh, self.rules = mesh, rules
+        self._compiled: dict[Hashable, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+    def get(
+        self,
+        key: Hashable,
+        fn: Callable,
+        args: tuple,
+        donate: tuple[int, ...] = (),
+        *,
+        kind: str = "engine",
+        describe: Callable[[], str] | None = None,
+    ):
+        """The program of ``key``; compiles ``jax.jit(fn, donate_argnums=donate)`` for ``args``
+        the first time, and logs it as ``kind``'s with ``describe()`` (default: the key)."""
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            start = time.perf_counter()
+            jitted = jax.jit(fn, donate_argnums=donate)
+            if self.mesh is None:
+                compiled = jitted.lower(*args).compile()
+            else:
+                with jax.set_mesh(self.mesh), spmd.logical_axis_rules(self.rules):
+                    compiled = jitted.lower(*args).compile()
+            self._compiled[key] = compiled
+            logger.info(
+                "%s compile #%d: %s (%.2fs)",
+                kind,
+                len(self),
+                describe() if describe is not None else key,
+                time.perf_counter() - start,
+            )
+        return compiled
+
+    def place(self, x: np.ndarray) -> jax.Array | np.ndarray:
+        """A per-row array (or per-group page list), split over the data groups (without a
+        mesh the host array goes to the compiled call as it is: no separate transfer call)."""
+        if self.mesh is None:
+            return x
+        names = ("batch",) + (None,) * (x.ndim - 1)
+        spec = logical_to_mesh(names, self.rules, self.mesh, x.shape)
+        return jax.device_put(x, NamedSharding(self.mesh, spec))
+
+
+class EnginePrograms:
+    """The continuous engine's device programs for one request, with their state.
+
+    Args:
+      cache: the sampler's :class:`ProgramCache`.
+      model: the model (its config and dtypes).
+      spec: the engine call's static configuration.
+      backend: its paged attention backend (:func:`~delta_jax.sampling.backends.backend_for`).
+      graphdef, params, rest: the model split (``nnx.split(model, nnx.Param, ...)``), with the
+        parameters sampled with.
+      cache_dtype: the page pool's dtype.
+      strategy: the sampling strategy; ``seed`` its seed.
+      width: stop ids per sequence.
+      rows, gen_len: the output buffers' shape (every group's rows).
+      stop_sequences: a multi-turn request's ``[Q, L]`` stop-sequence matrix (sent once).
+      resumable: a multi-turn request, whose sequences continue after a turn's end.
+    """
+
+    def __init__(
+        self,
+        cache: ProgramCache,
+        model: Transformer,
+        spec: EngineSpec,
+        backend: PagedBackend,
+        graphdef: nnx.GraphDef,
+        params,
+        rest,
+        *,
+        cache_dtype,
+        strategy,
+        seed,
+        width: int,
+        rows: int,
+        gen_len: int,
+        stop_sequences: np.ndarray | None = None,
+        resumable: bool = False,
+    ):
+        self.cache, self.spec, self.params, self.rest = cache, spec, params, rest
+        self.backend = backend
+        self.strategy, self.seed, self.width, self.resumable = strategy, seed, width, resumable
+        self.rows, self.gen_len = rows, gen_len
+        self.graphdef = graphdef
+        self.kv_heads = model.config.num_kv_heads
+        param_avals = tuple(
+            (x.shape, x.dtype, getattr(x, "sharding", None)) for x in jax.tree.leaves(params)
+        )
+        self.base = (
+            "engine",
+            spec.slots,
+            spec.page_size,
+            spec.num_pages,
+            jnp.dtype(cache_dtype).name,
+            jax.tree.structure(params),
+            param_avals,
+        )
+        self.hidden = model.config.hidden_size if spec.return_hidden else None
+        mesh = cache.mesh
+        sequences = () if stop_sequences is None else (jnp.asarray(stop_sequences),)
+        if sequences and mesh is not None:
+            sequences = (jax.device_put(sequences[0], NamedSharding(mesh, P())),)
+        self.sequences = sequences
+        self.pool, self.out, self.layers = self._setup(model, cache_dtype)
+
+    def _build(self, key: tuple, fn: Callable, args: tuple, donate=()):
+        return self.cache.get(self.base + key, fn, args, donate, describe=lambda: key)
+
+    def _setup(self, model: Transformer, cache_dtype):
+        """The pool, the output buffers and, on CPU, each layer's weights sliced once for every
+        program of the request (see :func:`~delta_jax.sampling.decode.decode_chunk`): one
+        call."""
+        spec, mesh, graphdef = self.spec, self.cache.mesh, self.graphdef
+        make_pool = functools.partial(init_pool, model, spec.num_pages, spec.page_size, cache_dtype)
+        make_out = functools.partial(
+            init_outputs, self.rows, self.gen_len, self.hidden, model.dtype, spec.pad_id
+        )
+        cpu = dense_cpu.slices_layers_once(mesh)
+
+        def setup(params, rest):
+            layers = nnx.merge(graphdef, params, rest).layer_params() if cpu else None
+            return make_pool(), make_out(), layers
+
+        key = ("setup", self.rows, self.gen_len, self.hidden, cpu)
+        args = (self.params, self.rest)
+        return self._build(key, setup, args)(*args)
+
+    def write(self, rows, cols, ids, valid) -> None:
+        """Writes observation ids into the output buffers (per slot: output row or -1, first
+        column, ids, valid)."""
+        args = (self.out, *(self.cache.place(a) for a in (rows, cols, ids, valid)))
+        key = ("write", args[3].shape, self.rows, self.gen_len, self.hidden)
+        fn = functools.partial(write_observations, mesh=self.cache.mesh, kv_heads=self.kv_heads)
+        self.out = self._build(key, fn, args, (0,))(*args)
+
+    def prefill(self, ids, positions, valid, pages) -> None:
+        """Writes a chunk of tokens' K/V into their pages (as the backend reads them: a flat
+        page list ``[U, 3]``, or page tables)."""
+        place, backend = self.cache.place, self.backend
+        pages = backend.prefill_layout(pages, place)
+        ids, positions, valid = (place(a) for a in (ids, positions, valid))
+        key = ("prefill", ids.shape, jax.tree.leaves(pages)[0].shape)
+        fn = functools.partial(
+            prefill_chunk,
+            graphdef=self.graphdef,
+            mesh=self.cache.mesh,
+            attend=backend.prefill_attention,
+        )
+        args = (self.params, self.rest, self.pool, ids, positions, valid, pages, self.layers)
+        self.pool = self._build(key, fn, args, (2,))(*args)
+
+    def decode(self, packed: np.ndarray, pages: np.ndarray, steps: int) -> np.ndarray:
+        """Runs up to ``steps`` decode steps; returns the slots' ``[S, 4 + L]`` status."""
+        spec, place = self.spec, self.cache.place
+        packed, pages, steps = place(packed), place(pages), np.int32(steps)
+        signature = (self.width, strategy_signature(self.strategy), spec.return_hidden)
+        signature += (spec.attention, *(q.shape for q in self.sequences))
+        key = ("decode", packed.shape, pages.shape, self.rows, self.gen_len, *signature)
+        fn = functools.partial(
+            decode_program,
+            stop_width=self.width,
+            graphdef=self.graphdef,
+            return_hidden=spec.return_hidden,
+            pad_id=spec.pad_id,
+            backend=self.backend,
+            mesh=self.cache.mesh,
+        )
+        args = (self.params, self.rest, self.pool, self.out, packed, pages, steps)
+        args += (np.bool_(self.resumable), self.seed, self.strategy, self.layers)
+        args += self.sequences
+        result = self._build(key, fn, args, (2, 3))(*args)
+        self.pool, self.out = result["pool"], result["out"]
+        return to_host(result["status"])
+
+    def results(self) -> dict[str, jax.Array]:
+        """Hands the output buffers over (the programs cannot run after)."""
+        buffers, self.out = self.out, None
+        return buffers
+
+    def peek(self, rows: np.ndarray) -> np.ndarray:
+        """Tokens ``[len(rows), G]`` of finished buffer rows, on the host: read in blocks of
+        ``READ_ROWS`` rows (one shape, whatever number of rows a round hands over: the gather
+        compiles once)."""
+        pad = np.resize(rows, -(-len(rows) // READ_ROWS) * READ_ROWS).astype(np.int32)
+        tokens = self.out["tokens"]
+        blocks = [
+            to_host(jnp.take(tokens, self.cache.place(pad[i : i + READ_ROWS]), axis=0))
+            for i in range(0, len(pad), READ_ROWS)
+        ]
+        return np.concatenate(blocks)[: len(rows)]

@@ -1,0 +1,584 @@
+"""The continuous engine's host side: requests, slots, pages, turns and stats (NumPy only).
+
+:class:`Scheduler` runs one engine call: a queue, slots and a page allocator per data group,
+admission and preemption, the prefill jobs, the decode chunks' slot matrices and page lists,
+multi-turn hand-overs. The device programs are an object with three named methods
+(:class:`DevicePrograms`; :class:`~delta_jax.sampling.programs.EnginePrograms` on a device), so
+the scheduler runs, and is tested, without compiling anything.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import time
+from typing import Protocol
+
+import numpy as np
+
+from delta_jax.sampling.backends import PagedBackend, backend_for
+from delta_jax.sampling.pages import (
+    SCRATCH_PAGE,
+    PageAllocator,
+    pages_for,
+    pow2,
+)
+from delta_jax.sampling.spec import (
+    EngineSpec,
+    EngineStats,
+    HostSlots,
+    Prompt,
+    Seq,
+    Turns,
+    assign_groups,
+    output_rows,
+    turn_stops,
+)
+
+__all__ = ["DevicePrograms", "Scheduler", "run_engine"]
+
+
+class DevicePrograms(Protocol):
+    """What the scheduler asks of the device: three programs over the pool and the output
+    buffers the implementation owns; every argument is a NumPy array."""
+
+    def prefill(self, ids, positions, valid, pages) -> None:
+        """Writes the K/V of ``ids [B, T]`` at ``positions`` (where ``valid``) into the pages:
+        a flat page list ``[U, 3]`` (page, seq, index), or page tables ``[B, NB]`` on the
+        ``dense`` path."""
+
+    def write(self, rows, cols, ids, valid) -> None:
+        """Writes observation ``ids [S, T]`` into output row ``rows[s]`` (-1: none) from
+        column ``cols[s]`` on."""
+
+    def decode(self, packed, pages, steps: int):
+        """Runs up to ``steps`` decode steps of the packed ``[S, F]`` slot matrix
+        (``SLOT_FIELDS``, stop ids, stop-sequence window, page table) over the page list
+        ``[U, 3]``; returns the slots' ``[S, 4 + L]`` status (``STATUS_FIELDS``, then the
+        stop-sequence window of multi-turn requests with stop sequences of up to ``L`` ids)."""
+
+
+class _Group:
+    """One data group's host state: its slots (global slots ``base + i``), its page allocator
+    (group-local page indices) and its queue of sequences."""
+
+    def __init__(self, base: int, slots: int, num_pages: int, seqs: list[Seq]):
+        self.base = base
+        self.slots: list[Seq | None] = [None] * slots
+        self.alloc = PageAllocator(num_pages)
+        self.queue = collections.deque(seqs)
+        self.waiting: list[Seq] = []  # multi-turn: sequences whose observation is pending
+        self.waiting_pages_peak = 0
+
+    @property
+    def running(self) -> list[tuple[int, Seq]]:
+        """``(global slot, sequence)`` of the occupied slots, oldest admission first."""
+        pairs = [(self.base + i, s) for i, s in enumerate(self.slots) if s is not None]
+        return sorted(pairs, key=lambda p: p[1].order)
+
+
+class Scheduler:
+    """Host side of one engine call: a queue, slots and pages per data group; one device call
+    (prefill or decode) serves every group at once. The device programs are ``programs``; the
+    page layout they read is the attention ``backend``'s (its host half)."""
+
+    def __init__(
+        self,
+        spec: EngineSpec,
+        prompts,
+        groups: list[list[Seq]],
+        programs: DevicePrograms,
+        backend: PagedBackend,
+        stats,
+        on_done=None,
+        turns: Turns | None = None,
+        read=None,
+    ):
+        self.spec, self.backend = spec, backend
+        self.prompts = prompts
+        Sg, Pg = spec.group_slots, spec.group_pages
+        self.groups = [_Group(g * Sg, Sg, Pg, seqs) for g, seqs in enumerate(groups)]
+        self.programs = programs
+        self.stats = stats
+        self.on_done = on_done  # on_done(sequences) with those that ended in a host round
+        self.turns = turns
+        self.turn_ids, self.stop_sequences = turn_stops(turns)
+        self.read = read  # read(seqs) -> their tokens [:length] (multi-turn hand-overs)
+        self.admitted = 0
+        self.done: list[Seq] = []
+        self.ended: list[Seq] = []  # ended since the last report (on_done)
+
+    # ---- pages -------------------------------------------------------------------------------
+
+    def _pos(self, seq: Seq) -> int:
+        """Position of the token the sequence feeds next (its column ``length - 1``'s token,
+        or the prompt's last one)."""
+        return self.prompts[seq.prompt].prefix + seq.length
+
+    def _end_pos(self, seq: Seq) -> int:
+        """Last position the sequence writes K/V at (its last token is never fed back)."""
+        return self.prompts[seq.prompt].prefix + seq.max_new - 1
+
+    def _chunk_pages(self, seq: Seq, pos: int, steps: int | None = None) -> int:
+        steps = self.spec.steps if steps is None else steps
+        return min(pos + steps - 1, self._end_pos(seq)) // self.spec.page_size + 1
+
+    def _release(self, group: _Group, seq: Seq) -> None:
+        group.alloc.free(seq.pages)
+        seq.pages, seq.table = [], []
+        self.prompts[seq.prompt].running -= 1
+
+    def _free_idle_prompts(self, group: _Group, keep: int = -1) -> bool:
+        """Frees the pages of the group's resident prompts with no running sample (but prompt
+        ``keep``): cheaper to prefill again than preempting a running sequence."""
+        g = self.groups.index(group)
+        idle = [
+            p
+            for i, p in enumerate(self.prompts)
+            if p.group == g and p.pages and p.running == 0 and i != keep
+        ]
+        for p in idle:
+            group.alloc.free(p.pages)
+            p.pages = None
+        return bool(idle)
+
+    def _preempt_youngest(self, group: _Group, keep: Seq | None) -> bool:
+        """Frees idle prompt pages, or else the pages of the group's youngest running sequence
+        (back to its queue front), or else those of its youngest sequence holding pages without
+        a slot (waiting on the host, or queued after its observation).
+
+        A preempted sequence restarts from its last hand-over: its context up to there is on
+        the host and is prefilled again when it re-joins (from the start when it has none).
+        """
+        if self._free_idle_prompts(group):
+            return True
+        running = [(s.order, i) for i, s in enumerate(group.slots) if s not in (None, keep)]
+        if running:
+            _, i = max(running)
+            seq = group.slots[i]
+            group.slots[i] = None
+            group.queue.appendleft(seq)
+        else:
+            # Sequences holding pages without a slot: waiting on the host, or answered and
+            # queued to re-join (their observation is kept and written when they do).
+            held = [s for s in (*group.waiting, *group.queue) if s.table and s is not keep]
+            if not held:
+                return False
+            seq = max(held, key=lambda s: s.order)
+        self._release(group, seq)
+        # Its rows of the output buffers are written again from there on.
+        seq.length = len(seq.history or ())
+        seq.resume = None
+        self.stats.preemptions += 1
+        return True
+
+    def _grow(self, group: _Group, seq: Seq, pos: int, steps: int | None = None) -> bool:
+        """Pages for the next chunk of ``seq``, preempting younger sequences if needed."""
+        need = self._chunk_pages(seq, pos, steps) - len(seq.table)
+        while need > 0:
+            got = group.alloc.alloc(need)
+            if got is not None:
+                seq.pages += got
+                seq.table += got
+                return True
+            if not self._preempt_youngest(group, keep=seq):
+                return False
+        return True
+
+    # ---- admission and prefill ---------------------------------------------------------------
+
+    def _admit(self, group: _Group, state: HostSlots) -> list[int]:
+        """Fills the group's free slots from its queue while its pages allow; returns the
+        prompts to prefill."""
+        ps = self.spec.page_size
+        new_prompts: list[int] = []
+        free_slots = [i for i, s in enumerate(group.slots) if s is None]
+        joined = False
+        while free_slots and group.queue:
+            seq = group.queue[0]
+            prompt = self.prompts[seq.prompt]
+            full = prompt.prefix // ps
+            kept = bool(seq.table)  # re-joins after an observation, its pages its own
+            fresh = not kept and prompt.pages is None and seq.prompt not in new_prompts
+            need = pages_for(prompt.prefix, ps) if fresh else 0
+            need += self._chunk_pages(seq, self._pos(seq)) - (len(seq.table) if kept else full)
+            if need > group.alloc.num_free and self._free_idle_prompts(group, seq.prompt):
+                continue
+            if need > group.alloc.num_free:
+                if any(s is not None for s in group.slots) or joined:
+                    break  # wait for running sequences to end
+                if not self._preempt_youngest(group, keep=seq if kept else None):
+                    break
+                continue
+            group.queue.popleft()
+            if kept:
+                got = group.alloc.alloc(need) if need > 0 else []
+                seq.pages += got
+                seq.table += got
+            else:
+                if fresh:
+                    prompt.pages = group.alloc.alloc(pages_for(prompt.prefix, ps))
+                    new_prompts.append(seq.prompt)
+                own = group.alloc.alloc(self._chunk_pages(seq, self._pos(seq)) - full)
+                seq.pages = own
+                seq.table = prompt.pages[:full] + own
+                prompt.running += 1
+                if seq.history:
+                    # Preempted after a hand-over: its context is prefilled again into its own
+                    # pages, from the prompt's partial last page on (not copied from it).
+                    ids = np.concatenate([prompt.ids[full * ps :], seq.history[:-1]])
+                    seq.resume = (full * ps, ids.astype(np.int32))
+            if not seq.history:
+                seq.order = self.admitted
+                self.admitted += 1
+            slot = free_slots.pop(0)
+            group.slots[slot] = seq
+            joined = True
+            self._join(group.base + slot, seq, state)
+        return new_prompts
+
+    def _join(self, slot: int, seq: Seq, state: HostSlots) -> None:
+        prompt, ps = self.prompts[seq.prompt], self.spec.page_size
+        full = prompt.prefix // ps
+        state.last[slot] = seq.history[-1] if seq.history else prompt.ids[-1]
+        state.pos[slot] = self._pos(seq)
+        state.count[slot] = seq.length
+        state.active[slot] = True
+        state.max_new[slot] = seq.max_new
+        state.prompt[slot] = seq.prompt
+        state.sample[slot] = seq.sample
+        state.row[slot] = seq.row
+        state.stops[slot] = seq.stops
+        # A sequence joins at the start of a turn (its prompt's end, an observation's end, or
+        # its last hand-over when preempted: it restarts from there): no id of it counts yet.
+        state.recent[slot] = -1
+        if not seq.history and prompt.prefix % ps:
+            # The partial last prompt page becomes the sample's own copy.
+            state.copy_src[slot] = prompt.pages[full]
+            state.copy_dst[slot] = seq.table[full]
+
+    def _prefill(self, per_group: list[list[tuple[np.ndarray, int, list[int]]]]) -> None:
+        """Runs every group's prefill jobs ``(ids, first position, page table from position
+        0)``, ``prefill_rows / groups`` rows per group per call (group ``g``'s jobs in its block
+        of rows, with its own page list)."""
+        spec, ps = self.spec, self.spec.page_size
+        rows = spec.prefill_rows // spec.groups
+        per_group = [[job for job in jobs if job[0].size] for jobs in per_group]
+        rounds = max(-(-len(jobs) // rows) for jobs in per_group)
+        for start in range(0, rounds * rows, rows):
+            batch = [jobs[start : start + rows] for jobs in per_group]
+            longest = max(ids.size for jobs in batch for ids, _, _ in jobs)
+            T = min(spec.prefill_len, max(spec.min_len, pow2(longest)))
+            for offset in range(0, longest, T):
+                ids = np.zeros((spec.prefill_rows, T), np.int32)
+                valid = np.zeros((spec.prefill_rows, T), bool)
+                positions = np.zeros((spec.prefill_rows, T), np.int32)
+                positions[:] = np.arange(offset, offset + T, dtype=np.int32)
+                for g, jobs in enumerate(batch):
+                    for r, (job, first, _) in enumerate(jobs):
+                        part = job[offset : offset + T]
+                        ids[g * rows + r, : part.size] = part
+                        valid[g * rows + r, : part.size] = True
+                        positions[g * rows + r] += first
+                # Pages up to this chunk's end (the earlier chunks' ones and the context's).
+                tables = [
+                    [table[: pages_for(first + offset + T, ps)] for _, first, table in jobs]
+                    for jobs in batch
+                ]
+                pages = self.backend.prefill_pages(spec, tables, rows, T)
+                self.programs.prefill(ids, positions, valid, pages)
+                self.stats.prefill_calls += 1
+
+    def _prefill_prompts(self, per_group: list[list[int]]) -> None:
+        """Prefills the new prompts (all but their last token) into their pages."""
+        jobs = [
+            [(self.prompts[i].ids[: self.prompts[i].prefix], 0, self.prompts[i].pages) for i in new]
+            for new in per_group
+        ]
+        self._prefill(jobs)
+
+    def _resume(self) -> None:
+        """Before a decode: the running sequences' pending context (prefilled into their own
+        pages) and observations (written into their output rows)."""
+        jobs: list[list] = [[] for _ in self.groups]
+        writes = []
+        for g, group in enumerate(self.groups):
+            for slot, seq in group.running:
+                if seq.resume is not None:
+                    first, ids = seq.resume
+                    jobs[g].append((ids, first, seq.table))
+                    self.stats.resumed_tokens += ids.size
+                    seq.resume = None
+                if seq.write is not None:
+                    writes.append((slot, seq))
+        if any(jobs):
+            self._prefill(jobs)
+        if writes:
+            width = pow2(max(max(s.write[1].size for _, s in writes), self.spec.min_len))
+            rows = np.full(self.spec.slots, -1, np.int32)  # -1: nothing to write
+            cols = np.zeros(self.spec.slots, np.int32)
+            ids = np.zeros((self.spec.slots, width), np.int32)
+            valid = np.zeros((self.spec.slots, width), bool)
+            for slot, seq in writes:
+                col, obs = seq.write
+                rows[slot], cols[slot] = seq.row, col
+                ids[slot, : obs.size] = obs
+                valid[slot, : obs.size] = True
+                seq.write = None
+            self.programs.write(rows, cols, ids, valid)
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> list[Seq]:
+        spec = self.spec
+        S = spec.slots
+        width = next(g.queue[0] for g in self.groups if g.queue).stops.size
+        window = 0 if self.stop_sequences is None else self.stop_sequences.shape[1]
+        state = HostSlots.empty(S, width, window)
+        while any(g.queue or g.running or g.waiting for g in self.groups):
+            self._collect(block=False)
+            state.copy_src[:] = SCRATCH_PAGE
+            state.copy_dst[:] = SCRATCH_PAGE
+            new = [self._admit(g, state) for g in self.groups]
+            if any(new):
+                self._prefill_prompts(new)
+            steps = self._tail_steps(state)
+            for group in self.groups:
+                for slot, seq in group.running:
+                    if group.slots[slot - group.base] is not seq:
+                        continue  # preempted while an older sequence grew
+                    if not self._grow(group, seq, int(state.pos[slot]), steps):
+                        raise RuntimeError("page pool exhausted by a single sequence")
+                for i, s in enumerate(group.slots):
+                    if s is None:  # idle, or joined then preempted: no copy, no step
+                        state.active[group.base + i] = False
+                        state.copy_src[group.base + i] = SCRATCH_PAGE
+                        state.copy_dst[group.base + i] = SCRATCH_PAGE
+            if not any(g.running for g in self.groups):
+                if any(g.waiting for g in self.groups):
+                    self._collect(block=True)  # every sequence left waits on the host
+                    continue
+                if not any(g.queue for g in self.groups):
+                    break  # the last episodes ended on the host (no observation came back)
+                raise RuntimeError(  # validated up front: a bug if it happens
+                    "no sequence fits the page pool: "
+                    + "; ".join(
+                        f"group {i}: {g.alloc.num_free} free pages, queue "
+                        + str([(s.index, len(s.table), s.length, s.turns) for s in g.queue])
+                        for i, g in enumerate(self.groups)
+                    )
+                )
+            self._resume()
+            self._decode(state, steps)
+        self.stats.high_water_pages = tuple(g.alloc.high_water for g in self.groups)
+        self.stats.free_pages_after = tuple(g.alloc.num_free for g in self.groups)
+        self.stats.waiting_pages_peak = tuple(g.waiting_pages_peak for g in self.groups)
+        return self.done
+
+    def _tail_steps(self, state: HostSlots) -> int:
+        """Steps of the next chunk: ``spec.steps``, or, once every queue is empty (no slot can
+        be refilled), all that the running sequences have left in one chunk, when their pages
+        for it are free now (no host round trip that could not change anything). When sequences
+        are handed over as they end (``on_done``), a chunk does not run past the next one's
+        end: up to its budget without stop ids, ``spec.steps`` with them. Multi-turn requests
+        run ``spec.steps``: any step may end a turn that the host should start answering. A
+        tail chunk also ends where its sequences' budgets leave at most half its rows busy
+        (:meth:`_bucket`)."""
+        if self.turns is not None or any(g.queue for g in self.groups):
+            return self.spec.steps
+        left, rests = 0, []
+        for group in self.groups:
+            need = 0
+            rests.append([])
+            for slot, seq in group.running:
+                if self.on_done is not None and (seq.stops >= 0).any():
+                    # Streaming: any step may end this sequence, whose reward should start then.
+                    return self.spec.steps
+                pos, rest = int(state.pos[slot]), seq.max_new - int(state.count[slot])
+                left = max(left, rest)
+                rests[-1].append(rest)
+                need += self._chunk_pages(seq, pos, seq.max_new) - len(seq.table)
+            if need > group.alloc.num_free:
+                return self.spec.steps
+        if self.on_done is not None:  # no stop ids: end the chunk where the next one ends
+            left = min(min(r, default=left) for r in rests)
+        # ... and where every group is down to half the chunk's rows (``_bucket``): the next
+        # chunk runs on half the slots.
+        B = self._bucket(max(map(len, rests)))
+        if B > self._bucket(1):  # steps until each group has at most B // 2 budgets left
+            until_half = [sorted(r, reverse=True)[B // 2] for r in rests if len(r) > B // 2]
+            left = min(left, max(until_half, default=left))
+        return max(left, self.spec.steps)
+
+    def _bucket(self, occupied: int) -> int:
+        """Slots per group a decode chunk runs for ``occupied`` sequences in the fullest group:
+        the next power of two, from an eighth of the group's slots up to all of them (at most
+        four decode programs). Sequences are packed into the chunk's first rows, so a group
+        whose sequences are ending (the ragged tail of a rollout) stops paying for its idle
+        slots; a slot's row is host state (its page table, its RNG stream is the sequence's),
+        so which row a sequence decodes in changes nothing it draws."""
+        S = self.spec.group_slots
+        return min(S, max(-(-S // 8), pow2(occupied)))
+
+    def _decode(self, state: HostSlots, steps: int) -> None:
+        spec = self.spec
+        occupied = [[i for i, s in enumerate(g.slots) if s is not None] for g in self.groups]
+        B = self._bucket(max(map(len, occupied)))
+        rows, tables = [], []  # the chunk's rows: each group's sequences, then idle slots
+        for group, used in zip(self.groups, occupied, strict=True):
+            idle = [i for i in range(spec.group_slots) if group.slots[i] is None]
+            local = (used + idle)[:B]
+            rows += [group.base + i for i in local]
+            tables.append([[] if group.slots[i] is None else group.slots[i].table for i in local])
+        rows = np.asarray(rows)
+        live = state.active[rows].astype(bool)
+        pos, left = state.pos[rows][live], (state.max_new - state.count)[rows][live]
+        steps, table, pages = self.backend.decode_pages(spec, tables, B, pos, left, steps)
+        before = state.count.copy()
+        status = self.programs.decode(state.pack(rows, table), pages, steps)
+        self.stats.chunks += 1
+        state.read_status(rows, status)
+        new = state.count - before
+        self.stats.decode_steps += int(new.max()) * len(rows)
+        turn_ends = []
+        for group in self.groups:
+            for slot, seq in group.running:
+                seq.length += int(new[slot])
+                self.stats.useful_steps += int(new[slot])
+                if state.active[slot]:
+                    continue
+                group.slots[slot - group.base] = None
+                if self._turn_ended(seq, int(state.last[slot]), state.recent[slot]):
+                    turn_ends.append((group, seq))
+                else:
+                    self._finish(group, seq)
+        if turn_ends:
+            self._hand_over(turn_ends)
+        self._report()
+
+    # ---- turns -------------------------------------------------------------------------------
+
+    def _turn_ended(self, seq: Seq, last: int, recent: np.ndarray) -> bool:
+        """The sequence stopped at a turn's end (its last id, or the window of its turn's last
+        ids that the decode program returned) with turns and budget left."""
+        t, patterns = self.turns, self.stop_sequences
+        if t is None or seq.length >= seq.max_new or seq.turns + 1 >= t.max_turns:
+            return False
+        if last in self.turn_ids:
+            return True
+        return patterns is not None and bool(((patterns < 0) | (recent == patterns)).all(1).any())
+
+    def _hand_over(self, ended: list[tuple[_Group, Seq]]) -> None:
+        """Sends the turns that just ended to the host (one read of their rows); the sequences
+        wait, holding their pages."""
+        tokens = self.read([seq for _, seq in ended])
+        for (group, seq), ids in zip(ended, tokens, strict=True):
+            start = seq.observed[-1][1] if seq.observed else 0
+            seq.history = list(ids)
+            seq.turns += 1
+            seq.future = self.turns.submit(seq.index, seq.history[start:])
+            group.waiting.append(seq)
+            self.stats.handovers += 1
+        for group in self.groups:
+            held = sum(len(s.pages) for s in group.waiting)
+            group.waiting_pages_peak = max(group.waiting_pages_peak, held)
+
+    def _collect(self, block: bool) -> None:
+        """Takes in the observations that are ready (``block``: waits for one first): each
+        sequence goes back to its queue's front with its observation to write and prefill, or
+        ends."""
+        pending = [s.future for g in self.groups for s in g.waiting]
+        if not pending:
+            return
+        if block:
+            start = time.perf_counter()
+            concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            self.stats.wait_s += time.perf_counter() - start
+        for group in self.groups:
+            for seq in [s for s in group.waiting if s.future.done()]:
+                group.waiting.remove(seq)
+                obs = seq.future.result()
+                seq.future = None
+                if obs is None or len(obs) >= seq.max_new - seq.length:
+                    self._finish(group, seq)  # the episode is over, or its budget is
+                    continue
+                obs = np.asarray(obs, np.int32).reshape(-1)
+                col = seq.length
+                if obs.size:
+                    if seq.table:  # its pages hold the context: only the new ids are prefilled
+                        first = self.prompts[seq.prompt].prefix + col
+                        ids = np.concatenate([seq.history[-1:], obs[:-1]]).astype(np.int32)
+                        seq.resume = (first, ids)
+                    seq.write = (col, obs)
+                    seq.observed.append((col, col + obs.size))
+                    seq.history += obs.tolist()
+                    seq.length += obs.size
+                    self.stats.observation_tokens += obs.size
+                group.queue.appendleft(seq)
+        self._report()
+
+    def _finish(self, group: _Group, seq: Seq) -> None:
+        if seq.table:  # else preempted while it waited: its pages and prompt hold are gone
+            self._release(group, seq)
+        prompt = self.prompts[seq.prompt]
+        prompt.left -= 1
+        self.done.append(seq)
+        self.ended.append(seq)
+        if prompt.left == 0:
+            group.alloc.free(prompt.pages or [])
+            prompt.pages = None
+
+    def _report(self) -> None:
+        """Hands the sequences that ended in this host round over (one ``on_done`` call)."""
+        if self.on_done is not None and self.ended:
+            self.on_done(self.ended)
+        self.ended = []
+
+
+def run_engine(
+    spec: EngineSpec,
+    prompts: list[np.ndarray],
+    n: int,
+    max_new: np.ndarray,
+    stop_ids: np.ndarray,
+    programs: DevicePrograms,
+    on_done=None,
+    turns: Turns | None = None,
+    read=None,
+    backend: PagedBackend | None = None,
+) -> tuple[list[Seq], EngineStats]:
+    """Runs every (prompt, sample) sequence to its end; returns them in row order and stats.
+
+    ``on_done(seqs)``, when given, is called with the sequences that ended in each host round
+    (their outputs are final), while the others are still being decoded.
+
+    ``programs`` runs the device programs on the pool and the output buffers, which it owns
+    (:class:`DevicePrograms`); ``backend``: the attention path's backend they run (default:
+    ``spec.attention``'s), whose page layout the host sends.
+
+    ``turns`` (multi-turn requests, :class:`Turns`) needs ``read(seqs)``: the sequences'
+    output tokens ``[:length]`` as lists, read when their turns end.
+    """
+    stats = EngineStats(group_pages=spec.group_pages)
+    owner = assign_groups(prompts, n, max_new, spec.groups)
+    rows, _ = output_rows(owner, n, spec.groups)
+    records = [Prompt(ids=p, group=owner[i], left=n) for i, p in enumerate(prompts)]
+    seqs = [
+        Seq(
+            prompt=r // n,
+            sample=r % n,
+            max_new=int(max_new[r]),
+            stops=stop_ids[r],
+            row=rows[r],
+            index=r,
+        )
+        for r in range(len(prompts) * n)
+    ]
+    # Longest budget first: a long sequence admitted last would run on alone while the other
+    # slots idle. The order changes no token (each sequence has its own RNG stream).
+    seqs.sort(key=lambda s: -s.max_new)
+    groups = [[s for s in seqs if owner[s.prompt] == g] for g in range(spec.groups)]
+    backend = backend_for(spec.attention) if backend is None else backend
+    done = Scheduler(spec, records, groups, programs, backend, stats, on_done, turns, read).run()
+    done.sort(key=lambda s: (s.prompt, s.sample))
+    return done, stats
