@@ -124,6 +124,32 @@ def _bound(found: int, measured: dict[int, ProgramMemory | None], budget: int, u
     return f"{x} {unit}: {at_least}{m.peak / GiB:.2f} GiB > budget {budget / GiB:.2f} GiB"
 
 
+def _batch_shape(c, mesh, mean_new_tokens) -> tuple[int, int, int, float]:
+    """``(rows per update, rows per micro-batch, batch shards, mean new tokens)``, checked."""
+    rows_per_update = (
+        c.rollout.prompts_per_step * c.rollout.samples_per_prompt // c.algo.mini_batches
+    )
+    micro_rows = rows_per_update // c.algo.micro_batches
+    divisor = sh.batch_divisor(mesh)
+    if micro_rows % divisor:
+        raise ValueError(
+            f"micro-batch of {micro_rows} rows (rollout {rows_per_update} rows per update / "
+            f"algo.micro_batches={c.algo.micro_batches}) does not split over the {divisor} batch "
+            f"shards of mesh {dict(mesh.shape)}"
+        )
+    if c.rollout.max_turns > 1 and c.rollout.engine != "continuous":
+        raise ValueError(
+            f"rollout.max_turns={c.rollout.max_turns} (multi-turn) needs rollout.engine=continuous"
+        )
+    mean_new = c.rollout.max_new_tokens if mean_new_tokens is None else mean_new_tokens
+    if not 0 < mean_new <= c.rollout.max_new_tokens:
+        raise ValueError(
+            f"--mean-new-tokens={mean_new} must be in (0, rollout.max_new_tokens="
+            f"{c.rollout.max_new_tokens}]"
+        )
+    return rows_per_update, micro_rows, divisor, mean_new
+
+
 def plan(
     config,
     topology_name: str,
@@ -167,27 +193,7 @@ def plan(
     model_config = model_config or resolve_model_config(config, log)
     planner = Planner(config, mesh, model_config)
     c = config
-    rows_per_update = (
-        c.rollout.prompts_per_step * c.rollout.samples_per_prompt // c.algo.mini_batches
-    )
-    micro_rows = rows_per_update // c.algo.micro_batches
-    divisor = sh.batch_divisor(mesh)
-    if micro_rows % divisor:
-        raise ValueError(
-            f"micro-batch of {micro_rows} rows (rollout {rows_per_update} rows per update / "
-            f"algo.micro_batches={c.algo.micro_batches}) does not split over the {divisor} batch "
-            f"shards of mesh {dict(mesh.shape)}"
-        )
-    if c.rollout.max_turns > 1 and c.rollout.engine != "continuous":
-        raise ValueError(
-            f"rollout.max_turns={c.rollout.max_turns} (multi-turn) needs rollout.engine=continuous"
-        )
-    mean_new = c.rollout.max_new_tokens if mean_new_tokens is None else mean_new_tokens
-    if not 0 < mean_new <= c.rollout.max_new_tokens:
-        raise ValueError(
-            f"--mean-new-tokens={mean_new} must be in (0, rollout.max_new_tokens="
-            f"{c.rollout.max_new_tokens}]"
-        )
+    rows_per_update, micro_rows, divisor, mean_new = _batch_shape(c, mesh, mean_new_tokens)
     train = ProgramMemory(0, 0, 0, 0, 0.0)
     if compile_train:
         log(f"compiling train step ({micro_rows} rows per micro-batch) on {len(devices)} devices")
@@ -232,6 +238,19 @@ def plan(
         )
     if not search:
         return report
+    return _search(
+        planner, report, train, sampled, measure_sampler, size, rows_per_update, divisor,
+        compile_train, log,
+    )  # fmt: skip
+
+
+def _search(
+    planner, report, train, sampled, measure_sampler, size, rows_per_update, divisor,
+    compile_train, log,
+) -> PlanReport:  # fmt: skip
+    """The largest micro-batch and sampler call that fit the budget (more compiles), and what
+    bounds each."""
+    c, micro_rows, prompts = planner.config, report.micro_batch_rows, report.sampler_prompts
     budget = report.budget
     # Every size measured: its program (a train step; the sampler's larger one, a refused one
     # first), for the peaks and the bound reported.
