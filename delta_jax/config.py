@@ -202,7 +202,7 @@ class AlgoConfigSection:
     loss: LossName = "delta"
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
     # Overrides of the preset's surrogate settings; None keeps the preset's value. The clip range
-    # is [1 - low, 1 + high] (low in [0, 1], high >= 0); dual_clip_c > 1 (None: no dual clip).
+    # is [1 - low, 1 + high]; dual_clip_c > 1 (None: no dual clip). SAPO has no clip: refused there.
     clip_eps_low: float | None = ranged(None, 0, 1)
     clip_eps_high: float | None = ranged(None, 0)
     dual_clip_c: float | None = ranged(10.0, 1, bounds="(]")
@@ -493,6 +493,13 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"algo.micro_batches={a.micro_batches} must divide the mini-batch "
             f"({rows // a.mini_batches} rows)"
+        )
+    clip_keys = ("clip_eps_low", "clip_eps_high", "dual_clip_c")
+    changed = [k for k in clip_keys if getattr(a, k) != getattr(AlgoConfigSection(), k)]
+    if a.loss == "sapo" and changed:
+        raise ConfigError(
+            f"algo.{changed[0]}={getattr(a, changed[0])} does not apply to algo.loss=sapo "
+            "(a soft gate, no clip range)"
         )
     if a.lam_min > a.lam_max:
         raise ConfigError(

@@ -13,7 +13,7 @@ looked up by name; the train step calls it. Values given explicitly in the confi
 | ``dapo`` | token-level clip 0.2/0.28, dual clip | token-mean | |
 | ``grpo`` | token-level clip 0.2/0.2, dual clip | seq-mean-token-mean | |
 | ``dr_grpo`` | token-level clip 0.2/0.2, dual clip | seq-mean-token-sum-norm | |
-| ``gspo`` | sequence-level ratio, clip 3e-4/4e-4, dual clip 10 | seq-mean-token-mean | |
+| ``gspo`` | sequence-level ratio, clip 3e-4/4e-4 | seq-mean-token-mean | |
 | ``sapo`` | soft gate τ+ 1.0 / τ− 1.05 | token-mean | |
 | ``dapo_forking_tokens`` | as dapo | token-mean | gradient on the top-20% entropy tokens |
 """
@@ -151,8 +151,7 @@ def _surrogate(algo: AlgoConfigSection, preset: functools.partial) -> Surrogate:
         for key in ("clip_eps_low", "clip_eps_high")
         if (value := getattr(algo, key)) is not None
     }
-    if preset.func is clipped_surrogate:  # GSPO keeps its own dual clip, c = 10
-        overrides["dual_clip_c"] = algo.dual_clip_c
+    overrides["dual_clip_c"] = algo.dual_clip_c
     return functools.partial(preset, **overrides)
 
 
