@@ -25,6 +25,7 @@ from delta_jax.plan.report import ProgramMemory
 from delta_jax.rl.state import init_train_state, make_optimizer
 from delta_jax.rl.train_step import abstract_batch, make_train_step
 from delta_jax.rl.update_plan import UpdatePlan
+from delta_jax.sampling.backends import backend_for
 from delta_jax.sampling.buckets import Buckets, prepare_request
 from delta_jax.sampling.paged import PAGE_AXES
 from delta_jax.sampling.pages import pages_for, pow2
@@ -233,7 +234,7 @@ class Planner:
     def engine(self, spec) -> tuple[ProgramMemory, ProgramMemory]:
         """Compiles the engine's decode chunk and its largest prefill chunk for ``spec``."""
         mc, compute = self.model_config, jnp.dtype(self.config.model.dtype)
-        list_pages = 1 if spec.attention == "pallas" else pow2(spec.group_slots * spec.max_table)
+        list_pages = backend_for(spec.attention).decode_list_pages(spec)
         decode = compile_program(
             lambda: lower_decode(
                 mc,

@@ -14,7 +14,7 @@ from delta_jax.plan.compiler import plan_mesh
 from delta_jax.plan.models import describe, resolve_model_config
 from delta_jax.plan.programs import Planner
 from delta_jax.plan.report import GiB, PlanReport, ProgramMemory
-from delta_jax.sampling import smem
+from delta_jax.sampling.backends import backend_for
 
 
 def compile_train_step(
@@ -368,9 +368,9 @@ def _engine_measure(planner: Planner, slots: int, log) -> dict[str, Any]:
         waiting_bytes=planner.pool_bytes(spec, waiting),
         data_groups=spec.groups,
     )
-    if spec.attention == "pallas" and smem.max_rows_per_call(spec.max_table) == 0:
-        # The engine refuses this before compiling: the page table fits no kernel call's SMEM.
-        log(f"  {smem.page_table_error(spec.max_table)}")
+    if refusal := backend_for(spec.attention).refusal(spec):
+        # The engine refuses this before compiling (the TPU kernel's page table in SMEM).
+        log(f"  {refusal}")
         refused = ProgramMemory(0, 0, 0, 0, 0.0, out_of_memory=True, refused="SMEM")
         return dict(pool, sampler=refused, prefill=refused)
     log(

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from delta_jax.models import Transformer
-from delta_jax.sampling import dense_cpu
+from delta_jax.sampling import dense_cpu, smem
 from delta_jax.sampling.paged import (
     PagedAttention,
     PageList,
@@ -34,7 +34,15 @@ from delta_jax.sampling.paged import (
 from delta_jax.sampling.pages import page_lists, page_tables, pages_for, pow2
 from delta_jax.sampling.spec import EngineSpec
 
-__all__ = ["DenseCpuBackend", "PagedBackend", "PallasBackend", "XlaBackend", "backend_for"]
+__all__ = [
+    "NAMES",
+    "DenseCpuBackend",
+    "PagedBackend",
+    "PallasBackend",
+    "XlaBackend",
+    "backend_for",
+    "resolve_attention",
+]
 
 
 class PagedBackend:
@@ -49,6 +57,15 @@ class PagedBackend:
     decode_attention: ClassVar[PagedAttention] = staticmethod(xla_attention)
 
     # ---- host ------------------------------------------------------------------------------
+
+    def refusal(self, spec: EngineSpec) -> str | None:
+        """Why this path cannot run ``spec`` whatever the request (one line), or None."""
+        return None
+
+    def decode_list_pages(self, spec: EngineSpec) -> int:
+        """The length of one data group's flat page list in a decode program (every slot at the
+        longest sequence; 1, unused, for the paths that read page tables)."""
+        return spec.group_slots * spec.seq_pages
 
     def table(self, spec: EngineSpec, tables, rows: int, least: int = 0) -> np.ndarray:
         """Every group's per-row page tables, as wide as the widest (and ``least`` pages) up
@@ -73,7 +90,7 @@ class PagedBackend:
         per row bucket (every row at the longest sequence): the XLA path reads only the real
         entries, so a longer list costs nothing but its indices."""
         table = np.zeros((len(tables) * rows, 1), np.int32)
-        return steps, table, page_lists(tables, rows, rows * spec.seq_pages)
+        return steps, table, page_lists(tables, rows, self.decode_list_pages(spec))
 
     # ---- device ----------------------------------------------------------------------------
 
@@ -124,6 +141,15 @@ class PallasBackend(PagedBackend):
     name = "pallas"
     decode_attention = staticmethod(pallas_attention)
 
+    def refusal(self, spec):
+        # The kernel's page table is a TPU scalar-memory operand (see :mod:`smem`).
+        if smem.max_rows_per_call(spec.max_table) == 0:
+            return smem.page_table_error(spec.max_table)
+        return None
+
+    def decode_list_pages(self, spec):
+        return 1
+
     def decode_pages(self, spec, tables, rows, pos, left, steps):
         return steps, self.table(spec, tables, rows), page_lists([[]] * len(tables), rows, 1)
 
@@ -141,6 +167,9 @@ class DenseCpuBackend(PagedBackend):
     def _width(self, spec, pages):
         # The CPU path gathers every table entry: never wider than the longest sequence.
         return min(spec.max_table, pages, spec.seq_pages)
+
+    def decode_list_pages(self, spec):
+        return 1
 
     def prefill_pages(self, spec, tables, rows, length):
         return self.table(spec, tables, rows)
@@ -189,12 +218,24 @@ class DenseCpuBackend(PagedBackend):
         )
 
 
+_BACKENDS: dict[str, Any] = {
+    "xla": XlaBackend,
+    "pallas": PallasBackend,
+    "dense": DenseCpuBackend,
+}
+# The attention paths a sampler may name (``"auto"``: :func:`resolve_attention`).
+NAMES = ("auto", *_BACKENDS)
+
+
+def resolve_attention(attention: str, platform: str) -> str:
+    """The path ``attention`` names on ``platform``: ``"auto"`` is the TPU kernel on TPU, the
+    dense path on CPU and the XLA path elsewhere; a named path is itself."""
+    if attention == "auto":
+        return {"tpu": "pallas", "cpu": "dense"}.get(platform, "xla")
+    return attention
+
+
 def backend_for(attention: str) -> PagedBackend:
     """The backend of an attention path (``EngineSpec.attention``: ``"xla"``, ``"pallas"`` or
     ``"dense"``)."""
-    backends: dict[str, Any] = {
-        "xla": XlaBackend,
-        "pallas": PallasBackend,
-        "dense": DenseCpuBackend,
-    }
-    return backends[attention]()
+    return _BACKENDS[attention]()

@@ -143,6 +143,9 @@ def generate_continuous(
       ``(SamplerOutput, EngineStats)``.
     """
     validate_engine_request(spec, prompts, n, request.max_new)
+    backend = backend_for(spec.attention)  # the attention path, picked once
+    if refusal := backend.refusal(spec):
+        raise ValueError(refusal)
     graphdef, own, rest = nnx.split(model, nnx.Param, ...)
     stop_ids = request.stop_ids
     turn_ids, stop_sequences = turn_stops(turns)
@@ -151,7 +154,6 @@ def generate_continuous(
         stop_ids = np.concatenate([stop_ids, extra], axis=1)
     owner = assign_groups(prompts, n, request.max_new, spec.groups)
     local, block = output_rows(owner, n, spec.groups)
-    backend = backend_for(spec.attention)  # the attention path, picked once
     device = EnginePrograms(
         programs,
         model,

@@ -48,6 +48,7 @@ from jax.sharding import Mesh, NamedSharding
 from delta_jax.models import Transformer
 from delta_jax.models.axes import logical_to_mesh
 from delta_jax.sampling import dense_cpu, engine
+from delta_jax.sampling.backends import NAMES, resolve_attention
 from delta_jax.sampling.buckets import Buckets, RequestArrays, prepare_request
 from delta_jax.sampling.output import SamplerOutput
 from delta_jax.sampling.pages import pages_for
@@ -276,10 +277,9 @@ class Sampler:
         object.__setattr__(self, "_programs", ProgramCache(self.mesh, self.rules))
         if self.engine not in ("static", "continuous"):
             raise ValueError(f"engine must be 'static' or 'continuous', got {self.engine!r}")
-        if self.attention not in ("auto", "xla", "pallas", "dense"):
-            raise ValueError(
-                f"attention must be 'auto', 'xla', 'pallas' or 'dense', got {self.attention!r}"
-            )
+        if self.attention not in NAMES:
+            names = ", ".join(repr(n) for n in NAMES)
+            raise ValueError(f"attention must be one of {names}, got {self.attention!r}")
         for name in ("decode_slots", "page_size", "decode_chunk", "prefill_chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -339,10 +339,7 @@ class Sampler:
             group_pages = holders * own_pages + resident * prompt_pages + 1
         # A new prompt needs a free slot: about slots / n prompts join a group at a time.
         at_once = 1 << (-(-group_slots // n) - 1).bit_length()
-        attention = self.attention
-        if attention == "auto":
-            platform = _platform(self.mesh)
-            attention = {"tpu": "pallas", "cpu": "dense"}.get(platform, "xla")
+        attention = resolve_attention(self.attention, _platform(self.mesh))
         return EngineSpec(
             slots=groups * group_slots,
             steps=self.decode_chunk,

@@ -15,7 +15,8 @@ boundary on the compiler itself: the largest ``B`` this allows compiles, one mor
 Qwen3-8B's paper recipe (22,528-token sequences in 16-token pages: a 2,048-page table) fits 120
 slots per call; its 214 slots per data group did not (1,769,472 bytes of page table alone).
 :func:`row_chunks` splits a group's slots into calls that each fit, so any ``decode_slots``
-compiles; only a page table too wide for even 8 slots cannot (:func:`check_page_table`).
+compiles; only a page table too wide for even 8 slots cannot (the engine refuses it first:
+``PallasBackend.refusal``).
 """
 
 from __future__ import annotations
@@ -70,9 +71,3 @@ def page_table_error(width: int) -> str:
         f"decode slots (ragged paged attention kernel; {SMEM_BYTES:,} per core): raise "
         "rollout.page_size or shorten the sequences"
     )
-
-
-def check_page_table(width: int) -> None:
-    """Raises ``ValueError`` (one line) when no kernel call can hold a ``width``-page table."""
-    if max_rows_per_call(width) == 0:
-        raise ValueError(page_table_error(width))

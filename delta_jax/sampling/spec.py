@@ -12,7 +12,6 @@ from typing import Literal
 
 import numpy as np
 
-from delta_jax.sampling import smem
 from delta_jax.sampling.pages import pages_for
 
 __all__ = [
@@ -263,7 +262,8 @@ def output_rows(owner: list[int], n: int, groups: int) -> tuple[np.ndarray, int]
 def validate_engine_request(
     spec: EngineSpec, prompts: list[np.ndarray], n: int, max_new: np.ndarray
 ) -> None:
-    """Raises ``ValueError`` for requests the engine cannot run, before any compilation."""
+    """Raises ``ValueError`` for requests the engine cannot run, before any compilation (what
+    the attention path itself refuses: ``PagedBackend.refusal``)."""
     G, Sg = spec.groups, spec.group_slots
     if n > Sg:
         where = (
@@ -287,5 +287,3 @@ def validate_engine_request(
     longest = max(p.size for p in prompts) + int(max_new.max())
     if pages_for(longest, ps) > spec.max_table:
         raise ValueError(f"a sequence of {longest} tokens exceeds the page-table width")
-    if spec.attention == "pallas":  # the kernel's page table is a TPU scalar-memory operand
-        smem.check_page_table(spec.max_table)

@@ -33,11 +33,39 @@ def test_row_chunks_cover_the_slots_and_each_fits(rows, width):
     assert len(chunks) == -(-rows // smem.max_rows_per_call(width))  # no more calls than needed
 
 
-def test_too_wide_a_table_is_one_line():
-    with pytest.raises(ValueError, match="page table 40000 pages wide") as err:
-        smem.check_page_table(40000)
-    assert "\n" not in str(err.value)
-    smem.check_page_table(2048)
+def _spec(attention: str, max_table: int):
+    from delta_jax.sampling.spec import EngineSpec
+
+    # 64 slots in 2 data groups, every sequence at most ``max_table`` pages of 16 tokens.
+    fields = dict(slots=64, steps=8, page_size=16, num_pages=4096, seq_pages=max_table)
+    fields.update(max_table=max_table, prefill_len=64, min_len=16, prefill_rows=8, groups=2)
+    return EngineSpec(**fields, attention=attention, return_hidden=False, pad_id=0)
+
+
+def test_only_the_tpu_kernel_refuses_too_wide_a_table_in_one_line():
+    from delta_jax.sampling.backends import backend_for
+
+    refusal = backend_for("pallas").refusal(_spec("pallas", 40000))
+    assert refusal == smem.page_table_error(40000)
+    assert "page table 40000 pages wide" in refusal and "\n" not in refusal
+    assert backend_for("pallas").refusal(_spec("pallas", 2048)) is None
+    for path in ("xla", "dense"):  # no scalar memory: a flat list, or gathered views
+        assert backend_for(path).refusal(_spec(path, 40000)) is None
+
+
+def test_the_attention_path_is_named_once():
+    from delta_jax.models import Transformer
+    from delta_jax.sampling import Sampler
+    from delta_jax.sampling.backends import backend_for, resolve_attention
+
+    auto = {p: resolve_attention("auto", p) for p in ("tpu", "cpu", "gpu")}
+    assert auto == {"tpu": "pallas", "cpu": "dense", "gpu": "xla"}
+    assert [resolve_attention(n, "tpu") for n in ("xla", "dense")] == ["xla", "dense"]
+    # A flat page list for every slot at the longest sequence, or none for the table paths.
+    lists = {p: backend_for(p).decode_list_pages(_spec(p, 12)) for p in ("xla", "pallas", "dense")}
+    assert lists == {"xla": 32 * 12, "pallas": 1, "dense": 1}
+    with pytest.raises(ValueError, match="'auto', 'xla', 'pallas', 'dense', got 'splash'"):
+        Sampler(Transformer(ModelConfig.tiny("llama")), attention="splash")
 
 
 def _decode(slots_per_group: int, width: int):
