@@ -40,6 +40,11 @@ LIBTPU_NOISE = (
 FIRST_LINE = re.compile(r"^(?:# command: |# |\$ )(?P<command>.*?)(?:\s{2,}\(.*\))?\s*$")
 
 
+def is_noise(line: str) -> bool:
+    """Whether an output line is libtpu's start-up complaint (left out of result files)."""
+    return any(noise in line for noise in LIBTPU_NOISE)
+
+
 def commit() -> str:
     """Short hash of HEAD, ``+dirty`` when tracked files differ from it."""
     git = ["git", "-C", str(ROOT)]
@@ -77,7 +82,7 @@ def record(out: Path, command: str) -> int:
                                 stderr=subprocess.STDOUT, text=True)  # fmt: skip
         assert proc.stdout is not None
         for line in proc.stdout:
-            if any(noise in line for noise in LIBTPU_NOISE):
+            if is_noise(line):
                 continue
             sys.stdout.write(line)
             tmp.write(line)

@@ -102,6 +102,29 @@ def test_record_writes_command_and_commit_and_reruns_it(tmp_path):
     assert not list(out.parent.glob("*.tmp"))
 
 
+def test_interleave_alternates_the_two_trees_under_one_provenance_line(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import interleave
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "ab.txt"
+    probe = "import delta_jax, os; print(os.path.dirname(os.path.dirname(delta_jax.__file__)))"
+    assert interleave.main(["--base", "HEAD", "--rounds", "2", "--out", str(out), "--",
+                            sys.executable, "-c", probe]) == 0  # fmt: skip
+    first, *rest = out.read_text().splitlines()
+    assert re.match(r"^# python benchmarks/interleave.py --base [0-9a-f]{7,} --rounds 2 -- ", first)
+    assert "(commit " in first
+    titles, trees = rest[0::2], rest[1::2]
+    assert [t.split(",")[0] for t in titles] == ["## round 1"] * 2 + ["## round 2"] * 2
+    assert [t.split(", ")[1].split()[0] for t in titles] == ["base", "head"] * 2
+    # each run imported its own tree's package; the base's worktree is gone afterwards
+    assert trees[1] == trees[3] == str(ROOT) and trees[0] == trees[2] != str(ROOT)
+    assert not Path(trees[0]).exists()
+    with pytest.raises(SystemExit, match="failed"):
+        interleave.main(["--base", "HEAD", "--", sys.executable, "-c", "raise SystemExit(3)"])
+
+
 def test_performance_page_dates_match_the_results():
     """docs/performance.md dates each CPU measurement by the commit and time its result file
     records: a rerun of the benchmark must update the page too."""
