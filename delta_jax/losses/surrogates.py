@@ -161,13 +161,9 @@ def clipped_surrogate(
     """
     del segment_ids
     valid = valid_tokens(mask)
-    adv = jnp.where(valid, _sg(advantages), 0)
-    ratio = jnp.exp(token_log_ratio(logprobs, old_logprobs, valid))
-    loss, metrics = clip_objective(
-        ratio, adv, valid, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high,
-        dual_clip_c=dual_clip_c,
-    )  # fmt: skip
-    return loss, metrics | ratio_metrics(ratio, valid)
+    log_ratio = token_log_ratio(logprobs, old_logprobs, valid)
+    clip = dict(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, dual_clip_c=dual_clip_c)
+    return _clipped_at(log_ratio, advantages, valid, **clip)
 
 
 def gspo_surrogate(
@@ -203,12 +199,17 @@ def gspo_surrogate(
       As :func:`clipped_surrogate`; the ratio metrics are of ``s_i``.
     """
     valid = valid_tokens(mask)
+    log_ratio = sequence_log_ratio(logprobs, old_logprobs, valid, segment_ids)
+    clip = dict(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, dual_clip_c=dual_clip_c)
+    return _clipped_at(log_ratio, advantages, valid, **clip)
+
+
+def _clipped_at(log_ratio, advantages, valid, **clip):
+    """:func:`clip_objective` at ``exp(log_ratio)`` with stopped advantages, and the ratio's
+    metrics: the tail both clipped surrogates share."""
     adv = jnp.where(valid, _sg(advantages), 0)
-    ratio = jnp.exp(sequence_log_ratio(logprobs, old_logprobs, valid, segment_ids))
-    loss, metrics = clip_objective(
-        ratio, adv, valid, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high,
-        dual_clip_c=dual_clip_c,
-    )  # fmt: skip
+    ratio = jnp.exp(log_ratio)
+    loss, metrics = clip_objective(ratio, adv, valid, **clip)
     return loss, metrics | ratio_metrics(ratio, valid)
 
 
