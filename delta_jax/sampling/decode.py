@@ -33,6 +33,7 @@ from delta_jax.sampling.strategies import Categorical, Greedy
 
 __all__ = [
     "SlotState",
+    "advance_by",
     "decode_chunk",
     "decode_program",
     "init_outputs",
@@ -234,6 +235,19 @@ def _advance(s: SlotState, token, stop_sequences) -> SlotState:
         count=count,
         active=live & ~stopped,
     )
+
+
+def advance_by(
+    s: SlotState, drawn: Int[Array, "S k1"], emit: Int[Array, " S"], stop_sequences=None
+) -> SlotState:
+    """The slots after a verify step that emits ``drawn[:, :emit]``: as that many decode steps
+    (:func:`_advance`, in order), so a slot still stops at the first stop id, stop sequence or
+    the end of its budget among them; the tokens after a stop are not counted."""
+    for j in range(drawn.shape[1]):
+        go = s.active & (j < emit)
+        step = _advance(dataclasses.replace(s, active=go), drawn[:, j], stop_sequences)
+        s = dataclasses.replace(step, active=jnp.where(go, step.active, s.active))
+    return s
 
 
 def decode_program(

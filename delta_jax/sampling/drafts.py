@@ -1,0 +1,229 @@
+"""Drafts without a draft model: the tokens that followed a sequence's last few tokens elsewhere
+in text the rollout already has (host-side, NumPy and dicts).
+
+Speculative rollouts verify several drafted tokens per weight read. RL rollouts have three
+cheap sources of good drafts, looked up in this order:
+
+* ``self``: the sequence's own prompt and text (restated numbers, repeated expressions);
+* ``siblings``: the other samples of the same prompt in this request, which share most of their
+  text (the overlap DelTA is about);
+* ``history``: earlier requests' rollouts of the same prompt (a prompt comes back every epoch),
+  a bounded number of texts per prompt and of prompts.
+
+A draft is the continuation of the latest earlier occurrence of the sequence's last ``n``
+tokens, the longest ``n`` first (``max_ngram`` down to ``min_ngram``) and, at each ``n``, the
+sources in the order above. Each lookup is one dict probe per source and ``n``: every source
+keeps, per ``n``, where the latest occurrence of each n-gram was followed, updated as tokens
+arrive.
+
+A draft changes only how fast tokens come, never which: the engine accepts a drafted token
+exactly when it equals the token it draws at that index with the sequence's own key, as it
+would without speculation.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["SOURCES", "Draft", "Drafter"]
+
+SOURCES = ("self", "siblings", "history")
+
+
+@dataclasses.dataclass(frozen=True)
+class Draft:
+    """Up to ``k`` proposed next tokens of a sequence and the source they came from (one of
+    :data:`SOURCES`; None with no tokens)."""
+
+    tokens: np.ndarray  # int32 [<= k]
+    source: str | None
+
+
+_NONE = Draft(np.zeros(0, np.int32), None)
+
+
+class _Ngrams:
+    """Where the latest occurrence of every n-gram (``n`` in ``[lo, hi]``) of some token
+    documents was followed: ``(document, index of the next token)``."""
+
+    def __init__(self, lo: int, hi: int):
+        self.sizes = range(hi, lo - 1, -1)  # longest first
+        self.tables: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {n: {} for n in self.sizes}
+
+    def add(self, doc: int, tokens: list[int], start: int, old: int) -> None:
+        """Records the n-grams of ``tokens`` (document ``doc``, now this long) followed by a
+        token at an index in ``[max(start, old), len(tokens))``: ``old`` is the length the
+        document had at the last call, ``start`` the first index this table covers."""
+        for i in range(max(start, old), len(tokens)):
+            for n in self.sizes:
+                if i >= n:
+                    self.tables[n][tuple(tokens[i - n : i])] = (doc, i)
+
+    def find(self, n: int, key: tuple[int, ...]) -> tuple[int, int] | None:
+        return self.tables[n].get(key)
+
+
+class _History:
+    """Earlier requests' texts (prompt included) of one prompt, the latest ``keep`` of them, and
+    their responses' n-grams (the prompt's own are the ``self`` source)."""
+
+    def __init__(self, prompt_len: int, lo: int, hi: int, keep: int):
+        self.prompt_len, self.lo, self.hi, self.keep = prompt_len, lo, hi, keep
+        self.texts: list[list[int]] = []
+        self.ngrams = _Ngrams(lo, hi)
+
+    def add(self, texts: Sequence[list[int]]) -> None:
+        self.texts.extend(texts)
+        new = range(len(self.texts) - len(texts), len(self.texts))
+        if len(self.texts) > self.keep:  # the oldest go, and their n-grams: index anew
+            self.texts = self.texts[-self.keep :]
+            self.ngrams, new = _Ngrams(self.lo, self.hi), range(len(self.texts))
+        for doc in new:
+            self.ngrams.add(doc, self.texts[doc], self.prompt_len, 0)
+
+
+class Drafter:
+    """Drafts for the sequences of one request at a time, and the history kept across requests.
+
+    A request's rows are ``prompt * n + sample``, as in the engine. Call :meth:`begin` with the
+    request's prompts, :meth:`extend` with each row's new tokens (sampled ones and, multi-turn,
+    observations) as they arrive, :meth:`propose` for a row's next draft, and :meth:`finish`
+    at the request's end (its texts join the history).
+
+    Args:
+      k: most tokens per draft, ``>= 1``.
+      min_ngram, max_ngram: the suffix lengths matched, ``1 <= min_ngram <= max_ngram``.
+      history_texts: earlier texts kept per prompt (0: no ``history`` source).
+      history_prompts: prompts with a history, the least recently requested dropped first.
+
+    Examples:
+      >>> d = Drafter(k=3, min_ngram=1, max_ngram=2)
+      >>> d.begin([np.array([5, 6])], n=2)
+      >>> d.extend(0, [7, 8, 9, 10])
+      >>> d.extend(1, [7])  # the sibling's text after "7": "8 9 10"
+      >>> draft = d.propose(1)
+      >>> draft.tokens.tolist(), draft.source
+      ([8, 9, 10], 'siblings')
+    """
+
+    def __init__(
+        self,
+        k: int,
+        *,
+        min_ngram: int = 2,
+        max_ngram: int = 4,
+        history_texts: int = 16,
+        history_prompts: int = 4096,
+    ):
+        for name, value, least in (
+            ("k", k, 1),
+            ("min_ngram", min_ngram, 1),
+            ("max_ngram", max_ngram, min_ngram),
+            ("history_texts", history_texts, 0),
+            ("history_prompts", history_prompts, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+        self.k, self.lo, self.hi = k, min_ngram, max_ngram
+        self.history_texts, self.history_prompts = history_texts, history_prompts
+        self._history: collections.OrderedDict[bytes, _History] = collections.OrderedDict()
+        self.begin([], 1)
+
+    def begin(self, prompts: Sequence[np.ndarray], n: int) -> None:
+        """A request starts: ``n`` samples of each of ``prompts`` (1-D token ids)."""
+        self.n = n
+        self._prompts = [[int(t) for t in np.asarray(p).reshape(-1)] for p in prompts]
+        self._keys = [np.asarray(p, np.int64).tobytes() for p in self._prompts]
+        self._texts = [list(self._prompts[r // n]) for r in range(len(prompts) * n)]
+        self._in_prompt = []  # per prompt: n-grams followed inside the prompt
+        for i, prompt in enumerate(self._prompts):
+            self._in_prompt.append(_Ngrams(self.lo, self.hi))
+            self._in_prompt[i].add(0, prompt, 0, 0)
+        self._own = [_Ngrams(self.lo, self.hi) for _ in self._texts]
+        self._group = [_Ngrams(self.lo, self.hi) for _ in self._prompts]
+
+    def extend(self, row: int, tokens: Sequence[int]) -> None:
+        """Appends ``tokens`` to request row ``row``'s text."""
+        text = self._texts[row]
+        old = len(text)
+        text.extend(int(t) for t in tokens)
+        start = len(self._prompts[row // self.n])
+        self._own[row].add(row, text, start, old)
+        self._group[row // self.n].add(row, text, start, old)
+
+    def propose(self, row: int) -> Draft:
+        """Row ``row``'s draft: up to ``k`` tokens (none when no suffix of it occurred before)."""
+        text, p = self._texts[row], row // self.n
+        sources = self._sources(row, p, self._history.get(self._keys[p]))
+        for n in range(min(self.hi, len(text)), self.lo - 1, -1):
+            key = tuple(text[-n:])
+            for source, ngrams, texts in sources:
+                hit = ngrams.find(n, key)
+                if hit is not None:
+                    doc, i = hit
+                    return Draft(np.asarray(texts(doc)[i : i + self.k], np.int32), source)
+        return _NONE
+
+    def _sources(self, row: int, p: int, history: _History | None) -> list:
+        """``(source, n-grams, text of a document)`` in lookup order."""
+        sources = [
+            ("self", self._own[row], lambda doc: self._texts[doc]),
+            ("self", self._in_prompt[p], lambda doc: self._prompts[p]),
+            ("siblings", self._group[p], lambda doc: self._texts[doc]),
+        ]
+        if history is not None:
+            sources.append(("history", history.ngrams, lambda doc: history.texts[doc]))
+        return sources
+
+    def window(self, row: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Row ``row``'s draft window for a decode chunk: per source, the continuation of its
+        best hit (longest suffix, then latest occurrence) led by the ``min_ngram`` tokens before
+        it; the pieces longest match first (the first continues as :meth:`propose` does),
+        ``size`` split evenly between them, each followed by a -1.
+
+        Returns:
+          ``(tokens, sources)``: int32 ``[size]`` (-1 pads), int8 ``[size]`` (each token's
+          source's index in :data:`SOURCES`, -1 for pads). The device finds its place in the
+          window by the sequence's last ``min_ngram`` tokens
+          (:mod:`delta_jax.sampling.speculate`).
+        """
+        tokens, sources = np.full(size, -1, np.int32), np.full(size, -1, np.int8)
+        hits = self._best_hits(row)
+        if hits:
+            share, at = size // len(hits), 0
+            for source, text, i in hits:
+                piece = text[i - self.lo : i + share - 1 - self.lo]  # room for the -1 after it
+                tokens[at : at + len(piece)] = piece
+                sources[at : at + len(piece)] = SOURCES.index(source)
+                at += len(piece) + 1
+        return tokens, sources
+
+    def _best_hits(self, row: int) -> list[tuple[str, list[int], int]]:
+        """Per source, its best hit ``(source, text, index of the next token)``, the longest
+        match first (sources in lookup order at equal lengths)."""
+        text, p = self._texts[row], row // self.n
+        found: dict[str, tuple[list[int], int]] = {}
+        for n in range(min(self.hi, len(text)), self.lo - 1, -1):
+            key = tuple(text[-n:])
+            for source, ngrams, texts in self._sources(row, p, self._history.get(self._keys[p])):
+                hit = None if source in found else ngrams.find(n, key)
+                if hit is not None:
+                    found[source] = (texts(hit[0]), hit[1])
+        return [(source, *hit) for source, hit in found.items()]
+
+    def finish(self) -> None:
+        """The request's texts join their prompts' history (bounded, see the class)."""
+        if self.history_texts and self.history_prompts:
+            for p, key in enumerate(self._keys):
+                history = self._history.pop(key, None) or _History(
+                    len(self._prompts[p]), self.lo, self.hi, self.history_texts
+                )
+                history.add(self._texts[p * self.n : (p + 1) * self.n])
+                self._history[key] = history  # the most recently requested last
+            while len(self._history) > self.history_prompts:
+                self._history.popitem(last=False)
+        self.begin([], 1)

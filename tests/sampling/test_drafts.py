@@ -1,0 +1,139 @@
+"""Drafts from the rollout's own text: the drafter's proposals against a brute-force scan of
+every source, over random requests (history and its bounds included)."""
+
+import numpy as np
+import pytest
+
+from delta_jax.sampling.drafts import SOURCES, Drafter
+
+
+class Oracle:
+    """The drafter's rule by exhaustive search: every (text, index) an n-gram was followed at,
+    stamped in the order tokens arrived."""
+
+    def __init__(self, k, lo, hi, history_texts, history_prompts):
+        self.k, self.lo, self.hi = k, lo, hi
+        self.keep, self.prompts_kept = history_texts, history_prompts
+        self.history = {}  # prompt bytes -> list of texts, oldest first
+        self.order = []  # prompt bytes, least recently requested first
+
+    def begin(self, prompts, n):
+        self.n, self.prompts = n, [list(map(int, p)) for p in prompts]
+        self.texts = [list(self.prompts[r // n]) for r in range(len(prompts) * n)]
+        self.stamps = [[None] * len(t) for t in self.texts]
+        self.clock = 0
+
+    def extend(self, row, tokens):
+        for t in tokens:
+            self.texts[row].append(int(t))
+            self.stamps[row].append(self.clock)
+            self.clock += 1
+
+    def propose(self, row):
+        text, p = self.texts[row], row // self.n
+        P = len(self.prompts[p])
+        key_of = bytes(np.asarray(self.prompts[p], np.int64))
+        for n in range(min(self.hi, len(text)), self.lo - 1, -1):
+            key = text[-n:]
+
+            def hits(t, lo, hi, n=n, key=key):
+                return [i for i in range(max(lo, n), min(hi, len(t))) if t[i - n : i] == key]
+
+            own = hits(text, P, len(text))
+            if own:
+                return text[max(own) : max(own) + self.k], "self"
+            inside = hits(self.prompts[p], 0, P)
+            if inside:
+                return self.prompts[p][max(inside) : max(inside) + self.k], "self"
+            rows = range(p * self.n, (p + 1) * self.n)
+            sib = [(self.stamps[r][i], r, i) for r in rows for i in hits(self.texts[r], P, 10**9)]
+            if sib:
+                _, r, i = max(sib)
+                return self.texts[r][i : i + self.k], "siblings"
+            old = self.history.get(key_of, [])
+            past = [(d, i) for d, t in enumerate(old) for i in hits(t, P, 10**9)]
+            if past:
+                d, i = max(past)
+                return old[d][i : i + self.k], "history"
+        return [], None
+
+    def finish(self):
+        if self.keep and self.prompts_kept:
+            for p, prompt in enumerate(self.prompts):
+                key = bytes(np.asarray(prompt, np.int64))
+                texts = self.history.get(key, []) + self.texts[p * self.n : (p + 1) * self.n]
+                self.history[key] = texts[-self.keep :]
+                if key in self.order:
+                    self.order.remove(key)
+                self.order.append(key)
+            while len(self.order) > self.prompts_kept:
+                del self.history[self.order.pop(0)]
+
+
+@pytest.mark.parametrize(
+    ("k", "lo", "hi", "texts", "prompts"), [(3, 1, 3, 16, 8), (4, 2, 4, 3, 2), (2, 2, 2, 0, 4)]
+)
+def test_drafts_match_an_exhaustive_search(k, lo, hi, texts, prompts):
+    rng = np.random.default_rng(k * 100 + lo * 10 + hi)
+    drafter = Drafter(k, min_ngram=lo, max_ngram=hi, history_texts=texts, history_prompts=prompts)
+    oracle = Oracle(k, lo, hi, texts, prompts)
+    pool = [rng.integers(0, 5, rng.integers(1, 7)) for _ in range(4)]  # prompts come back
+    seen = dict.fromkeys(SOURCES, 0)
+    for _ in range(6):  # requests
+        picked = [pool[i] for i in rng.choice(len(pool), 3, replace=False)]
+        n = int(rng.integers(1, 4))
+        drafter.begin(picked, n)
+        oracle.begin(picked, n)
+        for _ in range(40):
+            row = int(rng.integers(0, 3 * n))
+            tokens = rng.integers(0, 5, rng.integers(1, 4)).tolist()
+            drafter.extend(row, tokens)
+            oracle.extend(row, tokens)
+            for r in range(3 * n):
+                want, source = oracle.propose(r)
+                got = drafter.propose(r)
+                assert got.tokens.tolist() == want and got.source == source, (r, want, source)
+                assert got.tokens.dtype == np.int32 and len(got.tokens) <= k
+                # The chunk's window: led by the last min_ngram tokens, then the same draft.
+                tokens, sources = drafter.window(r, 40)
+                if source is None:
+                    assert (tokens == -1).all() and (sources == -1).all()
+                else:
+                    assert tokens[:lo].tolist() == oracle.texts[r][-lo:]
+                    assert tokens[lo : lo + len(want)].tolist() == want
+                    assert sources[0] == SOURCES.index(source)
+                    assert ((tokens == -1) == (sources == -1)).all() and tokens[-1] == -1
+                seen[source] = seen.get(source, 0) + 1
+        drafter.finish()
+        oracle.finish()
+    # Every source was exercised (history only where it is kept).
+    assert all(seen[s] > 0 for s in ("self", "siblings"))
+    assert (seen["history"] > 0) == (texts > 0)
+
+
+def test_a_sibling_ahead_drafts_the_shared_text_and_history_the_first_tokens():
+    prompt = np.array([1, 2, 3])
+    d = Drafter(4, min_ngram=2, max_ngram=3)
+    d.begin([prompt], n=2)
+    assert d.propose(0).source is None  # "2 3" was never followed by anything
+    d.extend(0, [10, 11, 12, 13, 14])
+    d.extend(1, [10])
+    # Sample 1 follows "3 10" the way sample 0 did.
+    assert d.propose(1).tokens.tolist() == [11, 12, 13, 14]
+    d.extend(1, [11, 12, 99])
+    d.finish()
+    d.begin([prompt, np.array([9, 9])], n=1)
+    first = d.propose(0)  # the prompt's end, followed by the latest response's first tokens
+    assert (first.tokens.tolist(), first.source) == ([10, 11, 12, 99], "history")
+    assert d.propose(1).source is None  # a new prompt: its "9 9" was never followed
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(k=0), dict(k=2, min_ngram=0), dict(k=2, min_ngram=3, max_ngram=2), dict(k=True)],
+)
+def test_bad_settings_are_one_line(kwargs):
+    k = kwargs.pop("k")
+    with pytest.raises(ValueError, match="must be an int >=") as err:
+        Drafter(k, **kwargs)
+    assert "\n" not in str(err.value)

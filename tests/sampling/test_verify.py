@@ -1,0 +1,168 @@
+"""A verify step's acceptance and the slots' advance over several tokens, against NumPy oracles
+of the rule: a drafted token is kept while it equals the token drawn at its index, and the
+emitted tokens advance a slot as that many decode steps would (stops, budgets, stop
+sequences)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from delta_jax.sampling.decode import SlotState, advance_by
+from delta_jax.sampling.paged import PageList
+from delta_jax.sampling.speculate import accepted_tokens, follow, window_drafts
+
+
+def test_accepted_tokens_stop_at_the_first_draft_that_differs():
+    rng = np.random.default_rng(0)
+    S, k = 64, 4
+    drawn = rng.integers(0, 3, (S, k + 1)).astype(np.int32)
+    drafts = np.where(rng.random((S, k)) < 0.7, drawn[:, :k], rng.integers(0, 3, (S, k)))
+    draft_len = rng.integers(0, k + 1, S).astype(np.int32)
+    want = []
+    for s in range(S):
+        n = 1
+        while n - 1 < draft_len[s] and drafts[s, n - 1] == drawn[s, n - 1]:
+            n += 1
+        want.append(n)
+    got = accepted_tokens(jnp.asarray(drafts, jnp.int32), jnp.asarray(draft_len), drawn)
+    assert got.tolist() == want
+    assert set(want) >= {1, 2, k + 1}  # rejections, partial and full acceptance all occur
+
+
+def _slots(rng, S, window):
+    fields = {
+        "last": rng.integers(0, 9, S),
+        "pos": rng.integers(5, 50, S),
+        "count": rng.integers(0, 6, S),
+        "active": rng.random(S) < 0.8,
+        "max_new": rng.integers(3, 12, S),
+        "prompt": np.arange(S),
+        "sample": np.zeros(S),
+        "row": np.arange(S),
+        "copy_src": np.zeros(S),
+        "copy_dst": np.zeros(S),
+    }
+    fields = {k: jnp.asarray(v, bool if k == "active" else jnp.int32) for k, v in fields.items()}
+    stops = np.where(rng.random((S, 2)) < 0.5, rng.integers(0, 9, (S, 2)), -1)
+    recent = rng.integers(-1, 9, (S, window))
+    return SlotState(
+        **fields,
+        stops=jnp.asarray(stops, jnp.int32),
+        recent=jnp.asarray(recent, jnp.int32),
+        page_table=jnp.zeros((S, 1), jnp.int32),
+        pages=PageList(*(jnp.zeros(1, jnp.int32) for _ in range(3))),
+    )
+
+
+def _oracle(s: SlotState, drawn, emit, patterns):
+    """Each slot advanced one token at a time in plain Python."""
+    out = {k: np.array(getattr(s, k)) for k in ("last", "pos", "count", "active", "recent")}
+    for i in range(drawn.shape[0]):
+        for j in range(emit[i]):
+            if not out["active"][i]:
+                break
+            t = int(drawn[i, j])
+            out["count"][i] += 1
+            out["pos"][i] += 1
+            out["last"][i] = t
+            stop = t in np.asarray(s.stops[i]).tolist() or out["count"][i] >= s.max_new[i]
+            if patterns is not None:
+                out["recent"][i] = np.append(out["recent"][i][1:], t)
+                for q in patterns:
+                    stop |= bool(np.all((q < 0) | (out["recent"][i] == q)))
+            out["active"][i] = not stop
+    return out
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_advance_by_equals_that_many_single_steps(window):
+    rng = np.random.default_rng(window)
+    S, k = 96, 3
+    s = _slots(rng, S, window)
+    drawn = rng.integers(0, 9, (S, k + 1))
+    emit = rng.integers(1, k + 2, S)
+    patterns = None
+    if window:  # a two-id and a three-id stop sequence, right-aligned, -1 left
+        patterns = np.array([[-1, 4, 5], [1, 2, 3]], np.int32)
+    got = advance_by(s, jnp.asarray(drawn, jnp.int32), jnp.asarray(emit), patterns)
+    want = _oracle(s, drawn, emit, patterns)
+    for name, value in want.items():
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), value, err_msg=name)
+    stopped = np.asarray(s.active) & ~want["active"]
+    assert stopped.sum() > 5 and want["active"].sum() > 5  # both outcomes were exercised
+    # one token at a time gives the same slots
+    one = s
+    for j in range(k + 1):
+        ones = jnp.asarray(j < emit, jnp.int32)
+        one = advance_by(one, jnp.asarray(drawn[:, j : j + 1], jnp.int32), ones, patterns)
+    for name in want:
+        np.testing.assert_array_equal(np.asarray(getattr(one, name)), want[name], err_msg=name)
+
+
+def _window_oracle(window, place, tail, emitted, taken, k):
+    """Drafts before the step, then the place and tail after it, one slot at a time."""
+    D, m = len(window), len(tail)
+    drafts = []
+    if place >= 0:
+        for t in window[place : place + k]:
+            if t < 0:
+                break
+            drafts.append(int(t))
+    if taken == 0:
+        return drafts, place, list(tail)
+    out = emitted[:taken]
+    new_tail = (list(tail) + list(out))[-m:]
+    if place >= 0 and all(place + j < D and window[place + j] == out[j] for j in range(taken)):
+        return drafts, place + taken, new_tail
+    found = -1
+    if min(new_tail) >= 0:
+        for i in range(m, D + 1):
+            if list(window[i - m : i]) == new_tail:
+                found = i
+    return drafts, found, new_tail
+
+
+def test_window_drafts_and_follow_match_a_scan():
+    rng = np.random.default_rng(7)
+    S, D, m, k = 256, 12, 2, 3
+    window = rng.integers(0, 3, (S, D))
+    window[rng.random((S, D)) < 0.1] = -1
+    place = rng.integers(-1, D + 1, S)
+    tail = rng.integers(-1, 3, (S, m))
+    # emitted tokens: often the window's own next ones, else random
+    ahead = np.stack([window[s, np.clip(place[s] + np.arange(k + 1), 0, D - 1)] for s in range(S)])
+    emitted = np.where(rng.random((S, k + 1)) < 0.7, np.maximum(ahead, 0), rng.integers(0, 3))
+    taken = rng.integers(0, k + 2, S)
+    j = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    drafts, length = window_drafts(j(window), j(place), k)
+    new_place, new_tail = follow(j(window), j(place), j(tail), j(emitted), j(taken))
+    outcomes = set()
+    for s in range(S):
+        want = _window_oracle(window[s], place[s], tail[s], emitted[s], taken[s], k)
+        assert np.asarray(drafts[s, : length[s]]).tolist() == want[0], s
+        assert (np.asarray(drafts[s, length[s] :]) == 0).all()
+        assert int(new_place[s]) == want[1], (s, want)
+        assert np.asarray(new_tail[s]).tolist() == want[2], s
+        on = taken[s] and place[s] >= 0 and want[1] == place[s] + taken[s]
+        lost = "found" if want[1] >= 0 else "lost"
+        outcomes.add("kept" if not taken[s] else "on" if on else lost)
+    assert outcomes == {"kept", "on", "found", "lost"}
+
+
+def test_a_sequence_that_follows_its_window_drafts_it_all():
+    # A slot whose window is the text it goes on to draw: each step emits k + 1 tokens (k
+    # drafts and the token after them) and stays on the window.
+    text = np.arange(10, 30)
+    window = jnp.asarray(np.concatenate([[8, 9], text, [-1]])[None], jnp.int32)
+    place, tail, k = jnp.array([2]), jnp.array([[8, 9]]), 3
+    at = 0
+    while at + k + 1 <= len(text):
+        drafts, length = window_drafts(window, place, k)
+        assert np.asarray(drafts[0]).tolist() == text[at : at + k].tolist() and int(length[0]) == k
+        drawn = jnp.asarray(text[None, at : at + k + 1], jnp.int32)
+        taken = accepted_tokens(drafts, length, drawn)
+        assert int(taken[0]) == k + 1
+        place, tail = follow(window, place, tail, drawn, taken)
+        at += k + 1
+        assert int(place[0]) == 2 + at
+        assert np.asarray(tail[0]).tolist() == text[at - 2 : at].tolist()
