@@ -14,8 +14,8 @@ with a paged attention, all of one signature (:data:`PagedAttention`):
   total), each attended to on its own and merged per sequence with the flash-attention
   rescaling, so the work grows with the sum of the actual lengths, not with the longest one or
   the pool; used on GPU, and for prefill on accelerators;
-* :func:`pallas_attention`: JAX's ``ragged_paged_attention`` TPU kernel (one query per
-  sequence, decode);
+* :func:`pallas_attention`: JAX's ``ragged_paged_attention`` TPU kernel (decode: one query
+  per sequence, or a few at consecutive positions);
 * :func:`~delta_jax.sampling.dense_cpu.dense_attention`: the CPU path (XLA:CPU, where per-op
   overheads dominate small steps): every sequence's page-table pages gathered into one
   contiguous view and attended to at once with the static sampler's attention; its decode runs
@@ -237,29 +237,34 @@ def _segment_sum(x, segments, num):
 
 
 def pallas_attention(q, kv, positions, valid, page_table):
-    """Decode attention (T = 1) with JAX's ragged paged attention TPU kernel (one group)."""
+    """Paged attention with JAX's ragged paged attention TPU kernel (one group): ``T`` queries
+    per row at consecutive positions, the row's last ``T`` (a decode step: 1; a speculative
+    verify step: the fed token and its drafts), each attending to the positions up to its own.
+
+    A row's queries past its valid ones may read stale K/V at the positions after them (their
+    own writes went to the scratch page); their outputs are the caller's to discard, as an idle
+    row's are.
+    """
     B, T, N, D = q.shape
-    if T != 1:
-        raise ValueError(f"the pallas paged attention path is for decode (T = 1), got T = {T}")
-    # The kernel copies every sequence's pages up to its length: an idle slot gets length 1
+    # The kernel copies every sequence's pages up to its length: an idle slot gets length T
     # (its scratch page) instead of the stale position it stopped at.
-    kv_lens = jnp.where(valid[:, 0], positions[:, 0] + 1, 1).astype(jnp.int32)
-    q = q.reshape(B, N, D)
+    kv_lens = jnp.where(valid[:, 0], positions[:, -1] + 1, T).astype(jnp.int32)
+    q = q.reshape(B * T, N, D)
     # The page table is a scalar-memory (SMEM) operand of 1 MiB at most: slots go through the
     # kernel in calls that each fit (``smem``); every call reads the same pool in HBM.
     outs = [
-        _ragged_call(q[s : s + n], kv, kv_lens[s : s + n], page_table[s : s + n])
+        _ragged_call(q[s * T : (s + n) * T], kv, kv_lens[s : s + n], page_table[s : s + n], T)
         for s, n in smem.row_chunks(B, page_table.shape[1])
     ]
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
     return out.reshape(B, T, N, D)
 
 
-def _ragged_call(q, kv, kv_lens, page_table):
-    """One ragged paged attention kernel call: one query per row, ``q [B, N, D]``."""
+def _ragged_call(q, kv, kv_lens, page_table, T: int):
+    """One ragged paged attention kernel call: ``T`` queries per row, ``q [B * T, N, D]``."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
-    B, _, D = q.shape
+    B, D = kv_lens.shape[0], q.shape[-1]
     # Block sizes given explicitly: the kernel's tuned table looks up jax.devices(), which is
     # not the target TPU when compiling ahead of time for a topology.
     return ragged_paged_attention(
@@ -267,7 +272,7 @@ def _ragged_call(q, kv, kv_lens, page_table):
         kv,
         kv_lens,
         page_table,
-        jnp.arange(B + 1, dtype=jnp.int32),
+        jnp.arange(B + 1, dtype=jnp.int32) * T,
         jnp.array([B], jnp.int32),
         sm_scale=D**-0.5,
         num_kv_pages_per_block=min(page_table.shape[1], PALLAS_KV_PAGES_PER_BLOCK),

@@ -56,15 +56,17 @@ def interpret():
             yield calls
 
 
-def test_kernel_in_slot_chunks_matches_the_xla_path_and_the_oracle(interpret):
+@pytest.mark.parametrize("T", [1, 3])
+def test_kernel_in_slot_chunks_matches_the_xla_path_and_the_oracle(interpret, T):
     """20 slots in 3 kernel calls (8, 8, 4), 4-page tables of 16-token pages, GQA (4 query
-    heads on 2 KV heads, head dim 128: the kernel's lane width): ragged lengths from 1 to 64
-    positions, and an idle slot (its output is discarded by the engine)."""
+    heads on 2 KV heads, head dim 128: the kernel's lane width): ragged lengths from T to 64
+    positions, and an idle slot (its output is discarded by the engine). T queries per slot
+    at its last T positions: a decode step (1), a speculative verify step (3)."""
     rng = np.random.default_rng(0)
     B, N, K, D, page_size, num_pages, width = 20, 4, 2, 128, 16, 90, 4
     kv = rng.standard_normal((num_pages, page_size, 2 * K, D)).astype(np.float32)
-    q = rng.standard_normal((B, 1, N, D)).astype(np.float32)
-    lengths = np.concatenate([[1, 16, 17, 64], rng.integers(1, width * page_size + 1, B - 4)])
+    q = rng.standard_normal((B, T, N, D)).astype(np.float32)
+    lengths = np.concatenate([[T, 16, 17, 64], rng.integers(T, width * page_size + 1, B - 4)])
     pages = rng.permutation(np.arange(1, num_pages))  # page 0 is the scratch page
     tables, at = [], 0
     for n in -(-lengths // page_size):
@@ -73,8 +75,8 @@ def test_kernel_in_slot_chunks_matches_the_xla_path_and_the_oracle(interpret):
     table = np.zeros((B, width), np.int32)  # unused entries: the scratch page
     for b, t in enumerate(tables):
         table[b, : len(t)] = t
-    positions = (lengths - 1)[:, None].astype(np.int32)  # the query's own position
-    valid = np.ones((B, 1), bool)
+    positions = (lengths[:, None] - T + np.arange(T)).astype(np.int32)  # the queries' own
+    valid = np.ones((B, T), bool)
     valid[7] = False  # idle: the kernel reads its scratch page only
 
     got = jax.jit(paged.pallas_attention)(q, kv, positions, valid, table)
@@ -120,3 +122,31 @@ def test_engine_decodes_on_the_kernel_as_on_the_xla_path(interpret):
         atol=ATOL,
     )
     assert len({t for row in got.tokens for t in row}) > 20  # the draws are not degenerate
+
+
+def test_several_queries_per_slot_compile_for_v5p():
+    """The kernel call with 3 queries per slot (a speculative verify step), compiled by the TPU
+    compiler for v5p (compile-only): 64 slots, 128-page tables, Qwen3-8B's heads."""
+    pytest.importorskip("libtpu")
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    topo = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu")
+    mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
+    whole = NamedSharding(mesh, P())
+    B, T, N, K, D, page_size, pages, width = 64, 3, 32, 8, 128, 16, 4096, 128
+    shapes = [
+        ((B, T, N, D), jnp.bfloat16),
+        ((pages, page_size, 2 * K, D), jnp.bfloat16),
+        ((B, T), jnp.int32),
+        ((B, T), bool),
+        ((B, width), jnp.int32),
+    ]
+    args = [jax.ShapeDtypeStruct(s, d, sharding=whole) for s, d in shapes]
+    fn = jax.shard_map(
+        paged.pallas_attention, mesh=mesh, in_specs=(P(),) * 5, out_specs=P(), check_vma=False
+    )
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(fn).lower(*args).compile()
+    assert compiled.as_text().count("ragged_paged_attention") >= 1
