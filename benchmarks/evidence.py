@@ -104,7 +104,7 @@ def demo_seed_table() -> list[str]:
         ratio = r["eval_final"] / r["eval_start"]
         ok = ratio >= 1.5 and r["eval_gain"] >= 0.08
         rows = read_metrics(rdir / "metrics.jsonl")
-        rl = sum(x.get("time/step", 0.0) + x.get("time/eval", 0.0) for x in rows)
+        rl = sum(x.get("time/step", 0.0) for x in rows)  # a step's time includes its eval
         # A run resumed after its process was stopped: DONE times the last attempt only.
         wall = f"{r['wall_s']:.0f}" if r["wall_s"] >= rl else "n/a (resumed)"
         lines.append(
