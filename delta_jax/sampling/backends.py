@@ -116,6 +116,24 @@ class PagedBackend:
             mesh=mesh,
         )
 
+    def verify(self, model: Transformer, layers, slots, drafts, draft_len, state, mesh):
+        """A speculative verify step: every slot's fed token and its drafted ones (``drafts
+        [S, k]``, the first ``draft_len`` real) at consecutive positions; the hidden states
+        ``[S, k + 1, H]`` and the new state. K/V past a slot's drafts go to the scratch page."""
+        T = drafts.shape[1] + 1
+        j = jnp.arange(T)
+        return paged_forward(
+            model,
+            layers,
+            jnp.concatenate([slots.last[:, None], drafts], axis=1),
+            slots.pos[:, None] + j,
+            slots.active[:, None] & (j <= draft_len[:, None]),
+            state,
+            self._decode_pages(slots),
+            attend=self.decode_attention,
+            mesh=mesh,
+        )
+
     def _decode_pages(self, slots):
         return slots.pages
 
@@ -207,6 +225,10 @@ class DenseCpuBackend(PagedBackend):
             mesh,
         )
         return hidden, (pool, views, shift)
+
+    def verify(self, model, layers, slots, drafts, draft_len, state, mesh):
+        # Its views take one column for every slot per step (see dense_cpu).
+        raise NotImplementedError("the dense CPU path decodes one token per slot and step")
 
     def write(self, out, cols, slots, i, mesh, kv_heads):
         return dense_cpu.write_column(out, cols, i)

@@ -29,6 +29,7 @@ from delta_jax.sampling.paged import (
     xla_attention,
 )
 from delta_jax.sampling.spec import SLOT_FIELDS, STATUS_FIELDS
+from delta_jax.sampling.speculate import accepted_tokens, follow, window_drafts
 from delta_jax.sampling.strategies import Categorical, Greedy
 
 __all__ = [
@@ -38,6 +39,8 @@ __all__ = [
     "decode_program",
     "init_outputs",
     "prefill_chunk",
+    "speculative_step",
+    "token_sampler",
     "unpack_slots",
     "write_observations",
 ]
@@ -161,7 +164,7 @@ def decode_chunk(
     model: Transformer = nnx.merge(graphdef, params, rest)
     K = model.config.num_kv_heads
     pool = copy_pages(pool, slots.copy_src, slots.copy_dst, mesh, K)
-    draw = _sampler(model, strategy, seed, return_hidden, pad_id)
+    draw = token_sampler(model, strategy, seed, return_hidden, pad_id)
 
     def body(carry):
         i, state, s, written = carry
@@ -188,7 +191,7 @@ def decode_chunk(
     return dict(pool=pool, out=out, status=status)
 
 
-def _sampler(model: Transformer, strategy, seed, return_hidden: bool, pad_id: int):
+def token_sampler(model: Transformer, strategy, seed, return_hidden: bool, pad_id: int):
     """``draw(h [S, H], slots)``: every slot's next token drawn from its hidden state (``pad_id``
     for idle slots), with its log-probs (and the hidden state), each slot with its sequence's
     RNG stream at its token index."""
@@ -212,6 +215,47 @@ def _sampler(model: Transformer, strategy, seed, return_hidden: bool, pad_id: in
         return cols
 
     return draw
+
+
+def speculative_step(
+    model: Transformer,
+    layers,
+    backend: PagedBackend,
+    draw,
+    s: SlotState,
+    state,
+    window: Int[Array, "S D"],
+    place: Int[Array, " S"],
+    tail: Int[Array, "S m"],
+    k: int,
+    stop_sequences=None,
+    mesh: Mesh | None = None,
+):
+    """One verify step of every slot: up to ``k`` drafts from its window
+    (:mod:`delta_jax.sampling.speculate`) scored with the fed token in one forward pass, the
+    token at each index drawn with that index's key, the drafts kept while they equal it.
+
+    ``draw``: :func:`token_sampler`'s ``draw(h [S, H], slots)``. A slot drafts no further than
+    one token short of its budget.
+
+    Returns:
+      ``(slots, state, cols, taken, place, tail)``: the slots advanced by the tokens emitted,
+      the attention state, the drawn columns ``[S, k + 1]`` (tokens, log-probs, hidden), the
+      tokens each slot emitted (its first ``taken`` columns), its place and last tokens.
+    """
+    drafts, length = window_drafts(window, place, k)
+    length = jnp.clip(jnp.minimum(length, s.max_new - s.count - 1), 0)
+    h, state = backend.verify(model, layers, s, drafts, length, state, mesh)
+
+    def at(j, h_j):  # index count + j: its own key
+        return draw(h_j, dataclasses.replace(s, count=s.count + j))
+
+    cols = jax.vmap(at, in_axes=(0, 1), out_axes=1)(jnp.arange(k + 1), h)
+    emit = accepted_tokens(drafts, length, cols["tokens"])
+    new = advance_by(s, cols["tokens"], emit, stop_sequences)
+    taken = new.count - s.count
+    place, tail = follow(window, place, tail, cols["tokens"], taken)
+    return new, state, cols, taken, place, tail
 
 
 def _advance(s: SlotState, token, stop_sequences) -> SlotState:

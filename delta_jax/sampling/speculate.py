@@ -82,12 +82,12 @@ def follow(
     same = (j >= taken[:, None]) | ((at < D) & (ahead == emitted))
     on = (place >= 0) & jnp.all(same, axis=1)
     # Lost: the latest place whose m tokens before it are the sequence's last m.
-    starts = D - m + 1
+    starts = max(D - m + 1, 0)  # a window shorter than m holds no place
     hits = jnp.ones((S, starts), bool)
     for r in range(m):
         hits &= window[:, r : r + starts] == new_tail[:, r : r + 1]
     hits &= jnp.all(new_tail >= 0, axis=1, keepdims=True)
-    found = jnp.max(jnp.where(hits, jnp.arange(starts) + m, -1), axis=1)
+    found = jnp.max(jnp.where(hits, jnp.arange(starts) + m, -1), axis=1, initial=-1)
     moved = taken > 0
     new_place = jnp.where(on, place + taken, found)
     return jnp.where(moved, new_place, place), jnp.where(moved[:, None], new_tail, tail)

@@ -3,6 +3,7 @@ of the rule: a drafted token is kept while it equals the token drawn at its inde
 emitted tokens advance a slot as that many decode steps would (stops, budgets, stop
 sequences)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from delta_jax.sampling.decode import SlotState, advance_by
 from delta_jax.sampling.paged import PageList
 from delta_jax.sampling.speculate import accepted_tokens, follow, window_drafts
+from tests.sampling.test_paged import _flat
 
 
 def test_accepted_tokens_stop_at_the_first_draft_that_differs():
@@ -166,3 +168,97 @@ def test_a_sequence_that_follows_its_window_drafts_it_all():
         at += k + 1
         assert int(place[0]) == 2 + at
         assert np.asarray(tail[0]).tolist() == text[at - 2 : at].tolist()
+
+
+def _decode_all(model, backend, strategy, prompts, budgets, stops, windows=None, k=0, m=2):
+    """Every slot decoded to its end from its prompt's pages: verify steps with ``k`` drafts
+    from ``windows`` (k = 0: plain decode steps). Returns per slot its tokens, log-probs and
+    hidden states, and the number of steps."""
+    from delta_jax.sampling.decode import speculative_step, token_sampler
+    from delta_jax.sampling.paged import init_pool, paged_forward
+
+    S, page_size, per_seq = len(prompts), 4, 16
+    tables = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(S)]
+    flat = {k_: jnp.asarray(v) for k_, v in _flat(tables, S, S * per_seq).items()}
+    pages = PageList(**flat)
+    pool = init_pool(model, 1 + S * per_seq, page_size, jnp.float32)
+    layers = model.layer_params()
+    # The prompts but their last tokens into their pages; the last is fed by the first step.
+    P = max(map(len, prompts)) - 1
+    ids = np.zeros((S, P), np.int32)
+    valid = np.zeros((S, P), bool)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p) - 1], valid[b, : len(p) - 1] = p[:-1], True
+    positions = jnp.broadcast_to(jnp.arange(P), (S, P))
+    _, pool = paged_forward(model, layers, jnp.asarray(ids), positions, jnp.asarray(valid),
+                            pool, pages)  # fmt: skip
+    s = SlotState(
+        last=jnp.asarray([p[-1] for p in prompts], jnp.int32),
+        pos=jnp.asarray([len(p) - 1 for p in prompts], jnp.int32),
+        count=jnp.zeros(S, jnp.int32),
+        active=jnp.ones(S, bool),
+        max_new=jnp.asarray(budgets, jnp.int32),
+        prompt=jnp.arange(S, dtype=jnp.int32),
+        sample=jnp.zeros(S, jnp.int32),
+        row=jnp.arange(S, dtype=jnp.int32),
+        stops=jnp.asarray(stops, jnp.int32)[:, None],
+        recent=jnp.zeros((S, 0), jnp.int32),
+        page_table=jnp.zeros((S, 1), jnp.int32),
+        pages=pages,
+        copy_src=jnp.zeros(S, jnp.int32),
+        copy_dst=jnp.zeros(S, jnp.int32),
+    )
+    draw = token_sampler(model, strategy, jnp.asarray(5), return_hidden=True, pad_id=0)
+    window = jnp.full((S, 1), -1, jnp.int32) if windows is None else jnp.asarray(windows)
+    place = jnp.full(S, -1 if windows is None else m, jnp.int32)
+    tail = jnp.asarray([p[-m:] for p in prompts], jnp.int32)
+
+    @jax.jit
+    def step(s, pool, place, tail):
+        return speculative_step(model, layers, backend, draw, s, pool, window, place, tail, k)
+
+    out = [dict(tokens=[], logprobs=[], hidden=[]) for _ in range(S)]
+    steps = 0
+    while bool(s.active.any()):
+        s, pool, cols, taken, place, tail = step(s, pool, place, tail)
+        steps += 1
+        for b in range(S):
+            for name in out[b]:
+                out[b][name] += list(np.asarray(cols[name][b, : int(taken[b])]))
+    return out, steps
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_speculative_steps_emit_the_tokens_of_plain_decoding(temperature):
+    """Verify steps on the XLA paged path with drafts read from windows (the plain run's own
+    text, partly corrupted, so drafts are accepted, rejected and found again): the same tokens,
+    log-probs and hidden states as plain decode steps, in fewer steps. Greedy and sampled:
+    a token is drawn with its index's key either way."""
+    from flax import nnx
+
+    from delta_jax.models import ModelConfig, Transformer
+    from delta_jax.sampling.backends import XlaBackend
+    from delta_jax.sampling.strategies import make_strategy
+
+    model = Transformer(ModelConfig.tiny("qwen3", vocab_size=24), rngs=nnx.Rngs(1))
+    strategy = make_strategy(temperature)
+    prompts = [np.array([3, 4, 5]), np.array([7, 1, 2, 9, 9]), np.array([5, 6]), np.array([8] * 6)]
+    budgets, stops = [20, 25, 9, 30], [-1, -1, 11, -1]
+    plain, plain_steps = _decode_all(model, XlaBackend(), strategy, prompts, budgets, stops)
+    rng = np.random.default_rng(0)
+    D, m = 40, 2
+    windows = np.full((len(prompts), D), -1, np.int32)
+    for b, p in enumerate(prompts):
+        text = np.array(plain[b]["tokens"], np.int32)
+        noisy = np.where(rng.random(text.size) < 0.15, rng.integers(0, 24, text.size), text)
+        piece = np.concatenate([p[-m:], noisy])[: D - 1]
+        windows[b, : piece.size] = piece
+    spec, spec_steps = _decode_all(
+        model, XlaBackend(), strategy, prompts, budgets, stops, windows, k=3, m=m
+    )
+    for b in range(len(prompts)):
+        assert spec[b]["tokens"] == plain[b]["tokens"], b
+        np.testing.assert_allclose(spec[b]["logprobs"], plain[b]["logprobs"], atol=1e-5)
+        np.testing.assert_allclose(spec[b]["hidden"], plain[b]["hidden"], atol=1e-5)
+    assert len(plain[2]["tokens"]) <= 9 and len(plain[3]["tokens"]) == 30
+    assert spec_steps < plain_steps == max(len(o["tokens"]) for o in plain)
