@@ -150,3 +150,32 @@ def test_several_queries_per_slot_compile_for_v5p():
     with jax.set_mesh(mesh):
         compiled = jax.jit(fn).lower(*args).compile()
     assert compiled.as_text().count("ragged_paged_attention") >= 1
+
+
+def test_speculative_steps_on_the_kernel_emit_the_xla_paths_plain_tokens(interpret):
+    """Verify steps (3 drafts a step, from windows of the plain run's text, partly corrupted)
+    through the kernel, 4 queries per slot: the tokens and log-probs of plain decode steps on
+    the XLA path, in fewer steps."""
+    from delta_jax.sampling.backends import PallasBackend, XlaBackend
+    from delta_jax.sampling.strategies import make_strategy
+    from tests.sampling.test_verify import _decode_all
+
+    cfg = ModelConfig.tiny("qwen3", vocab_size=24, head_dim=128, num_layers=1)
+    model = Transformer(cfg, rngs=nnx.Rngs(2))
+    prompts = [np.array([3, 4, 5]), np.array([7, 1, 2, 9, 9]), np.array([5, 6])]
+    budgets, stops, strategy = [12, 16, 9], [-1, -1, 11], make_strategy(1.0)
+    plain, plain_steps = _decode_all(model, XlaBackend(), strategy, prompts, budgets, stops)
+    rng = np.random.default_rng(1)
+    windows = np.full((3, 24), -1, np.int32)
+    for b, p in enumerate(prompts):
+        text = np.array(plain[b]["tokens"], np.int32)
+        noisy = np.where(rng.random(text.size) < 0.15, rng.integers(0, 24, text.size), text)
+        piece = np.concatenate([p[-2:], noisy])[:23]
+        windows[b, : piece.size] = piece
+    spec, spec_steps = _decode_all(
+        model, PallasBackend(), strategy, prompts, budgets, stops, windows, k=3
+    )
+    for b in range(3):
+        assert spec[b]["tokens"] == plain[b]["tokens"], b
+        np.testing.assert_allclose(spec[b]["logprobs"], plain[b]["logprobs"], atol=ATOL)
+    assert spec_steps < plain_steps

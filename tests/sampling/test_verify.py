@@ -181,6 +181,7 @@ def _decode_all(model, backend, strategy, prompts, budgets, stops, windows=None,
     tables = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(S)]
     flat = {k_: jnp.asarray(v) for k_, v in _flat(tables, S, S * per_seq).items()}
     pages = PageList(**flat)
+    table = jnp.asarray(tables, jnp.int32)  # what the Pallas path reads
     pool = init_pool(model, 1 + S * per_seq, page_size, jnp.float32)
     layers = model.layer_params()
     # The prompts but their last tokens into their pages; the last is fed by the first step.
@@ -203,7 +204,7 @@ def _decode_all(model, backend, strategy, prompts, budgets, stops, windows=None,
         row=jnp.arange(S, dtype=jnp.int32),
         stops=jnp.asarray(stops, jnp.int32)[:, None],
         recent=jnp.zeros((S, 0), jnp.int32),
-        page_table=jnp.zeros((S, 1), jnp.int32),
+        page_table=table,
         pages=pages,
         copy_src=jnp.zeros(S, jnp.int32),
         copy_dst=jnp.zeros(S, jnp.int32),
