@@ -157,16 +157,11 @@ class Drafter:
 
     def propose(self, row: int) -> Draft:
         """Row ``row``'s draft: up to ``k`` tokens (none when no suffix of it occurred before)."""
-        text, p = self._texts[row], row // self.n
-        sources = self._sources(row, p, self._history.get(self._keys[p]))
-        for n in range(min(self.hi, len(text)), self.lo - 1, -1):
-            key = tuple(text[-n:])
-            for source, ngrams, texts in sources:
-                hit = ngrams.find(n, key)
-                if hit is not None:
-                    doc, i = hit
-                    return Draft(np.asarray(texts(doc)[i : i + self.k], np.int32), source)
-        return _NONE
+        hits = self._best_hits(row)
+        if not hits:
+            return _NONE
+        source, text, i = hits[0]
+        return Draft(np.asarray(text[i : i + self.k], np.int32), source)
 
     def _sources(self, row: int, p: int, history: _History | None) -> list:
         """``(source, n-grams, text of a document)`` in lookup order."""
