@@ -143,6 +143,17 @@ class PagedBackend:
         rows = jnp.where(slots.active, slots.row, out["tokens"].shape[0])
         return write_rows(out, rows, slots.count, cols, mesh, kv_heads)
 
+    def write_verified(self, out, cols, slots, taken, mesh, kv_heads: int):
+        """A verify step's outputs ``cols`` (``[S, k + 1]`` per slot) into the buffers: each
+        slot's first ``taken`` columns from its token index on (the rest dropped)."""
+        S, T = cols["tokens"].shape
+        j = jnp.arange(T)
+        dropped = out["tokens"].shape[0]
+        rows = jnp.where(slots.active[:, None] & (j < taken[:, None]), slots.row[:, None], dropped)
+        index = slots.count[:, None] + j
+        flat = {name: col.reshape(S * T, *col.shape[2:]) for name, col in cols.items()}
+        return write_rows(out, rows.reshape(-1), index.reshape(-1), flat, mesh, kv_heads)
+
     def end_chunk(self, state, written, out, first, start, slots, keep, mesh, kv_heads):
         """A decode chunk's end: ``(pool, output buffers)``."""
         return state, written
@@ -181,6 +192,14 @@ class DenseCpuBackend(PagedBackend):
 
     name = "dense"
     prefill_attention = staticmethod(dense_cpu.dense_attention)
+
+    def refusal(self, spec):
+        if spec.draft_tokens:
+            return (
+                "speculative decoding (draft_tokens > 0) needs attention='xla' or 'pallas': "
+                "the dense CPU path decodes one token per slot and step"
+            )
+        return None
 
     def _width(self, spec, pages):
         # The CPU path gathers every table entry: never wider than the longest sequence.
@@ -227,7 +246,11 @@ class DenseCpuBackend(PagedBackend):
         return hidden, (pool, views, shift)
 
     def verify(self, model, layers, slots, drafts, draft_len, state, mesh):
-        # Its views take one column for every slot per step (see dense_cpu).
+        # Its views take one column for every slot per step (see dense_cpu); refused up front
+        # (:meth:`refusal`), as is :meth:`write_verified`.
+        raise NotImplementedError("the dense CPU path decodes one token per slot and step")
+
+    def write_verified(self, out, cols, slots, taken, mesh, kv_heads):
         raise NotImplementedError("the dense CPU path decodes one token per slot and step")
 
     def write(self, out, cols, slots, i, mesh, kv_heads):
@@ -249,11 +272,13 @@ _BACKENDS: dict[str, Any] = {
 NAMES = ("auto", *_BACKENDS)
 
 
-def resolve_attention(attention: str, platform: str) -> str:
+def resolve_attention(attention: str, platform: str, speculative: bool = False) -> str:
     """The path ``attention`` names on ``platform``: ``"auto"`` is the TPU kernel on TPU, the
-    dense path on CPU and the XLA path elsewhere; a named path is itself."""
+    dense path on CPU (the XLA path for ``speculative`` decoding, which the dense path does not
+    do) and the XLA path elsewhere; a named path is itself."""
     if attention == "auto":
-        return {"tpu": "pallas", "cpu": "dense"}.get(platform, "xla")
+        cpu = "xla" if speculative else "dense"
+        return {"tpu": "pallas", "cpu": cpu}.get(platform, "xla")
     return attention
 
 

@@ -19,6 +19,7 @@ from delta_jax.models import Transformer, lm_head_weight
 from delta_jax.models import axes as ax
 from delta_jax.models.attention import accumulation_dtype
 from delta_jax.sampling.backends import PagedBackend
+from delta_jax.sampling.drafts import SOURCES, Drafts
 from delta_jax.sampling.paged import (
     PagedAttention,
     PageList,
@@ -34,6 +35,7 @@ from delta_jax.sampling.strategies import Categorical, Greedy
 
 __all__ = [
     "SlotState",
+    "Verified",
     "advance_by",
     "decode_chunk",
     "decode_program",
@@ -128,12 +130,15 @@ def decode_chunk(
     strategy: Greedy | Categorical,
     layers: list[dict[str, Array]] | None = None,
     stop_sequences: Int[Array, "Q L"] | None = None,
+    drafts: Drafts | None = None,
     *,
     graphdef: nnx.GraphDef,
     return_hidden: bool,
     pad_id: int,
     backend: PagedBackend,
     mesh: Mesh | None,
+    draft_tokens: int = 0,
+    emitted_width: int = 0,
 ) -> dict[str, Any]:
     """Up to ``limit`` decode steps of every live slot (exits early when none is live).
 
@@ -160,35 +165,81 @@ def decode_chunk(
     (:class:`~delta_jax.sampling.programs.EnginePrograms`) instead of at every step, which
     XLA:CPU does not reliably hoist out of the loop; None (accelerators) slices them inside the
     loop, where the slices fuse into the matmuls (a copy would hold every weight twice).
+
+    ``drafts`` (speculative chunks, ``draft_tokens`` = k >= 1): each step is a verify step
+    (:func:`speculative_step`) scoring up to ``k`` drafted tokens per slot; the chunk also
+    returns the tokens each slot emitted (``emitted [S, emitted_width]``, -1 after them) and
+    per-slot counters ``counts [S, 1 + 2 * len(SOURCES)]``: verify steps, then drafted and
+    accepted tokens by draft source.
     """
     model: Transformer = nnx.merge(graphdef, params, rest)
     K = model.config.num_kv_heads
     pool = copy_pages(pool, slots.copy_src, slots.copy_dst, mesh, K)
     draw = token_sampler(model, strategy, seed, return_hidden, pad_id)
+    start, first = slots.pos, slots.count
 
     def body(carry):
-        i, state, s, written = carry
+        i, state, s, written, spec = carry
         weights = model.layer_params() if layers is None else layers
-        h, state = backend.step(model, weights, s, state, mesh)
-        cols = draw(h[:, 0], s)
-        written = backend.write(written, cols, s, i, mesh, K)
-        return i + 1, state, _advance(s, cols["tokens"], stop_sequences), written
+        if drafts is None:
+            h, state = backend.step(model, weights, s, state, mesh)
+            cols = draw(h[:, 0], s)
+            written = backend.write(written, cols, s, i, mesh, K)
+            return i + 1, state, _advance(s, cols["tokens"], stop_sequences), written, spec
+        place, tail, emitted, counts = spec
+        new, state, v = speculative_step(
+            model, weights, backend, draw, s, state, drafts.window, place, tail,
+            draft_tokens, stop_sequences, mesh,
+        )  # fmt: skip
+        written = backend.write_verified(written, v.cols, s, v.taken, mesh, K)
+        emitted = _record(emitted, v.cols["tokens"], s.count - first, v.taken)
+        counts = counts + _draft_counts(drafts.sources, v, s.active)
+        return i + 1, state, new, written, (v.place, v.tail, emitted, counts)
 
     def cond(carry):
-        i, _, s, _ = carry
+        i, _, s, _, _ = carry
         return (i < limit) & jnp.any(s.active)
 
-    start, first = slots.pos, slots.count
+    spec = ()
+    if drafts is not None:
+        S = slots.last.shape[0]
+        emitted = jnp.full((S, emitted_width), -1, jnp.int32)
+        counts = jnp.zeros((S, 1 + 2 * len(SOURCES)), jnp.int32)
+        spec = (drafts.place, drafts.tail, emitted, counts)
     state, written = backend.begin_chunk(pool, slots, out, mesh, K)
-    _, state, slots, written = jax.lax.while_loop(
-        cond, body, (jnp.zeros((), jnp.int32), state, slots, written)
+    _, state, slots, written, spec = jax.lax.while_loop(
+        cond, body, (jnp.zeros((), jnp.int32), state, slots, written, spec)
     )
     keep = resumable | jnp.any(slots.active)
     pool, out = backend.end_chunk(state, written, out, first, start, slots, keep, mesh, K)
     status = jnp.stack([getattr(slots, f).astype(jnp.int32) for f in STATUS_FIELDS], axis=1)
     if stop_sequences is not None:
         status = jnp.concatenate([status, slots.recent], axis=1)
-    return dict(pool=pool, out=out, status=status)
+    result = dict(pool=pool, out=out, status=status)
+    if drafts is not None:
+        result["emitted"], result["counts"] = spec[2], spec[3]
+    return result
+
+
+def _record(emitted, tokens, at, taken):
+    """``emitted`` with each slot's first ``taken`` ``tokens`` written from column ``at``."""
+    S, E = emitted.shape
+    j = jnp.arange(tokens.shape[1])
+    col = jnp.where(j < taken[:, None], at[:, None] + j, E)  # out of range: dropped
+    return emitted.at[jnp.arange(S)[:, None], col].set(tokens, mode="drop")
+
+
+def _draft_counts(sources, v: Verified, live) -> Int[Array, "S C"]:
+    """One verify step's counters per slot: 1 (a live slot's step), then its drafted and its
+    accepted tokens by source (one column per :data:`SOURCES` entry each)."""
+    k = v.drafts.shape[1]
+    j = jnp.arange(k)
+    src = jnp.take_along_axis(sources, jnp.clip(v.start[:, None] + j, 0, sources.shape[1] - 1), 1)
+    onehot = src[:, :, None] == jnp.arange(len(SOURCES))  # [S, k, sources]
+    drafted = (j < v.length[:, None])[:, :, None] & onehot
+    accepted = (j < v.taken[:, None] - 1)[:, :, None] & onehot
+    per = [live[:, None], drafted.sum(1), accepted.sum(1)]
+    return jnp.concatenate([x.astype(jnp.int32) for x in per], axis=1)
 
 
 def token_sampler(model: Transformer, strategy, seed, return_hidden: bool, pad_id: int):
@@ -217,6 +268,23 @@ def token_sampler(model: Transformer, strategy, seed, return_hidden: bool, pad_i
     return draw
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Verified:
+    """What one verify step did, per slot: the drafts it scored (``drafts [S, k]``, the first
+    ``length`` real, read from the window from ``start``), the drawn columns ``cols``
+    (``[S, k + 1]``: tokens, log-probs, hidden), the tokens emitted (the first ``taken``
+    columns), and the slot's place and last tokens after them."""
+
+    drafts: Int[Array, "S k"]
+    length: Int[Array, " S"]
+    start: Int[Array, " S"]
+    cols: dict[str, Array]
+    taken: Int[Array, " S"]
+    place: Int[Array, " S"]
+    tail: Int[Array, "S m"]
+
+
 def speculative_step(
     model: Transformer,
     layers,
@@ -239,9 +307,8 @@ def speculative_step(
     one token short of its budget.
 
     Returns:
-      ``(slots, state, cols, taken, place, tail)``: the slots advanced by the tokens emitted,
-      the attention state, the drawn columns ``[S, k + 1]`` (tokens, log-probs, hidden), the
-      tokens each slot emitted (its first ``taken`` columns), its place and last tokens.
+      ``(slots, state, verified)``: the slots advanced by the tokens emitted, the attention
+      state, and what the step did (:class:`Verified`).
     """
     drafts, length = window_drafts(window, place, k)
     length = jnp.clip(jnp.minimum(length, s.max_new - s.count - 1), 0)
@@ -254,8 +321,8 @@ def speculative_step(
     emit = accepted_tokens(drafts, length, cols["tokens"])
     new = advance_by(s, cols["tokens"], emit, stop_sequences)
     taken = new.count - s.count
-    place, tail = follow(window, place, tail, cols["tokens"], taken)
-    return new, state, cols, taken, place, tail
+    new_place, tail = follow(window, place, tail, cols["tokens"], taken)
+    return new, state, Verified(drafts, length, place, cols, taken, new_place, tail)
 
 
 def _advance(s: SlotState, token, stop_sequences) -> SlotState:
@@ -307,6 +374,7 @@ def decode_program(
     strategy,
     layers=None,
     stop_sequences=None,
+    drafts=None,
     *,
     stop_width,
     **kw,
@@ -325,6 +393,7 @@ def decode_program(
         strategy,
         layers,
         stop_sequences,
+        drafts,
         **kw,
     )
 

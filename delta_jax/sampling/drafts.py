@@ -10,10 +10,11 @@ cheap sources of good drafts, looked up in this order:
 * ``history``: earlier requests' rollouts of the same prompt (a prompt comes back every epoch),
   a bounded number of texts per prompt and of prompts.
 
-A draft is the continuation of the latest earlier occurrence of the sequence's last ``n``
+A draft is the continuation of an earlier occurrence of the sequence's last ``n``
 tokens, the longest ``n`` first (``max_ngram`` down to ``min_ngram``) and, at each ``n``, the
 sources in the order above. Each lookup is one dict probe per source and ``n``: every source
-keeps, per ``n``, where the latest occurrence of each n-gram was followed, updated as tokens
+keeps, per ``n``, where the first occurrence of each n-gram was followed (the one with the most
+text after it; for ``history``, the newest text's latest occurrence), updated as tokens
 arrive.
 
 A draft changes only how fast tokens come, never which: the engine accepts a drafted token
@@ -26,10 +27,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["SOURCES", "Draft", "Drafter"]
+__all__ = ["SOURCES", "Draft", "Drafter", "Drafts"]
 
 SOURCES = ("self", "siblings", "history")
 
@@ -46,13 +48,34 @@ class Draft:
 _NONE = Draft(np.zeros(0, np.int32), None)
 
 
-class _Ngrams:
-    """Where the latest occurrence of every n-gram (``n`` in ``[lo, hi]``) of some token
-    documents was followed: ``(document, index of the next token)``."""
+class Drafts(NamedTuple):
+    """A speculative decode chunk's drafts, one row per slot (NumPy on the host; the device
+    programs take the same tuple of arrays, :mod:`delta_jax.sampling.speculate`).
 
-    def __init__(self, lo: int, hi: int):
+    Attributes:
+      window: int32 ``[S, D]``, the text the slot's sequence may go on with
+        (:meth:`Drafter.window`; -1 pads).
+      sources: int32 ``[S, D]``, each window token's source (its index in :data:`SOURCES`;
+        -1 for pads).
+      place: int32 ``[S]``, the index of the window token the slot expects next (-1: none).
+      tail: int32 ``[S, m]``, the sequence's last ``m`` tokens (:meth:`Drafter.last`).
+    """
+
+    window: np.ndarray
+    sources: np.ndarray
+    place: np.ndarray
+    tail: np.ndarray
+
+
+class _Ngrams:
+    """Where the first (``first``) or the latest occurrence of every n-gram (``n`` in
+    ``[lo, hi]``) of some token documents was followed: ``(document, index of the next
+    token)``."""
+
+    def __init__(self, lo: int, hi: int, first: bool = True):
         self.sizes = range(hi, lo - 1, -1)  # longest first
         self.tables: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {n: {} for n in self.sizes}
+        self.first = first
 
     def add(self, doc: int, tokens: list[int], start: int, old: int) -> None:
         """Records the n-grams of ``tokens`` (document ``doc``, now this long) followed by a
@@ -61,7 +84,9 @@ class _Ngrams:
         for i in range(max(start, old), len(tokens)):
             for n in self.sizes:
                 if i >= n:
-                    self.tables[n][tuple(tokens[i - n : i])] = (doc, i)
+                    key, table = tuple(tokens[i - n : i]), self.tables[n]
+                    if not (self.first and key in table):
+                        table[key] = (doc, i)
 
     def find(self, n: int, key: tuple[int, ...]) -> tuple[int, int] | None:
         return self.tables[n].get(key)
@@ -74,14 +99,14 @@ class _History:
     def __init__(self, prompt_len: int, lo: int, hi: int, keep: int):
         self.prompt_len, self.lo, self.hi, self.keep = prompt_len, lo, hi, keep
         self.texts: list[list[int]] = []
-        self.ngrams = _Ngrams(lo, hi)
+        self.ngrams = _Ngrams(lo, hi, first=False)  # the newest text's occurrence
 
     def add(self, texts: Sequence[list[int]]) -> None:
         self.texts.extend(texts)
         new = range(len(self.texts) - len(texts), len(self.texts))
         if len(self.texts) > self.keep:  # the oldest go, and their n-grams: index anew
             self.texts = self.texts[-self.keep :]
-            self.ngrams, new = _Ngrams(self.lo, self.hi), range(len(self.texts))
+            self.ngrams, new = _Ngrams(self.lo, self.hi, first=False), range(len(self.texts))
         for doc in new:
             self.ngrams.add(doc, self.texts[doc], self.prompt_len, 0)
 
@@ -155,6 +180,41 @@ class Drafter:
         self._own[row].add(row, text, start, old)
         self._group[row // self.n].add(row, text, start, old)
 
+    def drafts(self, rows: Sequence[int | None], size: int) -> Drafts:
+        """A decode chunk's :class:`Drafts` for slots running request rows ``rows`` (None: an
+        idle slot): each row's :meth:`window` of ``size`` tokens, its place after the first
+        piece's lead (-1 without a draft) and its last ``min_ngram`` tokens."""
+        S, m = len(rows), self.lo
+        out = Drafts(
+            window=np.full((S, size), -1, np.int32),
+            sources=np.full((S, size), -1, np.int32),
+            place=np.full(S, -1, np.int32),
+            tail=np.full((S, m), -1, np.int32),
+        )
+        for i, row in enumerate(rows):
+            if row is not None:
+                out.window[i], out.sources[i] = self.window(row, size)
+                out.place[i] = m if out.window[i, 0] >= 0 else -1
+                out.tail[i] = self.last(row, m)
+        return out
+
+    def extend_rows(self, rows: Sequence[int | None], tokens: np.ndarray, counts) -> None:
+        """Appends ``tokens[i, :counts[i]]`` to each request row ``rows[i]`` (None: none)."""
+        for i, row in enumerate(rows):
+            if row is not None:
+                self.extend(row, tokens[i, : counts[i]])
+
+    def truncate(self, row: int, length: int) -> None:
+        """Row ``row``'s text back to its prompt and first ``length`` tokens (a preempted
+        sequence restarts from there and draws the same tokens again; its n-grams already
+        recorded stay, pointing at the same text)."""
+        del self._texts[row][len(self._prompts[row // self.n]) + length :]
+
+    def last(self, row: int, m: int) -> np.ndarray:
+        """Row ``row``'s last ``m`` tokens, int32, left-padded with -1."""
+        tail = self._texts[row][-m:]
+        return np.asarray([-1] * (m - len(tail)) + tail, np.int32)
+
     def propose(self, row: int) -> Draft:
         """Row ``row``'s draft: up to ``k`` tokens (none when no suffix of it occurred before)."""
         hits = self._best_hits(row)
@@ -176,9 +236,9 @@ class Drafter:
 
     def window(self, row: int, size: int) -> tuple[np.ndarray, np.ndarray]:
         """Row ``row``'s draft window for a decode chunk: per source, the continuation of its
-        best hit (longest suffix, then latest occurrence) led by the ``min_ngram`` tokens before
-        it; the pieces longest match first (the first continues as :meth:`propose` does),
-        ``size`` split evenly between them, each followed by a -1.
+        best hit (longest suffix, then the occurrence its table keeps) led by the ``min_ngram``
+        tokens before it; the pieces longest match first (the first continues as
+        :meth:`propose` does), ``size`` split evenly between them, each followed by a -1.
 
         Returns:
           ``(tokens, sources)``: int32 ``[size]`` (-1 pads), int8 ``[size]`` (each token's

@@ -64,16 +64,18 @@ import numpy as np
 from flax import nnx
 
 from delta_jax.models import Transformer
-from delta_jax.sampling.backends import backend_for
+from delta_jax.sampling.backends import PagedBackend, backend_for
 from delta_jax.sampling.buckets import RequestArrays
 from delta_jax.sampling.decode import SlotState, decode_chunk, prefill_chunk
+from delta_jax.sampling.drafts import Drafter
 from delta_jax.sampling.output import SamplerOutput
 from delta_jax.sampling.pages import pages_for
 from delta_jax.sampling.programs import EnginePrograms, ProgramCache
-from delta_jax.sampling.scheduler import run_engine
+from delta_jax.sampling.scheduler import DevicePrograms, Scheduler
 from delta_jax.sampling.spec import (
     EngineSpec,
     EngineStats,
+    Prompt,
     Seq,
     Turns,
     assign_groups,
@@ -115,6 +117,67 @@ def _assemble(buffers, index, lengths, prompt_ids, prompt_mask, repeat, *, pad_i
     return out
 
 
+def run_engine(
+    spec: EngineSpec,
+    prompts: list[np.ndarray],
+    n: int,
+    max_new: np.ndarray,
+    stop_ids: np.ndarray,
+    programs: DevicePrograms,
+    on_done=None,
+    turns: Turns | None = None,
+    read=None,
+    backend: PagedBackend | None = None,
+    drafter: Drafter | None = None,
+) -> tuple[list[Seq], EngineStats]:
+    """Runs every (prompt, sample) sequence to its end; returns them in row order and stats.
+
+    ``on_done(seqs)``, when given, is called with the sequences that ended in each host round
+    (their outputs are final), while the others are still being decoded.
+
+    ``programs`` runs the device programs on the pool and the output buffers, which it owns
+    (:class:`DevicePrograms`); ``backend``: the attention path's backend they run (default:
+    ``spec.attention``'s), whose page layout the host sends.
+
+    ``turns`` (multi-turn requests, :class:`Turns`) needs ``read(seqs)``: the sequences'
+    output tokens ``[:length]`` as lists, read when their turns end.
+
+    ``drafter`` (speculative decoding, ``spec.draft_tokens > 0``): drafts each chunk's windows
+    for this request (:meth:`~delta_jax.sampling.drafts.Drafter.begin` here, ``finish`` at the
+    end: the request's texts join its history).
+    """
+    stats = EngineStats(group_pages=spec.group_pages)
+    owner = assign_groups(prompts, n, max_new, spec.groups)
+    rows, _ = output_rows(owner, n, spec.groups)
+    records = [Prompt(ids=p, group=owner[i], left=n) for i, p in enumerate(prompts)]
+    seqs = [
+        Seq(
+            prompt=r // n,
+            sample=r % n,
+            max_new=int(max_new[r]),
+            stops=stop_ids[r],
+            row=rows[r],
+            index=r,
+        )
+        for r in range(len(prompts) * n)
+    ]
+    # Longest budget first: a long sequence admitted last would run on alone while the other
+    # slots idle. The order changes no token (each sequence has its own RNG stream).
+    seqs.sort(key=lambda s: -s.max_new)
+    groups = [[s for s in seqs if owner[s.prompt] == g] for g in range(spec.groups)]
+    backend = backend_for(spec.attention) if backend is None else backend
+    if drafter is not None:
+        drafter.begin(prompts, n)
+    scheduler = Scheduler(
+        spec, records, groups, programs, backend, stats, on_done, turns, read, drafter
+    )
+    done = scheduler.run()
+    if drafter is not None:
+        drafter.finish()
+    done.sort(key=lambda s: (s.prompt, s.sample))
+    return done, stats
+
+
 def generate_continuous(
     model: Transformer,
     request: RequestArrays,
@@ -129,6 +192,7 @@ def generate_continuous(
     cache_dtype,
     on_sample_done=None,
     turns: Turns | None = None,
+    drafter: Drafter | None = None,
 ) -> tuple[SamplerOutput, EngineStats]:
     """The engine behind ``Sampler(engine="continuous").generate``; same output as the static one.
 
@@ -137,7 +201,8 @@ def generate_continuous(
     the parameters to sample with (None: the model's own). ``on_sample_done(row, tokens)`` gets
     each request row's generated ids as soon as it ends, while the others decode. ``turns``: a
     multi-turn request (:class:`Turns`); the output's ``action_mask_array`` then marks the
-    sampled tokens.
+    sampled tokens. ``drafter``: speculative decoding's drafts (``spec.draft_tokens > 0``), a
+    :class:`~delta_jax.sampling.drafts.Drafter` kept across requests (its history).
 
     Returns:
       ``(SamplerOutput, EngineStats)``.
@@ -185,8 +250,9 @@ def generate_continuous(
                 on_sample_done(seq.index, tokens)
 
     seqs, stats = run_engine(
-        spec, prompts, n, request.max_new, stop_ids, device, on_done, turns, read, backend
-    )
+        spec, prompts, n, request.max_new, stop_ids, device, on_done, turns, read, backend,
+        drafter if spec.draft_tokens else None,
+    )  # fmt: skip
     # Global buffer row of each request row: its group's block, then its row in the block.
     index = np.array([owner[r // n] * block + local[r] for r in range(len(seqs))], np.int32)
     return _output(device.results(), seqs, index, request, n, spec.pad_id, turns), stats

@@ -35,6 +35,7 @@ from delta_jax.sampling.decode import (
     prefill_chunk,
     write_observations,
 )
+from delta_jax.sampling.drafts import Drafts
 from delta_jax.sampling.output import to_host
 from delta_jax.sampling.paged import init_pool
 from delta_jax.sampling.spec import EngineSpec
@@ -214,10 +215,23 @@ class EnginePrograms:
 
     def decode(self, packed: np.ndarray, pages: np.ndarray, steps: int) -> np.ndarray:
         """Runs up to ``steps`` decode steps; returns the slots' ``[S, 4 + L]`` status."""
+        return self._decode(packed, pages, steps, None)["status"]
+
+    def verify(self, packed, pages, steps: int, drafts: Drafts):
+        """Runs up to ``steps`` speculative verify steps with the chunk's ``drafts`` (NumPy);
+        returns the slots' status, the tokens each emitted (``[S, E]``, -1 after them) and its
+        counters (verify steps, drafted and accepted tokens by source)."""
+        drafts = Drafts(*(self.cache.place(x) for x in drafts))
+        result = self._decode(packed, pages, steps, drafts)
+        return result["status"], result["emitted"], result["counts"]
+
+    def _decode(self, packed, pages, steps: int, drafts: Drafts | None) -> dict[str, np.ndarray]:
         spec, place = self.spec, self.cache.place
         packed, pages, steps = place(packed), place(pages), np.int32(steps)
         signature = (self.width, strategy_signature(self.strategy), spec.return_hidden)
         signature += (spec.attention, *(q.shape for q in self.sequences))
+        if drafts is not None:
+            signature += (spec.draft_tokens, drafts.window.shape, drafts.tail.shape)
         key = ("decode", packed.shape, pages.shape, self.rows, self.gen_len, *signature)
         fn = functools.partial(
             decode_program,
@@ -227,13 +241,15 @@ class EnginePrograms:
             pad_id=spec.pad_id,
             backend=self.backend,
             mesh=self.cache.mesh,
+            draft_tokens=spec.draft_tokens,
+            emitted_width=spec.steps * (spec.draft_tokens + 1),
         )
         args = (self.params, self.rest, self.pool, self.out, packed, pages, steps)
         args += (np.bool_(self.resumable), self.seed, self.strategy, self.layers)
-        args += self.sequences
+        args += (self.sequences[0] if self.sequences else None, drafts)
         result = self._build(key, fn, args, (2, 3))(*args)
-        self.pool, self.out = result["pool"], result["out"]
-        return to_host(result["status"])
+        self.pool, self.out = result.pop("pool"), result.pop("out")
+        return {name: to_host(x) for name, x in result.items()}
 
     def results(self) -> dict[str, jax.Array]:
         """Hands the output buffers over (the programs cannot run after)."""

@@ -50,8 +50,9 @@ from delta_jax.models.axes import logical_to_mesh
 from delta_jax.sampling import dense_cpu, engine
 from delta_jax.sampling.backends import NAMES, resolve_attention
 from delta_jax.sampling.buckets import Buckets, RequestArrays, prepare_request
+from delta_jax.sampling.drafts import SOURCES, Drafter
 from delta_jax.sampling.output import SamplerOutput
-from delta_jax.sampling.pages import pages_for
+from delta_jax.sampling.pages import pages_for, pow2
 from delta_jax.sampling.programs import ProgramCache
 from delta_jax.sampling.spec import EngineSpec, Turns
 from delta_jax.sampling.static import static_program
@@ -135,6 +136,12 @@ class Sampler:
       attention: paged attention: ``"auto"`` (the Pallas ragged paged attention kernel on TPU,
         the ``"dense"`` CPU path on CPU, else ``"xla"``), ``"xla"``, ``"pallas"`` or
         ``"dense"`` (see :mod:`delta_jax.sampling.paged`).
+      draft_tokens: speculative decoding (continuous engine, ``"xla"`` or ``"pallas"``
+        attention): tokens drafted per sequence and verify step from the rollout's own text
+        (:mod:`delta_jax.sampling.drafts`: the sequence's own text, its siblings', earlier
+        calls' rollouts of the same prompt, kept by this sampler); 0 decodes one token per
+        step. The tokens are the same either way (greedy and sampled): a drafted token is
+        kept only where it equals the token drawn at its index with that index's key.
 
     Examples:
       >>> from delta_jax.models import ModelConfig
@@ -158,7 +165,9 @@ class Sampler:
     decode_chunk: int = 16
     prefill_chunk: int = 512
     attention: str = "auto"
+    draft_tokens: int = 0
     _programs: ProgramCache = dataclasses.field(init=False, repr=False)
+    _drafter: Drafter | None = dataclasses.field(init=False, repr=False)
 
     @property
     def num_compilations(self) -> int:
@@ -284,6 +293,13 @@ class Sampler:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        k = self.draft_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"draft_tokens must be an int >= 0, got {k!r}")
+        if k and self.engine != "continuous":
+            raise ValueError("draft_tokens > 0 (speculative decoding) needs engine='continuous'")
+        # Speculative decoding's drafts, with the history of this sampler's earlier requests.
+        object.__setattr__(self, "_drafter", Drafter(k) if k else None)
 
     def _generate_continuous(
         self, prompts, request, n, strategy, seed, return_hidden, params, on_sample_done, turns
@@ -302,6 +318,7 @@ class Sampler:
             cache_dtype=self.resolved_cache_dtype(),
             on_sample_done=on_sample_done,
             turns=turns,
+            drafter=self._drafter,
         )
         return dataclasses.replace(out, engine_stats=stats)
 
@@ -339,7 +356,11 @@ class Sampler:
             group_pages = holders * own_pages + resident * prompt_pages + 1
         # A new prompt needs a free slot: about slots / n prompts join a group at a time.
         at_once = 1 << (-(-group_slots // n) - 1).bit_length()
-        attention = resolve_attention(self.attention, _platform(self.mesh))
+        k, lead = self.draft_tokens, self._drafter.lo if self._drafter else 0
+        attention = resolve_attention(self.attention, _platform(self.mesh), speculative=k > 0)
+        # A chunk's verify steps emit at most steps * (k + 1) tokens: each source's piece of a
+        # slot's window holds that many after its lead and the -1 that ends it.
+        window = pow2(len(SOURCES) * (lead + self.decode_chunk * (k + 1) + 1)) if k else 0
         return EngineSpec(
             slots=groups * group_slots,
             steps=self.decode_chunk,
@@ -354,6 +375,8 @@ class Sampler:
             attention=attention,
             return_hidden=return_hidden,
             pad_id=self.pad_token_id,
+            draft_tokens=k,
+            draft_window=window,
         )
 
     def resolved_cache_dtype(self) -> Any:

@@ -16,7 +16,8 @@ from typing import Protocol
 
 import numpy as np
 
-from delta_jax.sampling.backends import PagedBackend, backend_for
+from delta_jax.sampling.backends import PagedBackend
+from delta_jax.sampling.drafts import Drafter
 from delta_jax.sampling.pages import (
     SCRATCH_PAGE,
     PageAllocator,
@@ -25,17 +26,13 @@ from delta_jax.sampling.pages import (
 )
 from delta_jax.sampling.spec import (
     EngineSpec,
-    EngineStats,
     HostSlots,
-    Prompt,
     Seq,
     Turns,
-    assign_groups,
-    output_rows,
     turn_stops,
 )
 
-__all__ = ["DevicePrograms", "Scheduler", "run_engine"]
+__all__ = ["DevicePrograms", "Scheduler"]
 
 
 class DevicePrograms(Protocol):
@@ -56,6 +53,12 @@ class DevicePrograms(Protocol):
         (``SLOT_FIELDS``, stop ids, stop-sequence window, page table) over the page list
         ``[U, 3]``; returns the slots' ``[S, 4 + L]`` status (``STATUS_FIELDS``, then the
         stop-sequence window of multi-turn requests with stop sequences of up to ``L`` ids)."""
+
+    def verify(self, packed, pages, steps: int, drafts):
+        """As :meth:`decode`, in speculative verify steps with each slot's ``drafts``
+        (:class:`~delta_jax.sampling.drafts.Drafts`); returns the status, the tokens each slot
+        emitted ``[S, E]`` (-1 after them) and its counters ``[S, 1 + 2 * sources]`` (verify
+        steps, drafted and accepted tokens by draft source)."""
 
 
 class _Group:
@@ -93,6 +96,7 @@ class Scheduler:
         on_done=None,
         turns: Turns | None = None,
         read=None,
+        drafter: Drafter | None = None,
     ):
         self.spec, self.backend = spec, backend
         self.prompts = prompts
@@ -104,6 +108,10 @@ class Scheduler:
         self.turns = turns
         self.turn_ids, self.stop_sequences = turn_stops(turns)
         self.read = read  # read(seqs) -> their tokens [:length] (multi-turn hand-overs)
+        # Speculative decoding: the request's drafter (its rows are the sequences' indices);
+        # a verify step emits up to ``draft_tokens + 1`` tokens, pages are grown for that many.
+        self.drafter = drafter
+        self.per_step = 1 + (spec.draft_tokens if drafter is not None else 0)
         self.admitted = 0
         self.done: list[Seq] = []
         self.ended: list[Seq] = []  # ended since the last report (on_done)
@@ -120,8 +128,8 @@ class Scheduler:
         return self.prompts[seq.prompt].prefix + seq.max_new - 1
 
     def _chunk_pages(self, seq: Seq, pos: int, steps: int | None = None) -> int:
-        steps = self.spec.steps if steps is None else steps
-        return min(pos + steps - 1, self._end_pos(seq)) // self.spec.page_size + 1
+        tokens = (self.spec.steps if steps is None else steps) * self.per_step
+        return min(pos + tokens - 1, self._end_pos(seq)) // self.spec.page_size + 1
 
     def _release(self, group: _Group, seq: Seq) -> None:
         group.alloc.free(seq.pages)
@@ -168,6 +176,8 @@ class Scheduler:
         self._release(group, seq)
         # Its rows of the output buffers are written again from there on.
         seq.length = len(seq.history or ())
+        if self.drafter is not None:
+            self.drafter.truncate(seq.index, seq.length)
         seq.resume = None
         self.stats.preemptions += 1
         return True
@@ -384,8 +394,8 @@ class Scheduler:
         run ``spec.steps``: any step may end a turn that the host should start answering. A
         tail chunk also ends where its sequences' budgets leave at most half its rows busy
         (:meth:`_bucket`)."""
-        if self.turns is not None or any(g.queue for g in self.groups):
-            return self.spec.steps
+        if self.turns is not None or self.drafter is not None or any(g.queue for g in self.groups):
+            return self.spec.steps  # speculative chunks: fresh drafts every chunk
         left, rests = 0, []
         for group in self.groups:
             need = 0
@@ -435,11 +445,15 @@ class Scheduler:
         pos, left = state.pos[rows][live], (state.max_new - state.count)[rows][live]
         steps, table, pages = self.backend.decode_pages(spec, tables, B, pos, left, steps)
         before = state.count.copy()
-        status = self.programs.decode(state.pack(rows, table), pages, steps)
+        packed = state.pack(rows, table)
+        if self.drafter is None:
+            status = self.programs.decode(packed, pages, steps)
+            state.read_status(rows, status)
+            self.stats.decode_steps += int((state.count - before).max()) * len(rows)
+        else:
+            self._verify(state, rows, packed, pages, steps)
         self.stats.chunks += 1
-        state.read_status(rows, status)
         new = state.count - before
-        self.stats.decode_steps += int(new.max()) * len(rows)
         turn_ends = []
         for group in self.groups:
             for slot, seq in group.running:
@@ -455,6 +469,18 @@ class Scheduler:
         if turn_ends:
             self._hand_over(turn_ends)
         self._report()
+
+    def _verify(self, state: HostSlots, rows, packed, pages, steps: int) -> None:
+        """A speculative chunk: the running sequences' draft windows, the verify steps, and the
+        tokens they emitted back to the drafter."""
+        seqs = {slot: seq for g in self.groups for slot, seq in g.running}
+        index = [seqs[slot].index if slot in seqs else None for slot in rows]
+        drafts = self.drafter.drafts(index, self.spec.draft_window)
+        before = state.count[rows].copy()
+        status, emitted, counts = self.programs.verify(packed, pages, steps, drafts)
+        state.read_status(rows, status)
+        self.drafter.extend_rows(index, emitted, state.count[rows] - before)
+        self.stats.add_verify(counts)
 
     # ---- turns -------------------------------------------------------------------------------
 
@@ -510,6 +536,8 @@ class Scheduler:
                         ids = np.concatenate([seq.history[-1:], obs[:-1]]).astype(np.int32)
                         seq.resume = (first, ids)
                     seq.write = (col, obs)
+                    if self.drafter is not None:
+                        self.drafter.extend(seq.index, obs)
                     seq.observed.append((col, col + obs.size))
                     seq.history += obs.tolist()
                     seq.length += obs.size
@@ -533,52 +561,3 @@ class Scheduler:
         if self.on_done is not None and self.ended:
             self.on_done(self.ended)
         self.ended = []
-
-
-def run_engine(
-    spec: EngineSpec,
-    prompts: list[np.ndarray],
-    n: int,
-    max_new: np.ndarray,
-    stop_ids: np.ndarray,
-    programs: DevicePrograms,
-    on_done=None,
-    turns: Turns | None = None,
-    read=None,
-    backend: PagedBackend | None = None,
-) -> tuple[list[Seq], EngineStats]:
-    """Runs every (prompt, sample) sequence to its end; returns them in row order and stats.
-
-    ``on_done(seqs)``, when given, is called with the sequences that ended in each host round
-    (their outputs are final), while the others are still being decoded.
-
-    ``programs`` runs the device programs on the pool and the output buffers, which it owns
-    (:class:`DevicePrograms`); ``backend``: the attention path's backend they run (default:
-    ``spec.attention``'s), whose page layout the host sends.
-
-    ``turns`` (multi-turn requests, :class:`Turns`) needs ``read(seqs)``: the sequences'
-    output tokens ``[:length]`` as lists, read when their turns end.
-    """
-    stats = EngineStats(group_pages=spec.group_pages)
-    owner = assign_groups(prompts, n, max_new, spec.groups)
-    rows, _ = output_rows(owner, n, spec.groups)
-    records = [Prompt(ids=p, group=owner[i], left=n) for i, p in enumerate(prompts)]
-    seqs = [
-        Seq(
-            prompt=r // n,
-            sample=r % n,
-            max_new=int(max_new[r]),
-            stops=stop_ids[r],
-            row=rows[r],
-            index=r,
-        )
-        for r in range(len(prompts) * n)
-    ]
-    # Longest budget first: a long sequence admitted last would run on alone while the other
-    # slots idle. The order changes no token (each sequence has its own RNG stream).
-    seqs.sort(key=lambda s: -s.max_new)
-    groups = [[s for s in seqs if owner[s.prompt] == g] for g in range(spec.groups)]
-    backend = backend_for(spec.attention) if backend is None else backend
-    done = Scheduler(spec, records, groups, programs, backend, stats, on_done, turns, read).run()
-    done.sort(key=lambda s: (s.prompt, s.sample))
-    return done, stats

@@ -12,6 +12,7 @@ from typing import Literal
 
 import numpy as np
 
+from delta_jax.sampling.drafts import SOURCES
 from delta_jax.sampling.pages import pages_for
 
 __all__ = [
@@ -191,11 +192,32 @@ class EngineStats:
     high_water_pages: tuple[int, ...] = ()  # per group: the most pages in use at once
     free_pages_after: tuple[int, ...] = ()  # per group: free pages after the call
     group_pages: int = 0  # pages in one group's share of the pool (its scratch page included)
+    # Speculative decoding: live slots' verify steps, and drafted and accepted tokens by draft
+    # source (``delta_jax.sampling.drafts.SOURCES``).
+    verify_steps: int = 0
+    drafted: dict[str, int] = dataclasses.field(default_factory=dict)
+    accepted: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def occupancy(self) -> float:
         """Fraction of slot-steps that produced a token."""
         return self.useful_steps / max(1, self.decode_steps)
+
+    @property
+    def tokens_per_verify_step(self) -> float:
+        """Tokens a live slot emitted per verify step (1 without speculation)."""
+        return self.useful_steps / self.verify_steps if self.verify_steps else 1.0
+
+    def add_verify(self, counts: np.ndarray) -> None:
+        """A speculative chunk's per-slot counters ``[S, 1 + 2 * sources]`` (verify steps, then
+        drafted and accepted tokens by source): the chunk ran as many steps as its busiest
+        slot."""
+        n = len(SOURCES)
+        self.decode_steps += int(counts[:, 0].max(initial=0)) * len(counts)
+        self.verify_steps += int(counts[:, 0].sum())
+        for i, source in enumerate(SOURCES):
+            self.drafted[source] = self.drafted.get(source, 0) + int(counts[:, 1 + i].sum())
+            self.accepted[source] = self.accepted.get(source, 0) + int(counts[:, 1 + n + i].sum())
 
 
 @dataclasses.dataclass
@@ -220,6 +242,10 @@ class EngineSpec:
     attention: Attention
     return_hidden: bool
     pad_id: int
+    # Speculative decoding: tokens drafted per slot and verify step (0: plain decode steps),
+    # and each slot's draft window per chunk (tokens).
+    draft_tokens: int = 0
+    draft_window: int = 0
 
     @property
     def group_slots(self) -> int:

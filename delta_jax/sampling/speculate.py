@@ -12,7 +12,7 @@ the token it expects next (-1: none):
   more for each drafted token, in order, equal to the token drawn at its index;
 * :func:`follow`: after the step the place moves on by the emitted tokens while they are the
   window's; otherwise it is found again where the window holds the sequence's last ``m``
-  tokens (the latest such place), or lost until the next chunk.
+  tokens (the first such place), or lost until the next chunk.
 
 The tokens emitted do not depend on the drafts: the token drawn at index ``count + j`` uses
 that index's key, as decoding without speculation does, and is kept only when every drafted
@@ -81,13 +81,15 @@ def follow(
     ahead = jnp.take_along_axis(window, jnp.clip(at, 0, D - 1), axis=1)
     same = (j >= taken[:, None]) | ((at < D) & (ahead == emitted))
     on = (place >= 0) & jnp.all(same, axis=1)
-    # Lost: the latest place whose m tokens before it are the sequence's last m.
+    # Lost: the first place whose m tokens before it are the sequence's last m (the most
+    # window after it).
     starts = max(D - m + 1, 0)  # a window shorter than m holds no place
     hits = jnp.ones((S, starts), bool)
     for r in range(m):
         hits &= window[:, r : r + starts] == new_tail[:, r : r + 1]
     hits &= jnp.all(new_tail >= 0, axis=1, keepdims=True)
-    found = jnp.max(jnp.where(hits, jnp.arange(starts) + m, -1), axis=1, initial=-1)
+    first = jnp.min(jnp.where(hits, jnp.arange(starts) + m, D + 1), axis=1, initial=D + 1)
+    found = jnp.where(first <= D, first, -1)
     moved = taken > 0
-    new_place = jnp.where(on, place + taken, found)
+    new_place = jnp.where(on, place + taken, found).astype(place.dtype)
     return jnp.where(moved, new_place, place), jnp.where(moved[:, None], new_tail, tail)

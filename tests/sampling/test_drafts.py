@@ -39,16 +39,18 @@ class Oracle:
             def hits(t, lo, hi, n=n, key=key):
                 return [i for i in range(max(lo, n), min(hi, len(t))) if t[i - n : i] == key]
 
+            # the first occurrence in the sequence's own text, its prompt, its siblings' texts
+            # (the earliest to arrive); the newest earlier text's latest occurrence
             own = hits(text, P, len(text))
             if own:
-                return text[max(own) : max(own) + self.k], "self"
+                return text[min(own) : min(own) + self.k], "self"
             inside = hits(self.prompts[p], 0, P)
             if inside:
-                return self.prompts[p][max(inside) : max(inside) + self.k], "self"
+                return self.prompts[p][min(inside) : min(inside) + self.k], "self"
             rows = range(p * self.n, (p + 1) * self.n)
             sib = [(self.stamps[r][i], r, i) for r in rows for i in hits(self.texts[r], P, 10**9)]
             if sib:
-                _, r, i = max(sib)
+                _, r, i = min(sib)
                 return self.texts[r][i : i + self.k], "siblings"
             old = self.history.get(key_of, [])
             past = [(d, i) for d, t in enumerate(old) for i in hits(t, P, 10**9)]

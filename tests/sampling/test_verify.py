@@ -121,6 +121,7 @@ def _window_oracle(window, place, tail, emitted, taken, k):
         for i in range(m, D + 1):
             if list(window[i - m : i]) == new_tail:
                 found = i
+                break
     return drafts, found, new_tail
 
 
@@ -221,11 +222,12 @@ def _decode_all(model, backend, strategy, prompts, budgets, stops, windows=None,
     out = [dict(tokens=[], logprobs=[], hidden=[]) for _ in range(S)]
     steps = 0
     while bool(s.active.any()):
-        s, pool, cols, taken, place, tail = step(s, pool, place, tail)
+        s, pool, v = step(s, pool, place, tail)
+        place, tail = v.place, v.tail
         steps += 1
         for b in range(S):
             for name in out[b]:
-                out[b][name] += list(np.asarray(cols[name][b, : int(taken[b])]))
+                out[b][name] += list(np.asarray(v.cols[name][b, : int(v.taken[b])]))
     return out, steps
 
 

@@ -32,8 +32,13 @@ def _peaked_float64_model():
 
 @pytest.mark.parametrize(
     "engine",
-    [dict(engine="static"), dict(engine="continuous", decode_slots=2, page_size=4, decode_chunk=4)],
-    ids=["static", "continuous"],
+    [
+        dict(engine="static"),
+        dict(engine="continuous", decode_slots=2, page_size=4, decode_chunk=4),
+        # verify steps of 3 drafted tokens (speculative decoding, the XLA paged path)
+        dict(engine="continuous", decode_slots=2, page_size=4, decode_chunk=4, draft_tokens=3),
+    ],
+    ids=["static", "continuous", "speculative"],
 )
 def test_float64_greedy_cached_decode_equals_full_forward(engine):
     with jax.enable_x64(True):  # this test only: the model, the programs and their inputs
@@ -41,6 +46,8 @@ def test_float64_greedy_cached_decode_equals_full_forward(engine):
         sampler = Sampler(model, stop_token_ids=(), **engine)
         out = sampler.generate(PROMPTS, max_new_tokens=10, temperature=0.0)
         assert np.asarray(out.logprobs).dtype == np.float64
+        if engine.get("draft_tokens"):  # drafts were accepted: fewer verify steps than tokens
+            assert 0 < out.engine_stats.verify_steps < out.engine_stats.useful_steps
         rows = _full_forward(model, out)
     distinct = set()
     for row, (_, _, logits, _, gen, _) in enumerate(rows):

@@ -1,0 +1,130 @@
+"""Speculative rollouts in the continuous engine: drafts from the rollout's own text, verified
+several tokens per step, change how fast tokens come and never which.
+
+References: the engine without speculation (itself tested against ``transformers`` and full
+forwards), and the model's exact next-token law (float64 NumPy) for a goodness-of-fit test of
+the tokens drawn at drafted positions.
+"""
+
+import collections
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from delta_jax.sampling import Sampler
+from tests.sampling.helpers import chisquare_pvalue, peaked_model, truncated_distribution
+from tests.sampling.test_sampler import ATOL, _forward
+
+PROMPTS = [[5, 9, 2, 17], [7, 1, 4, 4, 8, 3], [20], [3, 3, 6, 2, 9], list(range(30, 43))]
+BUDGETS = [14, 9, 17, 12, 15]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return peaked_model()
+
+
+def engine(model, **kw) -> Sampler:
+    kw = {"decode_slots": 4, "page_size": 4, "decode_chunk": 4, "attention": "xla", **kw}
+    return Sampler(model, stop_token_ids=(), engine="continuous", **kw)
+
+
+def _same_outputs(a, b):
+    """Same tokens; log-probs and hidden states within the whole-model tolerance (``ATOL``: a
+    verify step attends for several positions at once, another order of float32 sums; in
+    float64, ``tests/sampling/test_x64.py`` checks them against the full forward to 1e-9)."""
+    assert a.tokens == b.tokens
+    for name in ("logprob_array", "untruncated_logprob_array", "hidden_array"):
+        np.testing.assert_allclose(
+            np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), atol=ATOL, err_msg=name
+        )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.5])
+def test_same_tokens_log_probs_and_hidden_states_with_and_without_drafts(model, temperature):
+    """4 slots for 15 sequences (slots refilled) and a pool small enough to preempt: the same
+    outputs as decoding one token per step, in fewer verify steps than tokens."""
+    kw = dict(max_new_tokens=BUDGETS, n=3, temperature=temperature, seed=5, return_hidden=True)
+    plain = engine(model).generate(PROMPTS, **kw)
+    tight = engine(model, num_pages=13, draft_tokens=3).generate(PROMPTS, **kw)
+    _same_outputs(plain, tight)
+    stats = tight.engine_stats
+    assert stats.preemptions > 0 and plain.engine_stats.preemptions == 0
+    # A preempted sequence's tokens are drawn again: the engine counts them again.
+    assert stats.useful_steps > sum(BUDGETS) * 3
+    accepted, drafted = sum(stats.accepted.values()), sum(stats.drafted.values())
+    assert 0 < accepted <= drafted
+    if temperature:
+        assert accepted < drafted  # drafts were also rejected
+    assert stats.verify_steps < stats.useful_steps
+    roomy = engine(model, decode_slots=16, draft_tokens=3).generate(PROMPTS, **kw)
+    _same_outputs(plain, roomy)
+    s = roomy.engine_stats
+    # A live slot's verify step emits one token and each accepted draft.
+    assert s.verify_steps + sum(s.accepted.values()) == s.useful_steps == sum(BUDGETS) * 3
+    assert s.tokens_per_verify_step > 1
+
+
+def test_drafts_come_from_siblings_and_earlier_requests(model):
+    """A request's samples draft from each other (4 slots for 8 sequences: the samples with
+    the smaller budgets start after the others and follow their text); the same prompts
+    requested again draft from the first request's rollouts (greedy: the very same text),
+    kept by the sampler."""
+    sampler = engine(model, decode_slots=4, draft_tokens=4)
+    kw = dict(max_new_tokens=[12, 24, 12, 24] * 2, n=4, temperature=0.0)
+    first = sampler.generate(PROMPTS[:2], **kw)
+    again = sampler.generate(PROMPTS[:2], **kw)
+    assert again.tokens == first.tokens
+    assert first.engine_stats.accepted["siblings"] > 0
+    assert first.engine_stats.accepted["history"] == 0
+    assert again.engine_stats.accepted["history"] > 0
+    assert again.engine_stats.tokens_per_verify_step > first.engine_stats.tokens_per_verify_step
+    # Greedy on a text it has seen: nearly every draft is accepted.
+    assert again.engine_stats.tokens_per_verify_step > 3.0
+
+
+def test_drawn_tokens_at_drafted_positions_follow_the_models_law(model):
+    """Goodness of fit at drafted positions: 512 samples of one prompt, drafted from the
+    history of an earlier request (another seed), so most positions after the first are
+    verified drafts. The second and third tokens after the modal prefix are tested against the
+    model's exact law given that prefix (chi-square, significance level 1e-3), and against a
+    wrong law (the first position's), which the test must reject."""
+    prompt = [3, 1, 4, 1, 5]
+    kw = dict(temperature=1.0, top_k=8)
+    sampler = engine(model, decode_slots=64, decode_chunk=3, draft_tokens=3)
+    sampler.generate([prompt], max_new_tokens=3, n=64, seed=1, **kw)  # the history
+    out = sampler.generate([prompt] * 8, max_new_tokens=3, n=64, seed=2, **kw)
+    stats = out.engine_stats
+    assert stats.accepted["history"] > 100 and stats.drafted["history"] > stats.accepted["history"]
+    tokens = np.asarray(out.token_array)[:, :3]
+
+    def law(prefix):
+        ids = jnp.asarray([prompt + prefix], jnp.int32)
+        logits = np.asarray(_forward(model, ids, jnp.ones_like(ids, bool))[0][0, -1], np.float64)
+        return truncated_distribution(logits, **kw)
+
+    first = collections.Counter(tokens[:, 0].tolist()).most_common(1)[0][0]
+    rows = tokens[tokens[:, 0] == first]
+    assert len(rows) > 100
+    assert chisquare_pvalue(rows[:, 1], law([first])) > 1e-3
+    assert chisquare_pvalue(rows[:, 1], law([])) < 1e-6  # the test has power
+    second = collections.Counter(rows[:, 1].tolist()).most_common(1)[0][0]
+    rows = rows[rows[:, 1] == second]
+    assert len(rows) > 50
+    assert chisquare_pvalue(rows[:, 2], law([first, second])) > 1e-3
+
+
+def test_speculative_decoding_is_refused_where_it_cannot_run(model):
+    with pytest.raises(ValueError, match="needs engine='continuous'"):
+        Sampler(model, draft_tokens=2)
+    with pytest.raises(ValueError, match="draft_tokens must be an int >= 0"):
+        engine(model, draft_tokens=-1)
+    dense = engine(model, attention="dense", draft_tokens=2)
+    with pytest.raises(ValueError, match="needs attention='xla' or 'pallas'"):
+        dense.generate([[1, 2]], max_new_tokens=4)
+    # "auto" on CPU picks the XLA path when drafting (the dense path decodes one token a step).
+    auto = engine(model, attention="auto", draft_tokens=2)
+    assert auto.generate([[1, 2]], max_new_tokens=4, temperature=0.0).tokens == (
+        engine(model, attention="auto").generate([[1, 2]], max_new_tokens=4, temperature=0.0).tokens
+    )
