@@ -167,6 +167,13 @@ class RolloutConfigSection:
     # Wall-clock limit (> 0) of one call: python_tool's code runs; for any other environment,
     # its factory, reset and step (past it the episode ends, counted in episode/env_errors).
     tool_timeout_s: float = ranged(10.0, 0, bounds="(]")
+    # Speculative rollouts (continuous engine; delta_jax.sampling.drafts): true drafts up to
+    # draft_tokens tokens per sequence and step from the rollout's own text (its own, its
+    # siblings', earlier steps' rollouts of the same prompt) and verifies them in one forward
+    # pass; the tokens are those of false (same seeds, same tokens). On CPU it needs the XLA
+    # attention path, which it picks there.
+    speculate: bool = False
+    draft_tokens: int = ranged(4, 1)
     # python_tool's call format: "tool_call" (Qwen3's <tool_call> JSON, the tool declared in
     # the chat template), "fenced" (a ```python block, for base models), "auto": "tool_call"
     # when the tokenizer has a chat template, else "fenced".

@@ -146,8 +146,9 @@ def collect_rollout(
     kept = kept[:wanted]
     if stats.get("engine/decode_steps"):
         stats["rollout/occupancy"] = stats["engine/useful_steps"] / stats["engine/decode_steps"]
-    for key in ("engine/useful_steps", "engine/decode_steps"):
-        stats.pop(key, None)
+    _speculation_stats(stats)
+    for key in [k for k in stats if k.startswith("engine/")]:
+        stats.pop(key)
     if episodes is not None:  # per-episode means over every round's episodes
         observed, written = stats.pop("rollout/observation_tokens"), stats.pop("response_tokens")
         stats["rollout/observation_share"] = observed / max(1, written)
@@ -251,6 +252,11 @@ def _count_engine(stats: Counter, out, episodes, rows: int) -> None:
         stats["engine/decode_steps"] += es.decode_steps
         stats["rollout/preemptions"] += es.preemptions
         stats["rollout/pages_peak"] = max(stats["rollout/pages_peak"], *es.high_water_pages)
+        if es.verify_steps:  # speculative rollouts
+            stats["engine/verify_steps"] += es.verify_steps
+            for source in es.drafted:
+                stats[f"engine/drafted/{source}"] += es.drafted[source]
+                stats[f"engine/accepted/{source}"] += es.accepted[source]
     if episodes is not None:
         for key, value in episodes.stats().items():  # means; summed here, divided at the end
             stats[key] += value * rows
@@ -258,6 +264,23 @@ def _count_engine(stats: Counter, out, episodes, rows: int) -> None:
         stats["rollout/observation_tokens"] += out.engine_stats.observation_tokens
         stats["response_tokens"] += sum(out.lengths)
         stats["time/tool_wait"] += out.engine_stats.wait_s
+
+
+def _speculation_stats(stats: Counter) -> None:
+    """Speculative rollouts' metrics: tokens per verify step, the verify steps saved (tokens
+    minus verify steps), and each draft source's drafted tokens and acceptance rate."""
+    if not stats.get("engine/verify_steps"):
+        return
+    tokens, steps = stats["engine/useful_steps"], stats["engine/verify_steps"]
+    stats["speculate/tokens_per_step"] = tokens / steps
+    stats["speculate/steps_saved"] = tokens - steps
+    for key in [k for k in stats if k.startswith("engine/drafted/")]:
+        source = key.rsplit("/", 1)[1]
+        drafted = stats[key]
+        stats[f"speculate/drafted/{source}"] = drafted
+        stats[f"speculate/acceptance/{source}"] = (
+            stats[f"engine/accepted/{source}"] / drafted if drafted else 0.0
+        )
 
 
 def _sample_and_score(

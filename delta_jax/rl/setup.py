@@ -568,6 +568,7 @@ def build_run_parts(
         decode_slots=config.rollout.decode_slots,
         page_size=config.rollout.page_size,
         num_pages=config.rollout.num_pages or None,
+        draft_tokens=config.rollout.draft_tokens if config.rollout.speculate else 0,
     )
     train_scorer, scorer = make_scorers(config, reward_fns, reward_weights)
     return RunParts(

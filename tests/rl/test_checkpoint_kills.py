@@ -1,6 +1,6 @@
 """Real SIGKILLs of a `delta-jax train` process at the moments of a save, each followed by the
 same command: it resumes with at most one warning line, no step is ever judged damaged, and the
-metrics in the end are the uninterrupted run's.
+metrics and parameters in the end are the uninterrupted run's (bitwise).
 
 The save moments come from the test hook of ``delta_jax/checkpoint.py``
 (``DELTA_JAX_TEST_KILL_AT=<point>:<step>``: ``save``, Orbax writing, not committed; ``record``,
@@ -15,11 +15,12 @@ import signal
 import subprocess
 import time
 
+import numpy as np
 import pytest
 
 from delta_jax.checkpoint import RECORD
 from delta_jax.diagnostics.metrics_log import read_metrics
-from tests.rl.test_loop import ROOT, _cli
+from tests.rl.test_loop import ROOT, _cli, _params
 
 EXTRA = ("run.steps=6", "run.save_every=3", "run.keep_last=3", "reward.num_workers=0")
 # What a user would read as a problem. After a kill there is none at all: a kill damages nothing
@@ -138,3 +139,6 @@ def test_kills_at_every_moment_of_a_save_resume_to_the_uninterrupted_metrics(
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 7))  # no step twice, none missing
     assert _comparable(rows) == _comparable(read_metrics(straight / "metrics.jsonl"))
+    # and the same parameters, bit for bit
+    for x, y in zip(_params(straight, 6), _params(run, 6), strict=True):
+        np.testing.assert_array_equal(x, y)

@@ -150,41 +150,6 @@ def test_packed_and_padded_runs_log_the_same_losses(tmp_path, demo_model_dir):
             assert abs(p[key] - q[key]) <= 1e-4, (p["step"], key, p[key], q[key])
 
 
-@pytest.mark.slow  # three CLI runs
-def test_exact_resume_after_kill(tmp_path, demo_model_dir):
-    """8 steps straight == 4 steps, kill -9, resume to 8: same metrics, bitwise-equal params."""
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    extra = ("run.steps=8", "run.save_every=4", "reward.kind=tests.rl.reward_fns:slow_math")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    a = subprocess.Popen(_cli(straight, demo_model_dir, *extra), env=env, cwd=ROOT)
-    b = subprocess.Popen(
-        _cli(killed, demo_model_dir, *extra),
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 600
-    while not (killed / "checkpoints" / "4").exists():
-        assert b.poll() is None, "the run to be killed ended early"
-        assert time.time() < deadline
-        time.sleep(0.2)
-    b.send_signal(signal.SIGKILL)
-    b.wait()
-    assert read_metrics(killed / "metrics.jsonl")[-1]["step"] < 8
-    assert subprocess.run(_cli(killed, demo_model_dir, *extra), env=env, cwd=ROOT).returncode == 0
-    assert a.wait(timeout=600) == 0
-    rows_a = read_metrics(straight / "metrics.jsonl")
-    rows_b = read_metrics(killed / "metrics.jsonl")
-    assert [r["step"] for r in rows_b] == list(range(1, 9))  # no step twice, none missing
-    compare = lambda rows: _strip_times([r for r in rows if r["step"] > 4])
-    # The first resumed step compiles again (a fresh process); everything else must match.
-    drop = lambda rows: [{k: v for k, v in r.items() if k != "compiles"} for r in rows]
-    assert drop(compare(rows_a)) == drop(compare(rows_b))
-    for x, y in zip(_params(straight, 8), _params(killed, 8), strict=True):
-        np.testing.assert_array_equal(x, y)
-
-
 @pytest.mark.slow  # a CLI run
 def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path, demo_model_dir):
     run = tmp_path / "run"

@@ -139,3 +139,28 @@ def test_bad_settings_are_one_line(kwargs):
     with pytest.raises(ValueError, match="must be an int >=") as err:
         Drafter(k, **kwargs)
     assert "\n" not in str(err.value)
+
+
+def test_a_chunks_drafts_and_a_preempted_rows_text():
+    """``drafts``: each running row's window, its place after the first piece's lead and its
+    last tokens (idle slots: nothing); ``truncate``: a preempted row drafts from its text up to
+    where it restarts, and the same tokens arriving again draft as before."""
+    d = Drafter(3, min_ngram=2, max_ngram=2)
+    d.begin([np.array([1, 2, 3])], n=2)
+    d.extend(0, [4, 5, 6, 7])
+    d.extend(1, [4])
+    chunk = d.drafts([1, None, 0], size=16)
+    window, sources = d.window(1, 16)
+    assert (chunk.window[0] == window).all() and (chunk.sources[0] == sources).all()
+    assert window[:2].tolist() == [3, 4] and window[2:5].tolist() == [5, 6, 7]  # sibling 0's
+    assert chunk.place.tolist() == [2, -1, -1]  # row 0's "6 7" was never followed
+    assert chunk.tail.tolist() == [[3, 4], [-1, -1], [6, 7]]
+    assert (chunk.window[1] == -1).all() and (chunk.sources[1] == -1).all()
+    d.extend_rows([0, None, 1], np.array([[8, 9, -1], [0, 0, 0], [5, 6, -1]]), [1, 0, 2])
+    assert d.last(0, 3).tolist() == [6, 7, 8] and d.last(1, 3).tolist() == [4, 5, 6]
+    before = d.propose(1)
+    d.truncate(1, 1)  # back to its prompt and first token
+    assert d.last(1, 3).tolist() == [2, 3, 4]
+    d.extend(1, [5, 6])
+    after = d.propose(1)
+    assert after.tokens.tolist() == before.tokens.tolist() and after.source == before.source

@@ -148,9 +148,17 @@ def reference(models, request):
 # Every paged attention path that runs on CPU: ``dense`` (what ``attention="auto"`` and so the
 # trainer pick on CPU: its decode chunks read per-chunk views, written back to the pages at the
 # chunk's end, and its observations are prefilled through page tables) and ``xla`` (GPU, and
-# the prefill of every accelerator path: flat page lists).
-@pytest.mark.parametrize("attention", ["dense", "xla"])
-def test_multiturn_episodes_equal_reprefilling_the_history(models, reference, attention):
+# the prefill of every accelerator path: flat page lists); and ``xla`` with speculative verify
+# steps of 3 drafted tokens (turns end inside a step's accepted tokens, drafts continue after
+# observations).
+@pytest.mark.parametrize(
+    ("attention", "draft_tokens"),
+    [("dense", 0), ("xla", 0), ("xla", 3)],
+    ids=["dense", "xla", "speculative"],
+)
+def test_multiturn_episodes_equal_reprefilling_the_history(
+    models, reference, attention, draft_tokens
+):
     _, model = models
     stop_ids, sequences, expected, expected_actions, expected_calls = reference
     # 3 slots for 5 episodes; a pool of 23 usable pages of 4 tokens, where one episode needs
@@ -172,6 +180,7 @@ def test_multiturn_episodes_equal_reprefilling_the_history(models, reference, at
         num_pages=num_pages,
         decode_chunk=chunk,
         attention=attention,
+        draft_tokens=draft_tokens,
     )
     out = sampler.generate(
         PROMPTS,
@@ -198,6 +207,8 @@ def test_multiturn_episodes_equal_reprefilling_the_history(models, reference, at
     assert stats.preemptions > 0
     # Most observations continued in place: far fewer ids prefilled than the contexts hold.
     assert stats.observation_tokens <= stats.resumed_tokens < sum(map(len, expected))
+    if draft_tokens:  # drafted tokens were accepted: fewer verify steps than sampled tokens
+        assert 0 < stats.verify_steps < stats.useful_steps
 
 
 def test_episodes_that_end_on_the_host_end_the_call(models):

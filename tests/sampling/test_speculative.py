@@ -41,11 +41,11 @@ def _same_outputs(a, b):
         )
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.5])
-def test_same_tokens_log_probs_and_hidden_states_with_and_without_drafts(model, temperature):
-    """4 slots for 15 sequences (slots refilled) and a pool small enough to preempt: the same
-    outputs as decoding one token per step, in fewer verify steps than tokens."""
-    kw = dict(max_new_tokens=BUDGETS, n=3, temperature=temperature, seed=5, return_hidden=True)
+def test_same_tokens_log_probs_and_hidden_states_with_and_without_drafts(model):
+    """Sampled: 4 slots for 15 sequences (slots refilled) and a pool small enough to preempt:
+    the same outputs as decoding one token per step, in fewer verify steps than tokens. (Greedy:
+    ``test_drafts_come_from_siblings_and_earlier_requests`` and ``test_x64.py``.)"""
+    kw = dict(max_new_tokens=BUDGETS, n=3, temperature=0.5, seed=5, return_hidden=True)
     plain = engine(model).generate(PROMPTS, **kw)
     tight = engine(model, num_pages=13, draft_tokens=3).generate(PROMPTS, **kw)
     _same_outputs(plain, tight)
@@ -54,9 +54,7 @@ def test_same_tokens_log_probs_and_hidden_states_with_and_without_drafts(model, 
     # A preempted sequence's tokens are drawn again: the engine counts them again.
     assert stats.useful_steps > sum(BUDGETS) * 3
     accepted, drafted = sum(stats.accepted.values()), sum(stats.drafted.values())
-    assert 0 < accepted <= drafted
-    if temperature:
-        assert accepted < drafted  # drafts were also rejected
+    assert 0 < accepted < drafted  # drafts were accepted and rejected
     assert stats.verify_steps < stats.useful_steps
     roomy = engine(model, decode_slots=16, draft_tokens=3).generate(PROMPTS, **kw)
     _same_outputs(plain, roomy)
@@ -75,7 +73,7 @@ def test_drafts_come_from_siblings_and_earlier_requests(model):
     kw = dict(max_new_tokens=[12, 24, 12, 24] * 2, n=4, temperature=0.0)
     first = sampler.generate(PROMPTS[:2], **kw)
     again = sampler.generate(PROMPTS[:2], **kw)
-    assert again.tokens == first.tokens
+    assert again.tokens == first.tokens == engine(model).generate(PROMPTS[:2], **kw).tokens
     assert first.engine_stats.accepted["siblings"] > 0
     assert first.engine_stats.accepted["history"] == 0
     assert again.engine_stats.accepted["history"] > 0

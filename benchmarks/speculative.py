@@ -1,0 +1,120 @@
+"""Speculative rollouts on the real model: tokens per verify step and draft acceptance by source,
+and the wall time with and without speculation at several batch sizes.
+
+The workload is ``configs/smollm2_arith.yaml``'s rollout: SmolLM2-135M-Instruct (the GGUF file
+from the package index), reasoning-gym ``chain_sum`` prompts in its chat template, temperature
+0.7, up to ``--max-new`` tokens. An *epoch* samples the same ``--prompts`` prompts again with a
+new seed, as RL's steps come back to a prompt; epoch 1 fills the drafter's history and is not
+counted. The policy does not change between epochs here (no update): history drafts are at their
+best, where a training run's policy drifts from one epoch to the next.
+
+Per batch size (the engine's ``decode_slots``), three samplers run the same epochs in turn
+(interleaved, so the machine's drift hits each alike): ``dense`` (the CPU default, one token per
+step), ``xla`` (the attention path speculation runs on, one token per step) and ``xla+k`` (up to
+``k`` drafted tokens per verify step). A batch of 1 runs one sample per prompt (a prompt's
+samples must fit the slots), so its drafts come from the sequence's own text and the history.
+Speculation changes no token (checked here: every epoch's tokens are compared).
+
+    python benchmarks/speculative.py --prompts 8 --epochs 3 --batches 1,8,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from delta_jax.config import load_config
+from delta_jax.rl.setup import load_model, prompt_sets, special_token_ids
+from delta_jax.sampling import Sampler
+from delta_jax.sampling.drafts import SOURCES
+
+CONFIG = "configs/smollm2_arith.yaml"
+
+
+def _samplers(model, pad_id, stops, slots: int, k: int) -> dict[str, Sampler]:
+    kw = dict(engine="continuous", pad_token_id=pad_id, stop_token_ids=stops, decode_slots=slots)
+    return {
+        "dense": Sampler(model, attention="dense", **kw),
+        "xla": Sampler(model, attention="xla", **kw),
+        f"xla+{k}": Sampler(model, attention="xla", draft_tokens=k, **kw),
+    }
+
+
+def run_batch(model, prompts, pad_id, stops, args, slots: int) -> None:
+    n = min(args.n, slots)
+    samplers = _samplers(model, pad_id, stops, slots, args.k)
+    walls = {name: [] for name in samplers}
+    tokens = {name: 0 for name in samplers}
+    drafted = dict.fromkeys(SOURCES, 0)
+    accepted = dict.fromkeys(SOURCES, 0)
+    verify_steps = useful = 0
+    for epoch in range(args.epochs):
+        outs = {}
+        for name, sampler in samplers.items():
+            start = time.perf_counter()
+            out = sampler.generate(
+                prompts, max_new_tokens=args.max_new, n=n, temperature=args.temperature,
+                seed=1000 + epoch,
+            )  # fmt: skip
+            wall = time.perf_counter() - start
+            outs[name] = out
+            if epoch == 0:
+                continue  # compiles, and fills the history
+            walls[name].append(wall)
+            tokens[name] += sum(out.lengths)
+            stats = out.engine_stats
+            if stats.verify_steps:
+                verify_steps += stats.verify_steps
+                useful += stats.useful_steps
+                for s in SOURCES:
+                    drafted[s] += stats.drafted.get(s, 0)
+                    accepted[s] += stats.accepted.get(s, 0)
+        first = next(iter(outs.values())).tokens
+        assert all(o.tokens == first for o in outs.values()), "speculation changed tokens"
+    rows = len(prompts) * n
+    print(f"\nbatch {slots} ({len(prompts)} prompts x {n} samples = {rows} rows, "
+          f"{args.epochs - 1} measured epochs)")  # fmt: skip
+    print(f"{'path':>8} | {'wall s':>7} {'tok/s':>7} | vs dense  vs xla")
+    base = {name: statistics.median(w) for name, w in walls.items()}
+    for name in samplers:
+        rate = tokens[name] / sum(walls[name])
+        print(
+            f"{name:>8} | {base[name]:7.2f} {rate:7.1f} | {base['dense'] / base[name]:7.2f}x "
+            f"{base['xla'] / base[name]:6.2f}x"
+        )
+    per_step = useful / max(1, verify_steps)
+    print(f"tokens per verify step {per_step:.2f} ({useful} tokens, {verify_steps} verify steps)")
+    for s in SOURCES:
+        rate = accepted[s] / drafted[s] if drafted[s] else float("nan")
+        print(f"  {s:>8}: {drafted[s]:6d} drafted, {accepted[s]:6d} accepted ({rate:.2f})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt (at most the batch)")
+    ap.add_argument("--epochs", type=int, default=3, help="the first fills the history")
+    ap.add_argument("--batches", default="1,8,32", help="decode slots")
+    ap.add_argument("--k", type=int, default=4, help="drafted tokens per verify step")
+    ap.add_argument("--max-new", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    args = ap.parse_args()
+    if args.epochs < 2:
+        ap.error("--epochs must be >= 2 (the first is not measured)")
+    with tempfile.TemporaryDirectory() as run_dir:
+        config = load_config(CONFIG, [f"run.dir={run_dir}", "run.eval_every=0"])
+        model, tokenizer = load_model(config, Path(run_dir))
+        pad_id, stops = special_token_ids(tokenizer, model)
+        train, _ = prompt_sets(config, tokenizer)
+        prompts = [list(map(int, ids)) for ids in train.ids[: args.prompts]]
+    print(f"{CONFIG}: {len(prompts)} prompts, k={args.k}, temperature {args.temperature}, "
+          f"up to {args.max_new} new tokens")  # fmt: skip
+    for slots in map(int, args.batches.split(",")):
+        run_batch(model, prompts, pad_id, stops, args, slots)
+
+
+if __name__ == "__main__":
+    main()

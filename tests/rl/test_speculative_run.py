@@ -1,0 +1,34 @@
+"""Speculative rollouts in a training run: ``rollout.speculate=true`` changes how the rollout's
+tokens come (verify steps of drafted tokens), not which, so the run is the plain one."""
+
+import numpy as np
+import pytest
+
+from delta_jax import Trainer
+from delta_jax.config import load_config
+from tests.rl.conftest import tiny_overrides
+from tests.rl.test_trainer import DEMO
+
+
+@pytest.mark.slow  # two short runs
+def test_speculative_rollouts_train_as_plain_ones(tmp_path, demo_model_dir):
+    rows = {}
+    for mode in ("false", "true"):
+        extra = ("run.steps=2", f"rollout.speculate={mode}", "rollout.draft_tokens=3")
+        config = load_config(DEMO, tiny_overrides(tmp_path / mode, demo_model_dir, *extra))
+        with Trainer(config) as trainer:
+            rows[mode] = [trainer.step(), trainer.step()]
+    for off, on in zip(rows["false"], rows["true"], strict=True):
+        # The same tokens, so the same rewards and groups; the loss from the same rollouts'
+        # log-probs (another attention path on CPU: float32 rounding only).
+        for key in ("reward_mean", "response_length_mean", "dynamic/informative_groups"):
+            assert on[key] == off[key], key
+        np.testing.assert_allclose(on["loss"], off["loss"], rtol=1e-4, atol=1e-6)
+        assert not any(k.startswith("speculate/") for k in off)
+        # Each verify step emits one token and each accepted draft: the steps saved are the
+        # accepted drafts.
+        sources = [k.rsplit("/", 1)[1] for k in on if k.startswith("speculate/drafted/")]
+        drafted = {s: on[f"speculate/drafted/{s}"] for s in sources}
+        accepted = sum(on[f"speculate/acceptance/{s}"] * drafted[s] for s in sources)
+        assert sum(drafted.values()) > 0
+        assert on["speculate/steps_saved"] == pytest.approx(accepted)
