@@ -50,7 +50,7 @@ def run_batch(model, prompts, pad_id, stops, args, slots: int) -> None:
     tokens = {name: 0 for name in samplers}
     drafted = dict.fromkeys(SOURCES, 0)
     accepted = dict.fromkeys(SOURCES, 0)
-    verify_steps = useful = 0
+    verify_steps = useful = differ = 0
     for epoch in range(args.epochs):
         outs = {}
         for name, sampler in samplers.items():
@@ -72,8 +72,11 @@ def run_batch(model, prompts, pad_id, stops, args, slots: int) -> None:
                 for s in SOURCES:
                     drafted[s] += stats.drafted.get(s, 0)
                     accepted[s] += stats.accepted.get(s, 0)
-        first = next(iter(outs.values())).tokens
-        assert all(o.tokens == first for o in outs.values()), "speculation changed tokens"
+        # Speculation changes no token; the dense path may differ from the XLA one by float32
+        # rounding (counted, not asserted).
+        plain, spec = outs["xla"].tokens, outs[f"xla+{args.k}"].tokens
+        assert spec == plain, "speculation changed tokens"
+        differ += sum(a != b for a, b in zip(outs["dense"].tokens, plain, strict=True))
     rows = len(prompts) * n
     print(f"\nbatch {slots} ({len(prompts)} prompts x {n} samples = {rows} rows, "
           f"{args.epochs - 1} measured epochs)")  # fmt: skip
@@ -85,6 +88,7 @@ def run_batch(model, prompts, pad_id, stops, args, slots: int) -> None:
             f"{name:>8} | {base[name]:7.2f} {rate:7.1f} | {base['dense'] / base[name]:7.2f}x "
             f"{base['xla'] / base[name]:6.2f}x"
         )
+    print(f"rows whose dense-path tokens differ from the XLA path's: {differ}")
     per_step = useful / max(1, verify_steps)
     print(f"tokens per verify step {per_step:.2f} ({useful} tokens, {verify_steps} verify steps)")
     for s in SOURCES:
