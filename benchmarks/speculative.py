@@ -109,7 +109,8 @@ def main() -> None:
     if args.epochs < 2:
         ap.error("--epochs must be >= 2 (the first is not measured)")
     with tempfile.TemporaryDirectory() as run_dir:
-        config = load_config(CONFIG, [f"run.dir={run_dir}", "run.eval_every=0"])
+        overrides = [f"run.dir={run_dir}", "run.eval_every=0", "data.extra_eval_sources=null"]
+        config = load_config(CONFIG, overrides)
         model, tokenizer = load_model(config, Path(run_dir))
         pad_id, stops = special_token_ids(tokenizer, model)
         train, _ = prompt_sets(config, tokenizer)
