@@ -18,6 +18,7 @@ from delta_jax.models import Transformer
 from delta_jax.models.axes import logical_to_mesh
 from delta_jax.sampling.backends import backend_for
 from delta_jax.sampling.decode import decode_program, prefill_chunk, write_observations
+from delta_jax.sampling.drafts import Drafts
 from delta_jax.sampling.paged import PAGE_AXES, PageList, PagePool
 from delta_jax.sampling.spec import SLOT_FIELDS, Attention
 from delta_jax.sampling.strategies import make_strategy
@@ -78,6 +79,9 @@ def lower_decode(
     rows: int | None = None,
     gen_len: int | None = None,
     stop_sequences: tuple[int, int] = (0, 0),
+    draft_tokens: int = 0,
+    draft_window: int = 0,
+    draft_lead: int = 2,
 ) -> jax.stages.Lowered:
     """The decode program lowered for abstract inputs on ``mesh`` (no parameters materialised).
 
@@ -88,7 +92,9 @@ def lower_decode(
     (``xla``); the pool is in ``cache_dtype`` (default ``dtype``). The output buffers hold
     ``rows`` (default ``slots``) x ``gen_len`` (default ``steps``) tokens; the chunk's length
     is a traced value (``steps`` is what a real call passes). ``stop_sequences``: the ``(Q, L)``
-    shape of a multi-turn request's stop-sequence matrix (``L = 0``: none).
+    shape of a multi-turn request's stop-sequence matrix (``L = 0``: none). ``draft_tokens``
+    (> 0): the speculative chunk, verify steps of that many drafted tokens from per-slot
+    windows of ``draft_window`` tokens placed by their last ``draft_lead`` tokens.
     """
     graphdef, params, rest, aval = abstract_model(config, mesh, rules, dtype)
     i32, row = jnp.int32, ("batch",)
@@ -113,7 +119,17 @@ def lower_decode(
     resumable = jax.ShapeDtypeStruct((), jnp.bool_, sharding=scalar)
     seed = jax.ShapeDtypeStruct((), jnp.uint32, sharding=scalar)
     strategy = make_strategy(1.0)
-    sequences = (jax.ShapeDtypeStruct((Q, L), i32, sharding=scalar),) if L else ()
+    sequences = jax.ShapeDtypeStruct((Q, L), i32, sharding=scalar) if L else None
+    drafts = None
+    if draft_tokens:
+        fn = functools.partial(
+            fn, draft_tokens=draft_tokens, emitted_width=steps * (draft_tokens + 1)
+        )
+        W = (slots, draft_window)
+        drafts = Drafts(
+            aval(W, i32, row), aval(W, i32, row), aval((slots,), i32, row),
+            aval((slots, draft_lead), i32, row),
+        )  # fmt: skip
     with jax.set_mesh(mesh), spmd.logical_axis_rules(rules):
         return jax.jit(fn, donate_argnums=(2, 3)).lower(
             params,
@@ -127,7 +143,8 @@ def lower_decode(
             seed,
             strategy,
             None,
-            *sequences,
+            sequences,
+            drafts,
         )
 
 

@@ -242,8 +242,10 @@ def test_bad_input_raises_before_compiling(model, kwargs, generate, match):
     assert counter.count == 0 and sampler.num_compilations == 0
 
 
-def test_decode_compiles_for_tpu_with_ragged_paged_attention():
-    """The decode program with JAX's Pallas kernel, compiled for a v5p 2x2x1 slice (no TPU)."""
+@pytest.mark.parametrize("draft_tokens", [0, 3], ids=["decode", "speculative"])
+def test_decode_compiles_for_tpu_with_ragged_paged_attention(draft_tokens):
+    """The decode program with JAX's Pallas kernel, compiled for a v5p 2x2x1 slice (no TPU);
+    also the speculative chunk (verify steps of 3 drafted tokens: 4 queries per slot)."""
     topologies = pytest.importorskip("jax.experimental.topologies")
     pytest.importorskip("libtpu")
     from delta_jax.plan.lowering import lower_decode
@@ -255,8 +257,9 @@ def test_decode_compiles_for_tpu_with_ragged_paged_attention():
         "qwen3", num_heads=8, num_kv_heads=4, head_dim=128, hidden_size=256, intermediate_size=512
     )
     lowered = lower_decode(
-        cfg, mesh, SAMPLING_RULES, slots=8, steps=4, page_size=16, num_pages=64, table_pages=8
-    )
+        cfg, mesh, SAMPLING_RULES, slots=8, steps=4, page_size=16, num_pages=64, table_pages=8,
+        draft_tokens=draft_tokens, draft_window=64,
+    )  # fmt: skip
     assert "tpu_custom_call" in lowered.as_text()  # the Mosaic kernel, not an XLA fallback
     compiled = lowered.compile()
     # Each chip holds its data group's half of the pages and its half of the K/V heads.
