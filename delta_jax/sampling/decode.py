@@ -232,8 +232,7 @@ def _record(emitted, tokens, at, taken):
 def _draft_counts(sources, v: Verified, live) -> Int[Array, "S C"]:
     """One verify step's counters per slot: 1 (a live slot's step), then its drafted and its
     accepted tokens by source (one column per :data:`SOURCES` entry each)."""
-    k = v.drafts.shape[1]
-    j = jnp.arange(k)
+    j = jnp.arange(v.cols["tokens"].shape[1] - 1)
     src = jnp.take_along_axis(sources, jnp.clip(v.start[:, None] + j, 0, sources.shape[1] - 1), 1)
     onehot = src[:, :, None] == jnp.arange(len(SOURCES))  # [S, k, sources]
     drafted = (j < v.length[:, None])[:, :, None] & onehot
@@ -271,12 +270,11 @@ def token_sampler(model: Transformer, strategy, seed, return_hidden: bool, pad_i
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Verified:
-    """What one verify step did, per slot: the drafts it scored (``drafts [S, k]``, the first
-    ``length`` real, read from the window from ``start``), the drawn columns ``cols``
-    (``[S, k + 1]``: tokens, log-probs, hidden), the tokens emitted (the first ``taken``
-    columns), and the slot's place and last tokens after them."""
+    """What one verify step did, per slot: how many drafted tokens it scored (``length``, read
+    from the window from ``start``), the drawn columns ``cols`` (``[S, k + 1]``: tokens,
+    log-probs, hidden), the tokens emitted (the first ``taken`` columns), and the slot's place
+    and last tokens after them."""
 
-    drafts: Int[Array, "S k"]
     length: Int[Array, " S"]
     start: Int[Array, " S"]
     cols: dict[str, Array]
@@ -322,7 +320,7 @@ def speculative_step(
     new = advance_by(s, cols["tokens"], emit, stop_sequences)
     taken = new.count - s.count
     new_place, tail = follow(window, place, tail, cols["tokens"], taken)
-    return new, state, Verified(drafts, length, place, cols, taken, new_place, tail)
+    return new, state, Verified(length, place, cols, taken, new_place, tail)
 
 
 def _advance(s: SlotState, token, stop_sequences) -> SlotState:
