@@ -51,14 +51,17 @@ def _abstract_pool(config, aval, num_pages: int, page_size: int, dtype) -> PageP
     return PagePool(kv=tuple(aval(page, dtype, PAGE_AXES) for _ in range(config.num_layers)))
 
 
-def _abstract_outputs(aval, rows: int, gen_len: int) -> dict[str, Any]:
+def _abstract_outputs(aval, rows: int, gen_len: int, drafted: bool = False) -> dict[str, Any]:
     """The output buffers of :func:`init_outputs` (no hidden states), ``rows`` x ``gen_len``."""
     R, G = rows, gen_len
-    return dict(
+    out = dict(
         tokens=aval((R, G), jnp.int32, ("batch",)),
         logprobs=aval((R, G), jnp.float32, ("batch",)),
         untruncated=aval((R, G), jnp.float32, ("batch",)),
     )
+    if drafted:
+        out["drafted"] = aval((R, G), jnp.int8, ("batch",))
+    return out
 
 
 def lower_decode(
@@ -104,7 +107,7 @@ def lower_decode(
     pages = aval((groups * list_pages, 3), i32, row)
     pool_dtype = dtype if cache_dtype is None else cache_dtype
     pool = _abstract_pool(config, aval, num_pages, page_size, pool_dtype)
-    out = _abstract_outputs(aval, rows or slots, gen_len or steps)
+    out = _abstract_outputs(aval, rows or slots, gen_len or steps, draft_tokens > 0)
     fn = functools.partial(
         decode_program,
         stop_width=stop_width,

@@ -98,8 +98,9 @@ class PagedBackend:
         """The prefill's pages on device (:class:`PageList` from ``[U, 3]`` entries)."""
         return PageList(*(place(pages[:, i]) for i in range(3)))
 
-    def begin_chunk(self, pool: PagePool, slots, out, mesh, kv_heads: int):
-        """A decode chunk's start: the state its steps carry, and the buffers they write."""
+    def begin_chunk(self, pool: PagePool, slots, out, mesh, kv_heads: int, speculative=False):
+        """A decode chunk's start: the state its steps (verify steps when ``speculative``)
+        carry, and the buffers they write."""
         return pool, out
 
     def step(self, model: Transformer, layers, slots, state, mesh):
@@ -134,6 +135,11 @@ class PagedBackend:
             mesh=mesh,
         )
 
+    def kept(self, state, taken, T: int):
+        """The state after a verify step of ``T`` tokens per slot kept each slot's first
+        ``taken``: the paged paths' rejected K/V sit at positions the next tokens overwrite."""
+        return state
+
     def _decode_pages(self, slots):
         return slots.pages
 
@@ -143,9 +149,10 @@ class PagedBackend:
         rows = jnp.where(slots.active, slots.row, out["tokens"].shape[0])
         return write_rows(out, rows, slots.count, cols, mesh, kv_heads)
 
-    def write_verified(self, out, cols, slots, taken, mesh, kv_heads: int):
+    def write_verified(self, out, cols, slots, taken, first, mesh, kv_heads: int):
         """A verify step's outputs ``cols`` (``[S, k + 1]`` per slot) into the buffers: each
-        slot's first ``taken`` columns from its token index on (the rest dropped)."""
+        slot's first ``taken`` columns from its token index on (the rest dropped; ``first``:
+        the token indices at the chunk's start)."""
         S, T = cols["tokens"].shape
         j = jnp.arange(T)
         dropped = out["tokens"].shape[0]
@@ -193,17 +200,15 @@ class DenseCpuBackend(PagedBackend):
     name = "dense"
     prefill_attention = staticmethod(dense_cpu.dense_attention)
 
-    def refusal(self, spec):
-        if spec.draft_tokens:
-            return (
-                "speculative decoding (draft_tokens > 0) needs attention='xla' or 'pallas': "
-                "the dense CPU path decodes one token per slot and step"
-            )
-        return None
-
     def _width(self, spec, pages):
-        # The CPU path gathers every table entry: never wider than the longest sequence.
-        return min(spec.max_table, pages, spec.seq_pages)
+        # The CPU path gathers every table entry: never wider than the longest sequence, plus
+        # the columns a speculative chunk's verify steps write past it.
+        return min(pages, spec.seq_pages + self._verify_pages(spec))
+
+    def _verify_pages(self, spec):
+        # A verify step writes ``k + 1`` columns of every sequence whatever it keeps.
+        T = spec.draft_tokens + 1
+        return pages_for(spec.steps * T, spec.page_size) if spec.draft_tokens else 0
 
     def decode_list_pages(self, spec):
         return 1
@@ -212,22 +217,23 @@ class DenseCpuBackend(PagedBackend):
         return self.table(spec, tables, rows)
 
     def decode_pages(self, spec, tables, rows, pos, left, steps):
-        # Right-aligned views: the longest context plus the steps the chunk runs must fit in
-        # the views, as wide as the page table; a chunk that would not fit in the widest table
-        # runs fewer steps.
+        # Right-aligned views: the longest context plus the columns the chunk's steps write
+        # (one per step; k + 1 per verify step) must fit in the views, as wide as the page
+        # table; a chunk that would not fit in the widest table runs fewer steps.
+        T = spec.draft_tokens + 1
         base = int(pos.max(initial=0))
-        widest = min(spec.max_table, spec.seq_pages) * spec.page_size
-        steps = max(1, min(steps, widest - base))
-        least = pages_for(base + min(steps, int(left.max(initial=1))), spec.page_size)
-        table = self.table(spec, tables, rows, least)
+        widest = (spec.seq_pages + self._verify_pages(spec)) * spec.page_size
+        steps = max(1, min(steps, (widest - base) // T))
+        written = min(steps, int(left.max(initial=1))) if T == 1 else steps * T
+        table = self.table(spec, tables, rows, pages_for(base + written, spec.page_size))
         return steps, table, page_lists([[]] * len(tables), rows, 1)
 
     def prefill_layout(self, pages, place):
         return place(pages)
 
-    def begin_chunk(self, pool, slots, out, mesh, kv_heads):
+    def begin_chunk(self, pool, slots, out, mesh, kv_heads, speculative=False):
         state, local = dense_cpu.begin_chunk(
-            pool, slots.active, slots.pos, slots.page_table, out, mesh, kv_heads
+            pool, slots.active, slots.pos, slots.page_table, out, mesh, kv_heads, speculative
         )
         return (pool, *state), local
 
@@ -246,21 +252,32 @@ class DenseCpuBackend(PagedBackend):
         return hidden, (pool, views, shift)
 
     def verify(self, model, layers, slots, drafts, draft_len, state, mesh):
-        # Its views take one column for every slot per step (see dense_cpu); refused up front
-        # (:meth:`refusal`), as is :meth:`write_verified`.
-        raise NotImplementedError("the dense CPU path decodes one token per slot and step")
+        # Every sequence's tokens at the same columns; which of them later queries see is
+        # settled by :meth:`kept` (the views' K/V of the others are never read).
+        pool, views, shift, columns = state
+        ids = jnp.concatenate([slots.last[:, None], drafts], axis=1)
+        positions = slots.pos[:, None] + jnp.arange(ids.shape[1])
+        hidden, views = dense_cpu.verify_forward(
+            model, layers, ids, positions, views, columns, mesh
+        )
+        return hidden, (pool, views, shift, columns)
 
-    def write_verified(self, out, cols, slots, taken, mesh, kv_heads):
-        raise NotImplementedError("the dense CPU path decodes one token per slot and step")
+    def kept(self, state, taken, T):
+        pool, views, shift, columns = state
+        return pool, views, shift, dense_cpu.keep_columns(columns, taken, T)
+
+    def write_verified(self, out, cols, slots, taken, first, mesh, kv_heads):
+        return dense_cpu.write_verified(out, cols, slots.count - first, taken)
 
     def write(self, out, cols, slots, i, mesh, kv_heads):
         return dense_cpu.write_column(out, cols, i)
 
     def end_chunk(self, state, written, out, first, start, slots, keep, mesh, kv_heads):
-        pool, views, shift = state
+        pool, views, shift, *columns = state
         return dense_cpu.end_chunk(
-            pool, views, shift, written, out, first, start, slots, keep, mesh, kv_heads
-        )
+            pool, views, shift, written, out, first, start, slots, keep, mesh, kv_heads,
+            columns[0] if columns else None,
+        )  # fmt: skip
 
 
 _BACKENDS: dict[str, Any] = {
@@ -272,13 +289,11 @@ _BACKENDS: dict[str, Any] = {
 NAMES = ("auto", *_BACKENDS)
 
 
-def resolve_attention(attention: str, platform: str, speculative: bool = False) -> str:
+def resolve_attention(attention: str, platform: str) -> str:
     """The path ``attention`` names on ``platform``: ``"auto"`` is the TPU kernel on TPU, the
-    dense path on CPU (the XLA path for ``speculative`` decoding, which the dense path does not
-    do) and the XLA path elsewhere; a named path is itself."""
+    dense path on CPU and the XLA path elsewhere; a named path is itself."""
     if attention == "auto":
-        cpu = "xla" if speculative else "dense"
-        return {"tpu": "pallas", "cpu": cpu}.get(platform, "xla")
+        return {"tpu": "pallas", "cpu": "dense"}.get(platform, "xla")
     return attention
 
 

@@ -30,7 +30,14 @@ from delta_jax.sampling.paged import (
     xla_attention,
 )
 from delta_jax.sampling.spec import SLOT_FIELDS, STATUS_FIELDS
-from delta_jax.sampling.speculate import accepted_tokens, follow, window_drafts
+from delta_jax.sampling.speculate import (
+    DRAFT_ACCEPTED,
+    DRAFT_NONE,
+    DRAFT_REJECTED,
+    accepted_tokens,
+    follow,
+    window_drafts,
+)
 from delta_jax.sampling.strategies import Categorical, Greedy
 
 __all__ = [
@@ -191,7 +198,7 @@ def decode_chunk(
             model, weights, backend, draw, s, state, drafts.window, place, tail,
             draft_tokens, stop_sequences, mesh,
         )  # fmt: skip
-        written = backend.write_verified(written, v.cols, s, v.taken, mesh, K)
+        written = backend.write_verified(written, v.cols, s, v.taken, first, mesh, K)
         emitted = _record(emitted, v.cols["tokens"], s.count - first, v.taken)
         counts = counts + _draft_counts(drafts.sources, v, s.active)
         return i + 1, state, new, written, (v.place, v.tail, emitted, counts)
@@ -206,7 +213,7 @@ def decode_chunk(
         emitted = jnp.full((S, emitted_width), -1, jnp.int32)
         counts = jnp.zeros((S, 1 + 2 * len(SOURCES)), jnp.int32)
         spec = (drafts.place, drafts.tail, emitted, counts)
-    state, written = backend.begin_chunk(pool, slots, out, mesh, K)
+    state, written = backend.begin_chunk(pool, slots, out, mesh, K, drafts is not None)
     _, state, slots, written, spec = jax.lax.while_loop(
         cond, body, (jnp.zeros((), jnp.int32), state, slots, written, spec)
     )
@@ -319,6 +326,10 @@ def speculative_step(
     emit = accepted_tokens(drafts, length, cols["tokens"])
     new = advance_by(s, cols["tokens"], emit, stop_sequences)
     taken = new.count - s.count
+    j = jnp.arange(k + 1)
+    outcome = jnp.where(j < taken[:, None] - 1, DRAFT_ACCEPTED, DRAFT_REJECTED)
+    cols["drafted"] = jnp.where(j < length[:, None], outcome, DRAFT_NONE).astype(jnp.int8)
+    state = backend.kept(state, taken, k + 1)
     new_place, tail = follow(window, place, tail, cols["tokens"], taken)
     return new, state, Verified(length, place, cols, taken, new_place, tail)
 
@@ -396,8 +407,12 @@ def decode_program(
     )
 
 
-def init_outputs(rows: int, gen_len: int, hidden: int | None, dtype, pad_id: int):
-    """The output buffers of one request (call inside ``jit``: created sharded by rows)."""
+def init_outputs(
+    rows: int, gen_len: int, hidden: int | None, dtype, pad_id: int, drafted: bool = False
+):
+    """The output buffers of one request (call inside ``jit``: created sharded by rows);
+    ``drafted`` (speculative requests): each token's draft outcome
+    (:data:`~delta_jax.sampling.speculate.DRAFT_OUTCOMES`)."""
     names = (ax.BATCH, None)
     out = dict(
         tokens=ax.constrain(jnp.full((rows, gen_len), pad_id, jnp.int32), names),
@@ -407,6 +422,8 @@ def init_outputs(rows: int, gen_len: int, hidden: int | None, dtype, pad_id: int
     )
     if hidden is not None:
         out["hidden"] = ax.constrain(jnp.zeros((rows, gen_len, hidden), dtype), (*names, None))
+    if drafted:
+        out["drafted"] = ax.constrain(jnp.zeros((rows, gen_len), jnp.int8), names)
     return out
 
 

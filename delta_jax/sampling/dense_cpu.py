@@ -24,6 +24,8 @@ holds pages, nothing else.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -35,17 +37,21 @@ from delta_jax.models.attention import slot_attention
 from delta_jax.sampling.paged import PagePool, combined, per_group, write_rows
 
 __all__ = [
+    "Columns",
     "Views",
     "begin_chunk",
     "decode_forward",
     "dense_attention",
     "dense_views",
     "end_chunk",
+    "keep_columns",
     "slices_layers_once",
     "view_attention",
+    "verify_forward",
     "view_mask",
     "views_to_pages",
     "write_column",
+    "write_verified",
     "write_views",
 ]
 
@@ -104,35 +110,35 @@ def views_to_pages(
     page_table,
     start,
     end,
-    shift,
+    columns,
     mesh: Mesh | None,
     kv_heads: int,
 ) -> PagePool:
     """The write-back, once per chunk: positions ``[start[b], end[b])`` of
-    sequence ``b`` (those its steps wrote, in columns ``shift[b]`` on) from its views into its
-    pages; nothing else is written (shared prompt pages, other positions and the scratch page
-    keep their contents).
+    sequence ``b`` (those its steps wrote; position ``p`` in column ``columns[b, p]``, ``[B,
+    NB * page_size]``) from its views into its pages; nothing else is written (shared prompt
+    pages, other positions and the scratch page keep their contents).
 
     Writing each step's K/V into the pages as well made XLA:CPU copy a layer's pool share at
     every step of the loop; the views are what the steps read, the pages what later chunks
     gather and the prefill continues.
     """
 
-    def write(kv, keys, values, table, start, end, shift):
+    def write(kv, keys, values, table, start, end, columns):
         page_size, L = kv.shape[1], keys.shape[-1]
         pos = jnp.arange(table.shape[1] * page_size)
         new = combined(jnp.einsum("BKDL->BLKD", keys), jnp.einsum("BKLD->BLKD", values))
-        cols = jnp.clip(pos[None, :] + shift[:, None], 0, L - 1)  # [B, NB * page_size]
+        cols = jnp.clip(columns, 0, L - 1)  # [B, NB * page_size]
         new = jnp.take_along_axis(new, cols[:, :, None, None], axis=1)
         written = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
         page = jnp.where(written, table[:, pos // page_size], kv.shape[0])  # else dropped
         offset = jnp.broadcast_to(pos % page_size, page.shape)
         return kv.at[page, offset].set(new.astype(kv.dtype), mode="drop")
 
-    specs = ("R-H-", "RH--", "RH--", "R-", "R", "R", "R")
+    specs = ("R-H-", "RH--", "RH--", "R-", "R", "R", "R-")
     write = per_group(write, mesh, kv_heads, specs, "R-H-")
     kv = tuple(
-        write(kv, keys, values, page_table, start, end, shift)
+        write(kv, keys, values, page_table, start, end, columns)
         for kv, (keys, values) in zip(pool.kv, views, strict=True)
     )
     return PagePool(kv=kv)
@@ -196,6 +202,49 @@ def decode_forward(
     columns = positions[:, 0] + view_shift
     col = jnp.max(jnp.where(valid[:, 0], columns, 0))
     visible = view_mask(view_shift, columns, views[0][0].shape[-1])
+    return _forward_on_views(model, layers, ids, positions, views, visible, col, mesh)
+
+
+class Columns(NamedTuple):
+    """Where a speculative chunk's verify steps write in the views. A verify step writes the
+    ``T`` tokens it scores of every sequence at the same columns ``[at, at + T)``; the columns
+    of the tokens it keeps become visible to later queries, the others are never read (and
+    the next step writes after them), so a sequence's positions fill its views in order, with
+    gaps."""
+
+    seen: Bool[Array, "B W"]  # the columns each sequence's later queries see
+    base: Int[Array, ""]  # the chunk's first new column
+    at: Int[Array, ""]  # the next verify step's first column
+
+
+def verify_forward(
+    model: Transformer,
+    layers,
+    ids: Int[Array, "B T"],
+    positions: Int[Array, "B T"],
+    views: Views,
+    columns: Columns,
+    mesh: Mesh | None,
+) -> tuple[Float[Array, "B T H"], Views]:
+    """A speculative verify step on the views: every sequence's ``T`` tokens written at
+    columns ``[at, at + T)``, token ``t`` seeing its sequence's kept columns and the step's
+    columns up to its own."""
+    j = jnp.arange(views[0][0].shape[-1])[None, None, :]
+    t = jnp.arange(ids.shape[1])[None, :, None]
+    visible = columns.seen[:, None, :] | ((j >= columns.at) & (j <= columns.at + t))
+    return _forward_on_views(model, layers, ids, positions, views, visible, columns.at, mesh)
+
+
+def keep_columns(columns: Columns, taken: Int[Array, " B"], T: int) -> Columns:
+    """After a verify step that kept each sequence's first ``taken`` of its ``T`` tokens."""
+    j = jnp.arange(columns.seen.shape[1])[None, :]
+    kept = (j >= columns.at) & (j < columns.at + taken[:, None])
+    return Columns(columns.seen | kept, columns.base, columns.at + T)
+
+
+def _forward_on_views(model, layers, ids, positions, views, visible, col, mesh):
+    """The decoder on the views: each layer writes the tokens' K/V at columns ``col`` on (the
+    same for every sequence) and attends over the ``visible [B, T, W]`` columns."""
 
     def write_and_attend(keys, values, k, v, q, visible, col):
         keys, values = write_views(keys, values, k, v, col)
@@ -212,14 +261,24 @@ def decode_forward(
     return hidden, tuple(new)
 
 
-def begin_chunk(pool: PagePool, active, pos, page_table, out, mesh: Mesh | None, kv_heads: int):
+def begin_chunk(
+    pool: PagePool,
+    active,
+    pos,
+    page_table,
+    out,
+    mesh: Mesh | None,
+    kv_heads: int,
+    speculative: bool = False,
+):
     """A decode chunk's start: the right-aligned views and chunk-local output buffers
     ``[slots, gen_len]``. Every live slot feeds its next token at column ``base`` (the longest
     context), so a step writes one column of all of them; the host sized the page table for
-    ``base`` plus the chunk's steps.
+    ``base`` plus the chunk's steps (times the tokens a verify step scores).
 
     Returns:
-      ``(views, shift)`` and the chunk-local buffers.
+      ``(views, shift)`` (and the :class:`Columns` of a ``speculative`` chunk) and the
+      chunk-local buffers.
     """
     base = jnp.max(jnp.where(active, pos, 0))
     shift = jnp.where(active, base - pos, 0)
@@ -231,7 +290,11 @@ def begin_chunk(pool: PagePool, active, pos, page_table, out, mesh: Mesh | None,
         )
         for name, buf in out.items()
     }
-    return (views, shift), local
+    if not speculative:
+        return (views, shift), local
+    j = jnp.arange(views[0][0].shape[-1])[None, :]
+    seen = (j >= shift[:, None]) & (j < base)
+    return (views, shift, Columns(seen, base, base)), local
 
 
 def write_column(local, cols, i):
@@ -243,11 +306,26 @@ def write_column(local, cols, i):
     return {name: write(local[name], col) for name, col in cols.items()}
 
 
-def end_chunk(pool, views, shift, local, out, first, start, slots, keep, mesh, kv_heads):
+def write_verified(local, cols, at, taken):
+    """A verify step's outputs ``cols`` (``[S, T]`` per slot) into the chunk-local buffers:
+    slot ``s``'s first ``taken[s]`` from its column ``at[s]`` on (the rest dropped)."""
+    S, T = cols["tokens"].shape
+    j = jnp.arange(T)[None, :]
+    index = jnp.where(j < taken[:, None], at[:, None] + j, local["tokens"].shape[1])
+    rows = jnp.arange(S)[:, None]
+
+    def write(buf, col):
+        return buf.at[rows, index].set(col.astype(buf.dtype), mode="drop")
+
+    return {name: write(local[name], col) for name, col in cols.items()}
+
+
+def end_chunk(pool, views, shift, local, out, first, start, slots, keep, mesh, kv_heads, columns):
     """A decode chunk's end: the chunk-local outputs into the request's buffers (slot ``s``'s
     first ``count[s] - first[s]`` columns, its live steps, at its row from its token index
     ``first[s]`` on; the rest is dropped), and the chunk's K/V into the pages when ``keep``
-    (a sequence may read them again: one still live, or a resumable one).
+    (a sequence may read them again: one still live, or a resumable one). ``columns``: the
+    :class:`Columns` of a speculative chunk, None for one of decode steps.
 
     Returns:
       The pool and the output buffers.
@@ -259,12 +337,27 @@ def end_chunk(pool, views, shift, local, out, first, start, slots, keep, mesh, k
     cols = first[:, None] + j
     values = {name: buf.reshape(S * G, *buf.shape[2:]) for name, buf in local.items()}
     out = write_rows(out, rows.reshape(-1), cols.reshape(-1), values, mesh, kv_heads)
+    P = slots.page_table.shape[1] * pool.page_size
+    if columns is None:  # position p in column p + shift
+        where = jnp.arange(P)[None, :] + shift[:, None]
+    else:  # the chunk's positions in its kept columns, in order
+        where = _kept_columns(columns, start, P)
     pool = jax.lax.cond(
         keep,
         lambda pool: views_to_pages(
-            pool, views, slots.page_table, start, slots.pos, shift, mesh, kv_heads
+            pool, views, slots.page_table, start, slots.pos, where, mesh, kv_heads
         ),
         lambda pool: pool,
         pool,
     )
     return pool, out
+
+
+def _kept_columns(columns: Columns, start, P: int):
+    """``[B, P]``: the column of each position from ``start[b]`` on (the chunk's), the ``r``-th
+    kept column from ``base`` on holding position ``start[b] + r``."""
+    W = columns.seen.shape[1]
+    new = columns.seen & (jnp.arange(W)[None, :] >= columns.base)
+    kept = jnp.cumsum(new, axis=1)  # [B, W]: kept columns up to each
+    rank = jnp.arange(P)[None, :] - start[:, None] + 1  # [B, P]
+    return jax.vmap(lambda c, r: jnp.searchsorted(c, r, side="left"))(kept, rank)

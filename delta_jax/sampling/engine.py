@@ -282,6 +282,7 @@ def _output(buffers, seqs: list[Seq], index, request, n: int, pad_id: int, turns
         prompt_mask_array=out["prompt_mask"],
         num_steps=out["steps"],
         num_rows=rows,
+        drafted_array=out.get("drafted"),
     )
     if turns is not None:
         actions = np.arange(request.gen_len)[None, :] < lengths[:, None]

@@ -46,6 +46,9 @@ class SamplerOutput:
       engine_stats: what the continuous engine did (slot occupancy, pages), else None.
       action_mask_array: bool [R, G] for multi-turn requests (``turns``): True at the tokens the
         model sampled, False at observations (and after the length); None for one turn.
+      drafted_array: int8 [R, G] for speculative requests (``draft_tokens > 0``): each token's
+        draft outcome (:data:`~delta_jax.sampling.speculate.DRAFT_OUTCOMES`: 0 none drafted at
+        its index, 1 a drafted token rejected there, 2 the drafted token accepted); else None.
     """
 
     token_array: Int[Array, "R G"]
@@ -59,6 +62,7 @@ class SamplerOutput:
     num_rows: int
     engine_stats: Any = None
     action_mask_array: Bool[Array, "R G"] | None = None
+    drafted_array: Int[Array, "R G"] | None = None
 
     @functools.cached_property
     def lengths(self) -> list[int]:

@@ -176,8 +176,9 @@ class EnginePrograms:
         call."""
         spec, mesh, graphdef = self.spec, self.cache.mesh, self.graphdef
         make_pool = functools.partial(init_pool, model, spec.num_pages, spec.page_size, cache_dtype)
+        drafted = spec.draft_tokens > 0
         make_out = functools.partial(
-            init_outputs, self.rows, self.gen_len, self.hidden, model.dtype, spec.pad_id
+            init_outputs, self.rows, self.gen_len, self.hidden, model.dtype, spec.pad_id, drafted
         )
         cpu = dense_cpu.slices_layers_once(mesh)
 
@@ -185,7 +186,7 @@ class EnginePrograms:
             layers = nnx.merge(graphdef, params, rest).layer_params() if cpu else None
             return make_pool(), make_out(), layers
 
-        key = ("setup", self.rows, self.gen_len, self.hidden, cpu)
+        key = ("setup", self.rows, self.gen_len, self.hidden, cpu, drafted)
         args = (self.params, self.rest)
         return self._build(key, setup, args)(*args)
 

@@ -357,7 +357,7 @@ class Sampler:
         # A new prompt needs a free slot: about slots / n prompts join a group at a time.
         at_once = 1 << (-(-group_slots // n) - 1).bit_length()
         k, lead = self.draft_tokens, self._drafter.lo if self._drafter else 0
-        attention = resolve_attention(self.attention, _platform(self.mesh), speculative=k > 0)
+        attention = resolve_attention(self.attention, _platform(self.mesh))
         # A chunk's verify steps emit at most steps * (k + 1) tokens: each source's piece of a
         # slot's window holds that many after its lead and the -1 that ends it.
         window = pow2(len(SOURCES) * (lead + self.decode_chunk * (k + 1) + 1)) if k else 0

@@ -148,13 +148,13 @@ def reference(models, request):
 # Every paged attention path that runs on CPU: ``dense`` (what ``attention="auto"`` and so the
 # trainer pick on CPU: its decode chunks read per-chunk views, written back to the pages at the
 # chunk's end, and its observations are prefilled through page tables) and ``xla`` (GPU, and
-# the prefill of every accelerator path: flat page lists); and ``xla`` with speculative verify
+# the prefill of every accelerator path: flat page lists); and both with speculative verify
 # steps of 3 drafted tokens (turns end inside a step's accepted tokens, drafts continue after
 # observations).
 @pytest.mark.parametrize(
     ("attention", "draft_tokens"),
-    [("dense", 0), ("xla", 0), ("xla", 3)],
-    ids=["dense", "xla", "speculative"],
+    [("dense", 0), ("xla", 0), ("dense", 3), ("xla", 3)],
+    ids=["dense", "xla", "dense-speculative", "xla-speculative"],
 )
 def test_multiturn_episodes_equal_reprefilling_the_history(
     models, reference, attention, draft_tokens

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from delta_jax.sampling import Sampler
+from delta_jax.sampling.speculate import DRAFT_OUTCOMES
 from tests.sampling.helpers import chisquare_pvalue, peaked_model, truncated_distribution
 from tests.sampling.test_sampler import ATOL, _forward
 
@@ -41,13 +42,17 @@ def _same_outputs(a, b):
         )
 
 
-def test_same_tokens_log_probs_and_hidden_states_with_and_without_drafts(model):
+@pytest.mark.parametrize("attention", ["xla", "dense"])
+def test_same_tokens_log_probs_and_hidden_states_with_and_without_drafts(model, attention):
     """Sampled: 4 slots for 15 sequences (slots refilled) and a pool small enough to preempt:
-    the same outputs as decoding one token per step, in fewer verify steps than tokens. (Greedy:
-    ``test_drafts_come_from_siblings_and_earlier_requests`` and ``test_x64.py``.)"""
+    the same outputs as decoding one token per step, in fewer verify steps than tokens, on the
+    XLA path and on the dense CPU path (whose views hold a verify step's rejected tokens in
+    columns no later query sees). (Greedy: ``test_drafts_come_from_siblings_and_earlier_requests``
+    and ``test_x64.py``; the TPU kernel: ``test_pallas_interpret.py``.)"""
     kw = dict(max_new_tokens=BUDGETS, n=3, temperature=0.5, seed=5, return_hidden=True)
     plain = engine(model).generate(PROMPTS, **kw)
-    tight = engine(model, num_pages=13, draft_tokens=3).generate(PROMPTS, **kw)
+    tight = engine(model, num_pages=13, draft_tokens=3, attention=attention)
+    tight = tight.generate(PROMPTS, **kw)
     _same_outputs(plain, tight)
     stats = tight.engine_stats
     assert stats.preemptions > 0 and plain.engine_stats.preemptions == 0
@@ -56,20 +61,30 @@ def test_same_tokens_log_probs_and_hidden_states_with_and_without_drafts(model):
     accepted, drafted = sum(stats.accepted.values()), sum(stats.drafted.values())
     assert 0 < accepted < drafted  # drafts were accepted and rejected
     assert stats.verify_steps < stats.useful_steps
-    roomy = engine(model, decode_slots=16, draft_tokens=3).generate(PROMPTS, **kw)
+    roomy = engine(model, decode_slots=16, draft_tokens=3, attention=attention)
+    roomy = roomy.generate(PROMPTS, **kw)
     _same_outputs(plain, roomy)
     s = roomy.engine_stats
     # A live slot's verify step emits one token and each accepted draft.
     assert s.verify_steps + sum(s.accepted.values()) == s.useful_steps == sum(BUDGETS) * 3
     assert s.tokens_per_verify_step > 1
+    # Each token's draft outcome: the accepted drafts are the engine's count; a verify step
+    # rejects at most one drafted token at an emitted index (the rest it scored lie past it).
+    outcome = np.asarray(roomy.drafted_array)
+    assert plain.drafted_array is None and outcome.dtype == np.int8
+    assert (outcome == DRAFT_OUTCOMES["accepted"]).sum() == sum(s.accepted.values())
+    rejected = (outcome == DRAFT_OUTCOMES["rejected"]).sum()
+    assert 0 < rejected <= sum(s.drafted.values()) - sum(s.accepted.values())
+    lengths = np.asarray(roomy.lengths)
+    assert not outcome[np.arange(outcome.shape[1]) >= lengths[:, None]].any()
 
 
 def test_drafts_come_from_siblings_and_earlier_requests(model):
     """A request's samples draft from each other (4 slots for 8 sequences: the samples with
     the smaller budgets start after the others and follow their text); the same prompts
     requested again draft from the first request's rollouts (greedy: the very same text),
-    kept by the sampler."""
-    sampler = engine(model, decode_slots=4, draft_tokens=4)
+    kept by the sampler. On the dense CPU path, what ``attention="auto"`` picks on CPU."""
+    sampler = engine(model, decode_slots=4, draft_tokens=4, attention="auto")
     kw = dict(max_new_tokens=[12, 24, 12, 24] * 2, n=4, temperature=0.0)
     first = sampler.generate(PROMPTS[:2], **kw)
     again = sampler.generate(PROMPTS[:2], **kw)
@@ -118,11 +133,3 @@ def test_speculative_decoding_is_refused_where_it_cannot_run(model):
         Sampler(model, draft_tokens=2)
     with pytest.raises(ValueError, match="draft_tokens must be an int >= 0"):
         engine(model, draft_tokens=-1)
-    dense = engine(model, attention="dense", draft_tokens=2)
-    with pytest.raises(ValueError, match="needs attention='xla' or 'pallas'"):
-        dense.generate([[1, 2]], max_new_tokens=4)
-    # "auto" on CPU picks the XLA path when drafting (the dense path decodes one token a step).
-    auto = engine(model, attention="auto", draft_tokens=2)
-    assert auto.generate([[1, 2]], max_new_tokens=4, temperature=0.0).tokens == (
-        engine(model, attention="auto").generate([[1, 2]], max_new_tokens=4, temperature=0.0).tokens
-    )

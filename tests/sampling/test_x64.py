@@ -35,10 +35,20 @@ def _peaked_float64_model():
     [
         dict(engine="static"),
         dict(engine="continuous", decode_slots=2, page_size=4, decode_chunk=4),
-        # verify steps of 3 drafted tokens (speculative decoding, the XLA paged path)
-        dict(engine="continuous", decode_slots=2, page_size=4, decode_chunk=4, draft_tokens=3),
+        # verify steps of 3 drafted tokens (speculative decoding) on the XLA and the dense path
+        *(
+            dict(
+                engine="continuous",
+                decode_slots=2,
+                page_size=4,
+                decode_chunk=4,
+                draft_tokens=3,
+                attention=attention,
+            )
+            for attention in ("xla", "dense")
+        ),
     ],
-    ids=["static", "continuous", "speculative"],
+    ids=["static", "continuous", "speculative-xla", "speculative-dense"],
 )
 def test_float64_greedy_cached_decode_equals_full_forward(engine):
     with jax.enable_x64(True):  # this test only: the model, the programs and their inputs
