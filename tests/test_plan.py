@@ -212,6 +212,8 @@ def test_main_prints_table(capsys):
                 "--no-search",
                 "--compiler",
                 "cpu",
+                "--tokens-per-step",
+                "1.5",
                 "rollout.prompts_per_step=2",
                 "rollout.samples_per_prompt=2",
             ]
@@ -226,6 +228,8 @@ def test_main_prints_table(capsys):
     # The step-time roofline (on by default in the CLI) with v6e's constants, to the run's hours.
     assert "step-time roofline (v6e: 918 TFLOP/s bf16, 1640 GB/s HBM per chip" in out
     assert "model-FLOPs utilisation bound" in out and "100 steps >= " in out
+    # With a measured tokens per verify step: the verify chunk compiled, its rollout bound beside.
+    assert "rollout with speculation >= " in out and "(k=4, 1.50 tokens per verify step" in out
 
 
 def test_without_libtpu_plan_says_it_used_the_cpu_estimate(monkeypatch):
@@ -559,6 +563,22 @@ def test_roofline_arithmetic_by_hand():
     text = "\n".join(st.lines())
     assert "459 TFLOP/s bf16, 2765 GB/s HBM" in text and "chip-hours on 4 chips" in text
     assert st.train_loops_once == 0 and "loop(s) once" not in text
+    assert st.draft_tokens == 0 and "speculation" not in text
+    # Speculative rollouts: the verify chunk's step (more FLOPs, nearly the same bytes) over
+    # ceil(32 / 2.5) = 13 verify steps per round at 2.5 tokens per verify step.
+    verify = P(0, 0, 0, 0, 0.0, flops=2e7, bytes_accessed=8.5e6)
+    spec = roofline.estimate(**kw, verify=verify, tokens_per_step=2.5, draft_tokens=4)
+    verify_s = 3 * 13 * max(2e7 / peak, (8.5e6 + 8 * kv) / bw)
+    assert spec.verify_steps == 39 and spec.verify_s == pytest.approx(verify_s)
+    assert spec.speculative_rollout_s == pytest.approx(verify_s + st.prefill_s)
+    assert spec.rollout_s == st.rollout_s  # the bound without, beside it
+    ratio = st.rollout_s / spec.speculative_rollout_s
+    assert f"rollout with speculation >= {spec.speculative_rollout_s:,.1f} s, {ratio:.2f}x" in (
+        "\n".join(spec.lines())
+    )
+    for bad in (0.5, 5.5):
+        with pytest.raises(ValueError, match=r"tokens per verify step must be in \[1, .* = 5\]"):
+            roofline.estimate(**kw, verify=verify, tokens_per_step=bad, draft_tokens=4)
     unknown = dataclasses.replace(one, loops_counted_once=1)
     st = roofline.estimate(**{**kw, "train_one": unknown})
     assert "counts 1 loop(s) once" in "\n".join(st.lines())

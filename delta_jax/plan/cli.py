@@ -55,6 +55,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="expected new tokens per sequence for the roofline (default rollout.max_new_tokens)",
     )
     parser.add_argument(
+        "--tokens-per-step",
+        type=float,
+        default=None,
+        help="a measured tokens per speculative verify step (speculate/tokens_per_step): the "
+        "roofline also bounds the rollout with rollout.draft_tokens drafts a step",
+    )
+    parser.add_argument(
         "--compiler",
         default="auto",
         choices=("auto", "tpu", "cpu"),
@@ -76,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.headroom <= 1:
         raise ValueError(f"--headroom={args.headroom} must be in (0, 1]")
+    if args.tokens_per_step is not None and args.no_roofline:
+        raise ValueError("--tokens-per-step bounds the rollout in the roofline: drop --no-roofline")
     kind, _ = resolve_compiler(args.compiler)
     # Compile-only TPU planning keeps the default backend on CPU (no TPU probing).
     _ensure_devices(sh.topology(args.topology).chips if kind == "cpu" else 1)
@@ -89,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         compile_train=not args.skip_train,
         roofline=not args.no_roofline,
         mean_new_tokens=args.mean_new_tokens,
+        tokens_per_step=args.tokens_per_step,
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
     )
     print(report.table())

@@ -188,12 +188,12 @@ class Planner:
 
     # ---- the continuous engine (rollout.engine: continuous) -----------------------------------
 
-    def engine_spec(self, slots: int):
+    def engine_spec(self, slots: int, draft_tokens: int = 0):
         """The engine's static configuration for the run's request, as the rollout builds it
         (multi-turn when ``rollout.max_turns`` > 1: the default pool also holds the pages of
-        every sequence waiting on the host)."""
+        every sequence waiting on the host; speculative with ``draft_tokens``)."""
         r = self.config.rollout
-        return self._engine_spec(slots, r.max_turns > 1, r.num_pages or None)
+        return self._engine_spec(slots, r.max_turns > 1, r.num_pages or None, draft_tokens)
 
     def waiting_pages(self, slots: int) -> int:
         """Pages (every group's) that sequences waiting on the host hold with no decode slot:
@@ -203,7 +203,9 @@ class Planner:
         multi, single = (self._engine_spec(slots, turns, None) for turns in (True, False))
         return multi.num_pages - single.num_pages
 
-    def _engine_spec(self, slots: int, multi_turn: bool, num_pages: int | None):
+    def _engine_spec(
+        self, slots: int, multi_turn: bool, num_pages: int | None, draft_tokens: int = 0
+    ):
         from delta_jax.sampling import Sampler
 
         c = self.config
@@ -214,6 +216,7 @@ class Planner:
             decode_slots=slots,
             page_size=c.rollout.page_size,
             num_pages=num_pages,
+            draft_tokens=draft_tokens,
         )
         request, *_ = self.request(c.rollout.prompts_per_step)
         return sampler.engine_spec(
@@ -233,9 +236,16 @@ class Planner:
 
     def engine(self, spec) -> tuple[ProgramMemory, ProgramMemory]:
         """Compiles the engine's decode chunk and its largest prefill chunk for ``spec``."""
+        return self.decode(spec), compile_program(
+            lambda: self._lower_prefill(spec), self.sample_mesh, sh.SAMPLE_RULES
+        )
+
+    def decode(self, spec) -> ProgramMemory:
+        """Compiles the engine's decode chunk for ``spec`` (its verify steps with
+        ``spec.draft_tokens``)."""
         mc, compute = self.model_config, jnp.dtype(self.config.model.dtype)
         list_pages = backend_for(spec.attention).decode_list_pages(spec)
-        decode = compile_program(
+        return compile_program(
             lambda: lower_decode(
                 mc,
                 self.sample_mesh,
@@ -249,12 +259,11 @@ class Planner:
                 dtype=compute,
                 cache_dtype=self.cache_dtype(),
                 attention=spec.attention,
+                draft_tokens=spec.draft_tokens,
+                draft_window=spec.draft_window,
             ),
             self.sample_mesh,
             sh.SAMPLE_RULES,
-        )
-        return decode, compile_program(
-            lambda: self._lower_prefill(spec), self.sample_mesh, sh.SAMPLE_RULES
         )
 
     def _lower_prefill(self, spec):

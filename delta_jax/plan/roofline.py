@@ -133,10 +133,22 @@ class StepTime:
     min_bytes_per_token: float
     steps: int
     chips: int
+    # Speculative rollouts (draft_tokens > 0): the verify chunk's per-step figures, and its
+    # steps at the given tokens per verify step (a measured acceptance).
+    draft_tokens: int = 0
+    tokens_per_step: float = 1.0
+    verify_step_flops: float = 0.0
+    verify_step_bytes: float = 0.0
+    verify_steps: int = 0
+    verify_s: float = 0.0
 
     @property
     def rollout_s(self) -> float:
         return self.decode_s + self.prefill_s
+
+    @property
+    def speculative_rollout_s(self) -> float:
+        return self.verify_s + self.prefill_s
 
     @property
     def step_s(self) -> float:
@@ -159,6 +171,7 @@ class StepTime:
             f"  rollout >= {self.rollout_s:,.1f} s (decode {self.decode_steps:,} steps x "
             f"{self.decode_s / max(self.decode_steps, 1) * 1e3:.2f} ms = {self.decode_s:,.1f} s; "
             f"prefill {self.prefill_s:,.1f} s)",
+            *self._speculative_lines(),
             f"  decode HBM bytes per useful token {self.bytes_per_token / 2**20:,.2f} MiB per "
             f"device; minimum {self.min_bytes_per_token / 2**20:,.2f} MiB "
             f"({self.bytes_per_token / self.min_bytes_per_token:.2f}x)",
@@ -180,6 +193,20 @@ class StepTime:
             ),
             f"  step >= {self.step_s:,.1f} s; {self.steps} steps >= {h:,.1f} h = "
             f"{h * self.chips:,.0f} chip-hours on {self.chips} chips",
+        ]
+
+    def _speculative_lines(self) -> list[str]:
+        if not self.draft_tokens:
+            return []
+        spec, per_step = self.speculative_rollout_s, self.verify_s / max(self.verify_steps, 1)
+        cost = per_step / (self.decode_s / max(self.decode_steps, 1))
+        return [
+            f"  rollout with speculation >= {spec:,.1f} s, {self.rollout_s / spec:.2f}x lower "
+            f"(k={self.draft_tokens}, {self.tokens_per_step:.2f} tokens per verify step as "
+            f"given: {self.verify_steps:,} verify steps x {per_step * 1e3:.2f} ms = "
+            f"{self.verify_s:,.1f} s, a verify step {cost:.2f}x "
+            f"a decode step; prefill {self.prefill_s:,.1f} s); step >= "
+            f"{spec + self.update_s:,.1f} s"
         ]
 
 
@@ -208,6 +235,9 @@ def estimate(
     cache_itemsize: int,
     weight_bytes: int,
     steps: int,
+    verify=None,
+    tokens_per_step: float = 1.0,
+    draft_tokens: int = 0,
 ) -> StepTime:
     """The step's bounds from compiled programs (per device figures, see the module).
 
@@ -217,7 +247,10 @@ def estimate(
     kernels' cost, ``splash_cost`` with ``attention_block``, is added); ``prefill_tokens``:
     tokens one device's prefill program takes (its group's rows x chunk length); ``useful_tokens``:
     a train row's tokens the model FLOPs count; ``kv_heads``: KV heads a sampling device holds;
-    ``weight_bytes``: the sampling weights one device reads per decode step.
+    ``weight_bytes``: the sampling weights one device reads per decode step. ``verify``: the
+    speculative decode chunk of ``draft_tokens`` drafts (its loop counted once: one verify step,
+    reading the same K/V per slot as a decode step), bounded at ``tokens_per_step`` tokens per
+    verify step (``1 <= tokens_per_step <= draft_tokens + 1``).
     """
     gen, peak, bandwidth = chip(chip_name)
     share = chips / devices  # v4: two devices (TensorCores) per chip
@@ -236,6 +269,24 @@ def estimate(
     )
     model = train_model_flops(mc, micro_batches * micro_rows, round(useful_tokens)) / devices
     train_s = max(bound(train_flops, train_bytes, peak, bandwidth), model / peak)
+    speculative = {}
+    if verify is not None:
+        if not 1 <= tokens_per_step <= draft_tokens + 1:
+            raise ValueError(
+                f"tokens per verify step must be in [1, draft_tokens + 1 = {draft_tokens + 1}], "
+                f"got {tokens_per_step}"
+            )
+        rounds = -(-sequences_per_group // group_slots)
+        verify_steps = rounds * math.ceil(mean_new / tokens_per_step)
+        verify_bytes = verify.bytes_accessed + group_slots * kv
+        speculative = dict(
+            draft_tokens=draft_tokens,
+            tokens_per_step=tokens_per_step,
+            verify_step_flops=verify.flops,
+            verify_step_bytes=verify_bytes,
+            verify_steps=verify_steps,
+            verify_s=verify_steps * bound(verify.flops, verify_bytes, peak, bandwidth),
+        )
     return StepTime(
         chip=gen,
         peak_flops=peak / share,
@@ -258,4 +309,5 @@ def estimate(
         min_bytes_per_token=weight_bytes / group_slots + kv,
         steps=steps,
         chips=chips,
+        **speculative,
     )

@@ -161,6 +161,7 @@ def plan(
     compile_train: bool = True,
     roofline: bool = False,
     mean_new_tokens: float | None = None,
+    tokens_per_step: float | None = None,
     log: Callable[[str], None] | None = None,
 ) -> PlanReport:
     """Compiles the run's train step and sampler for ``topology_name`` and reports memory.
@@ -180,6 +181,9 @@ def plan(
         and 2 unrolled layers, also with ``compile_train`` False); continuous engine only.
       mean_new_tokens: the workload's expected new tokens per sequence for the roofline
         (default ``rollout.max_new_tokens``, the longest).
+      tokens_per_step: a measured tokens per speculative verify step: the roofline also bounds
+        the rollout with speculation (``rollout.draft_tokens`` drafts a step; one more compile,
+        the verify chunk), beside the bound without.
       log: progress messages (e.g. ``print``).
 
     Returns:
@@ -234,7 +238,7 @@ def plan(
     )
     if roofline and c.rollout.engine == "continuous":
         report = dataclasses.replace(
-            report, roofline=_step_time(planner, report, size, mean_new, log)
+            report, roofline=_step_time(planner, report, size, mean_new, tokens_per_step, log)
         )
     if not search:
         return report
@@ -308,10 +312,17 @@ def _search(
     )
 
 
-def _step_time(planner: Planner, report: PlanReport, slots: int, mean_new, log):
-    """The step-time roofline (:mod:`.roofline`) from the programs the plan compiled."""
+def _step_time(planner: Planner, report: PlanReport, slots: int, mean_new, per_step, log):
+    """The step-time roofline (:mod:`.roofline`) from the programs the plan compiled (and the
+    speculative verify chunk's, with ``per_step`` tokens per verify step)."""
     c, mc = planner.config, planner.model_config
     spec = planner.engine_spec(slots)
+    speculative = {}
+    if per_step is not None:
+        k = c.rollout.draft_tokens
+        log(f"compiling the speculative decode chunk ({k} drafted tokens per verify step)")
+        verify = planner.decode(planner.engine_spec(slots, draft_tokens=k))
+        speculative = dict(verify=verify, tokens_per_step=per_step, draft_tokens=k)
     layers = {}
     for k in (1, 2):
         log(f"compiling the train step with {k} unrolled layer(s) for its cost analysis")
@@ -345,6 +356,7 @@ def _step_time(planner: Planner, report: PlanReport, slots: int, mean_new, log):
         cache_itemsize=planner.cache_dtype().itemsize,
         weight_bytes=planner.sampler_params_bytes() + planner.shared_params_bytes(),
         steps=c.run.steps,
+        **speculative,
     )
 
 
