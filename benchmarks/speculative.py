@@ -44,13 +44,16 @@ from delta_jax.sampling.speculate import DRAFT_OUTCOMES
 CONFIG = "configs/smollm2_arith.yaml"
 
 
-def _samplers(model, pad_id, stops, slots: int, k: int, paths) -> dict[str, Sampler]:
+def _samplers(model, pad_id, stops, slots: int, args) -> dict[str, Sampler]:
     kw = dict(engine="continuous", pad_token_id=pad_id, stop_token_ids=stops, decode_slots=slots)
     samplers = {}
-    for name in paths:
+    for name in args.paths.split(","):
         attention, _, drafts = name.partition("+")
-        draft_tokens = k if drafts else 0
-        samplers[name] = Sampler(model, attention=attention, draft_tokens=draft_tokens, **kw)
+        if drafts:
+            spec = dict(draft_tokens=args.k, decode_chunk=args.verify_chunk)
+            samplers[name] = Sampler(model, attention=attention, **spec, **kw)
+        else:
+            samplers[name] = Sampler(model, attention=attention, **kw)
     return samplers
 
 
@@ -71,7 +74,7 @@ def _by_kind(outs, digits) -> dict[str, list[int]]:
 
 def run_batch(model, prompts, pad_id, stops, args, slots: int, digits) -> None:
     n = min(args.n, slots)
-    samplers = _samplers(model, pad_id, stops, slots, args.k, args.paths.split(","))
+    samplers = _samplers(model, pad_id, stops, slots, args)
     walls = {name: [] for name in samplers}
     tokens = {name: 0 for name in samplers}
     drafted = dict.fromkeys(SOURCES, 0)
@@ -143,6 +146,13 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--paths", default="dense,dense+k", help="samplers: dense, xla, dense+k, xla+k")
+    ap.add_argument(
+        "--verify-chunk",
+        type=int,
+        default=16,
+        help="verify steps per decode chunk (drafts are "
+        "renewed every chunk); plain decoding keeps the default chunk of 16 steps",
+    )
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config")
     args = ap.parse_args()
     args.paths = args.paths.replace("+k", f"+{args.k}")
@@ -159,6 +169,7 @@ def main() -> None:
         vocab = range(model.config.vocab_size)
         digits = [any(c.isdigit() for c in tokenizer.decode([i])) for i in vocab]
     print(f"{CONFIG} {' '.join(args.set)}: {len(prompts)} prompts, k={args.k}, "
+          f"verify chunk {args.verify_chunk}, "
           f"temperature {args.temperature}, up to {args.max_new} new tokens")  # fmt: skip
     for slots in map(int, args.batches.split(",")):
         run_batch(model, prompts, pad_id, stops, args, slots, digits)
