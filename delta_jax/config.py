@@ -170,9 +170,10 @@ class RolloutConfigSection:
     # Speculative rollouts (continuous engine; delta_jax.sampling.drafts): true drafts up to
     # draft_tokens tokens per sequence and step from the rollout's own text (its own, its
     # siblings', earlier steps' rollouts of the same prompt) and verifies them in one forward
-    # pass; the tokens are those of false (same seeds, same tokens). On CPU it needs the XLA
-    # attention path, which it picks there.
-    speculate: bool = False
+    # pass; the tokens are those of false (same seeds, same tokens). auto: never on CPU
+    # (compute-bound decode); on accelerators, per sampler call, the faster of the two as
+    # measured in the run (delta_jax.sampling.auto_speculation).
+    speculate: bool | Literal["auto"] = False
     draft_tokens: int = ranged(4, 1)
     # python_tool's call format: "tool_call" (Qwen3's <tool_call> JSON, the tool declared in
     # the chat template), "fenced" (a ```python block, for base models), "auto": "tool_call"
@@ -333,6 +334,13 @@ def _check_value(key: str, value: Any, tp: Any) -> Any:
                 return _check_value(key, value, arg)
             except ConfigError as e:
                 errors.append(str(e))
+        named = [a for a in args if a is not type(None)]
+        if len(named) > 1 and all(a is bool or typing.get_origin(a) is Literal for a in named):
+            allowed = [
+                *(["true", "false"] if bool in named else []),
+                *(repr(v) for a in named if a is not bool for v in typing.get_args(a)),
+            ]
+            raise ConfigError(f"{key}={value!r} must be one of {', '.join(allowed)}")
         raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         if not isinstance(value, list | tuple) or not value:

@@ -54,6 +54,9 @@ def test_overrides_are_typed():
     assert c.run.steps == 3
     assert c.run.mesh == (2, 2, 2)
     assert load_config(None, ["algo.clip_eps_low=null"]).algo.clip_eps_low is None
+    speculate = [load_config(None, [f"rollout.speculate={v}"]).rollout.speculate for v in (
+        "true", "off", "auto")]  # fmt: skip
+    assert speculate == [True, False, "auto"]
 
 
 @pytest.mark.parametrize(
@@ -66,6 +69,7 @@ def test_overrides_are_typed():
         ("rollout.top_p=2", "rollout.top_p=2.0 must be in (0, 1]"),
         ("optim.lr=fast", "optim.lr='fast' must be a number"),
         ("run.tensorboard=maybe", "must be true or false"),
+        ("rollout.speculate=maybe", "rollout.speculate='maybe' must be one of true, false, 'auto'"),
         ("rollot.top_p=0.5", "unknown section 'rollot'"),
         ("algo.mini_batches=3", "must divide the rollout batch"),
         ("algo.loss", "must look like section.key=value"),

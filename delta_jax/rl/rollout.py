@@ -252,6 +252,9 @@ def _count_engine(stats: Counter, out, episodes, rows: int) -> None:
         stats["engine/decode_steps"] += es.decode_steps
         stats["rollout/preemptions"] += es.preemptions
         stats["rollout/pages_peak"] = max(stats["rollout/pages_peak"], *es.high_water_pages)
+        if es.speculative is not None:  # a sampler with drafts: did this call speculate?
+            stats["engine/drafting_calls"] += 1
+            stats["engine/speculative_calls"] += es.speculative
         if es.verify_steps:  # speculative rollouts
             stats["engine/verify_steps"] += es.verify_steps
             for source in es.drafted:
@@ -267,8 +270,12 @@ def _count_engine(stats: Counter, out, episodes, rows: int) -> None:
 
 
 def _speculation_stats(stats: Counter) -> None:
-    """Speculative rollouts' metrics: tokens per verify step, the verify steps saved (tokens
-    minus verify steps), and each draft source's drafted tokens and acceptance rate."""
+    """Speculative rollouts' metrics: the fraction of sampler calls that speculated
+    (``rollout.speculate: auto`` decides per call), tokens per verify step, the verify steps
+    saved (tokens minus verify steps), and each draft source's drafted tokens and acceptance
+    rate."""
+    if stats.get("engine/drafting_calls"):
+        stats["speculate/on"] = stats["engine/speculative_calls"] / stats["engine/drafting_calls"]
     if not stats.get("engine/verify_steps"):
         return
     tokens, steps = stats["engine/useful_steps"], stats["engine/verify_steps"]

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding
 from delta_jax.models import Transformer
 from delta_jax.models.axes import logical_to_mesh
 from delta_jax.sampling import dense_cpu, engine
+from delta_jax.sampling.auto_speculation import AutoSpeculation
 from delta_jax.sampling.backends import NAMES, resolve_attention
 from delta_jax.sampling.buckets import Buckets, RequestArrays, prepare_request
 from delta_jax.sampling.drafts import SOURCES, Drafter
@@ -136,12 +138,15 @@ class Sampler:
       attention: paged attention: ``"auto"`` (the Pallas ragged paged attention kernel on TPU,
         the ``"dense"`` CPU path on CPU, else ``"xla"``), ``"xla"``, ``"pallas"`` or
         ``"dense"`` (see :mod:`delta_jax.sampling.paged`).
-      draft_tokens: speculative decoding (continuous engine, ``"xla"`` or ``"pallas"``
-        attention): tokens drafted per sequence and verify step from the rollout's own text
+      draft_tokens: speculative decoding (continuous engine, every attention path): tokens
+        drafted per sequence and verify step from the rollout's own text
         (:mod:`delta_jax.sampling.drafts`: the sequence's own text, its siblings', earlier
         calls' rollouts of the same prompt, kept by this sampler); 0 decodes one token per
         step. The tokens are the same either way (greedy and sampled): a drafted token is
         kept only where it equals the token drawn at its index with that index's key.
+      speculate: with ``draft_tokens > 0``, ``"always"`` (every request) or ``"auto"``
+        (:class:`~delta_jax.sampling.auto_speculation.AutoSpeculation`: never on CPU; on
+        accelerators the faster way as measured on this sampler's requests).
 
     Examples:
       >>> from delta_jax.models import ModelConfig
@@ -166,8 +171,10 @@ class Sampler:
     prefill_chunk: int = 512
     attention: str = "auto"
     draft_tokens: int = 0
+    speculate: str = "always"
     _programs: ProgramCache = dataclasses.field(init=False, repr=False)
     _drafter: Drafter | None = dataclasses.field(init=False, repr=False)
+    _auto: AutoSpeculation | None = dataclasses.field(init=False, repr=False)
 
     @property
     def num_compilations(self) -> int:
@@ -298,13 +305,19 @@ class Sampler:
             raise ValueError(f"draft_tokens must be an int >= 0, got {k!r}")
         if k and self.engine != "continuous":
             raise ValueError("draft_tokens > 0 (speculative decoding) needs engine='continuous'")
+        if self.speculate not in ("always", "auto"):
+            raise ValueError(f"speculate must be 'always' or 'auto', got {self.speculate!r}")
         # Speculative decoding's drafts, with the history of this sampler's earlier requests.
         object.__setattr__(self, "_drafter", Drafter(k) if k else None)
+        auto = k and self.speculate == "auto"
+        object.__setattr__(self, "_auto", AutoSpeculation(_platform(self.mesh)) if auto else None)
 
     def _generate_continuous(
         self, prompts, request, n, strategy, seed, return_hidden, params, on_sample_done, turns
     ):
         arrays = [np.asarray(p, np.int32) for p in prompts]
+        drafting = self._drafter is not None and (self._auto is None or self._auto.next())
+        start = time.perf_counter()
         out, stats = engine.generate_continuous(
             self.model,
             request,
@@ -313,20 +326,32 @@ class Sampler:
             strategy,
             np.uint32(seed % 2**32),
             params,
-            spec=self.engine_spec(request, n, return_hidden, multi_turn=turns is not None),
+            spec=self.engine_spec(
+                request, n, return_hidden, multi_turn=turns is not None, speculative=drafting
+            ),
             programs=self._programs,
             cache_dtype=self.resolved_cache_dtype(),
             on_sample_done=on_sample_done,
             turns=turns,
-            drafter=self._drafter,
+            drafter=self._drafter if drafting else None,
         )
+        if self._auto is not None:
+            self._auto.record(drafting, time.perf_counter() - start, stats.useful_steps)
+        if self._drafter is not None:
+            stats = dataclasses.replace(stats, speculative=drafting)
         return dataclasses.replace(out, engine_stats=stats)
 
     def engine_spec(
-        self, request: RequestArrays, n: int, return_hidden: bool, multi_turn: bool = False
+        self,
+        request: RequestArrays,
+        n: int,
+        return_hidden: bool,
+        multi_turn: bool = False,
+        speculative: bool = True,
     ):
         """The continuous engine's static configuration for a request's buckets (``multi_turn``:
-        the default pool also holds the pages of sequences waiting on the host)."""
+        the default pool also holds the pages of sequences waiting on the host; ``speculative``
+        False: decode steps, whatever ``draft_tokens``)."""
         # Data groups: the mesh's row shards, each with its own slots and share of the pool.
         groups = self._row_multiple()
         prompts = request.num_rows // n
@@ -356,7 +381,8 @@ class Sampler:
             group_pages = holders * own_pages + resident * prompt_pages + 1
         # A new prompt needs a free slot: about slots / n prompts join a group at a time.
         at_once = 1 << (-(-group_slots // n) - 1).bit_length()
-        k, lead = self.draft_tokens, self._drafter.lo if self._drafter else 0
+        k = self.draft_tokens if speculative else 0
+        lead = self._drafter.lo if k else 0
         attention = resolve_attention(self.attention, _platform(self.mesh))
         # A chunk's verify steps emit at most steps * (k + 1) tokens: each source's piece of a
         # slot's window holds that many after its lead and the -1 that ends it.

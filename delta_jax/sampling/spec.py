@@ -197,6 +197,8 @@ class EngineStats:
     verify_steps: int = 0
     drafted: dict[str, int] = dataclasses.field(default_factory=dict)
     accepted: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Whether the request speculated (None: its sampler has no drafts, ``draft_tokens = 0``).
+    speculative: bool | None = None
 
     @property
     def occupancy(self) -> float:

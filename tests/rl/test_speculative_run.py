@@ -1,5 +1,6 @@
 """Speculative rollouts in a training run: ``rollout.speculate=true`` changes how the rollout's
-tokens come (verify steps of drafted tokens), not which, so the run is the plain one."""
+tokens come (verify steps of drafted tokens), not which, so the run is the plain one;
+``rollout.speculate=auto`` never speculates on CPU."""
 
 import numpy as np
 import pytest
@@ -13,11 +14,15 @@ from tests.rl.test_trainer import DEMO
 @pytest.mark.slow  # two short runs
 def test_speculative_rollouts_train_as_plain_ones(tmp_path, demo_model_dir):
     rows = {}
-    for mode in ("false", "true"):
+    for mode, steps in (("false", 2), ("true", 2), ("auto", 1)):
         extra = ("run.steps=2", f"rollout.speculate={mode}", "rollout.draft_tokens=3")
         config = load_config(DEMO, tiny_overrides(tmp_path / mode, demo_model_dir, *extra))
         with Trainer(config) as trainer:
-            rows[mode] = [trainer.step(), trainer.step()]
+            rows[mode] = [trainer.step() for _ in range(steps)]
+    # auto on CPU (a compute-bound decode): the plain rollout, and says so.
+    auto, off = rows["auto"][0], rows["false"][0]
+    assert auto["speculate/on"] == 0 and auto["reward_mean"] == off["reward_mean"]
+    assert [k for k in auto if k.startswith("speculate/")] == ["speculate/on"]
     for off, on in zip(rows["false"], rows["true"], strict=True):
         # The same tokens, so the same rewards and groups; the loss from the same rollouts'
         # log-probs (another attention path on CPU: float32 rounding only).
@@ -32,3 +37,4 @@ def test_speculative_rollouts_train_as_plain_ones(tmp_path, demo_model_dir):
         accepted = sum(on[f"speculate/acceptance/{s}"] * drafted[s] for s in sources)
         assert sum(drafted.values()) > 0
         assert on["speculate/steps_saved"] == pytest.approx(accepted)
+        assert on["speculate/on"] == 1

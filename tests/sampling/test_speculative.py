@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from delta_jax.sampling import Sampler
+from delta_jax.sampling.auto_speculation import AutoSpeculation
 from delta_jax.sampling.speculate import DRAFT_OUTCOMES
 from tests.sampling.helpers import chisquare_pvalue, peaked_model, truncated_distribution
 from tests.sampling.test_sampler import ATOL, _forward
@@ -133,3 +134,51 @@ def test_speculative_decoding_is_refused_where_it_cannot_run(model):
         Sampler(model, draft_tokens=2)
     with pytest.raises(ValueError, match="draft_tokens must be an int >= 0"):
         engine(model, draft_tokens=-1)
+
+
+def test_auto_measures_both_ways_then_runs_the_faster_and_probes_the_other():
+    auto = AutoSpeculation("tpu", probe_every=4)
+    ways = []
+
+    def request(seconds_per_token):
+        way = auto.next()
+        ways.append(way)
+        auto.record(way, seconds_per_token[way] * 100, 100)
+
+    for _ in range(10):  # speculation twice as fast
+        request({True: 1.0, False: 2.0})
+    # Each way twice (a first request compiles, then one measured), then the faster one, the
+    # other every 4th request.
+    assert ways == [True, True, False, False, True, True, True, False, True, True]
+    assert auto.seconds_per_token == {True: 1.0, False: 2.0}
+    for _ in range(6):  # the acceptance falls: speculation now slower
+        request({True: 3.0, False: 2.0})
+    # Its running mean passes the plain one's after two requests (1 -> 2 -> 2.5): plain runs,
+    # speculation only as the probe.
+    assert ways[10:] == [True, False, True, False, False, True]
+    assert not auto.faster() and auto.seconds_per_token[True] > 2.0
+    cpu = AutoSpeculation("cpu")
+    assert not any(cpu.next() for _ in range(20))
+
+
+def test_auto_never_speculates_on_cpu_and_switches_per_request_elsewhere(model):
+    kw = dict(max_new_tokens=12, n=4, temperature=0.0)
+    plain = engine(model).generate(PROMPTS[:2], **kw)
+    sampler = engine(model, draft_tokens=3, speculate="auto")
+    out = sampler.generate(PROMPTS[:2], **kw)
+    assert out.tokens == plain.tokens
+    assert out.engine_stats.speculative is False and out.engine_stats.verify_steps == 0
+    assert plain.engine_stats.speculative is None  # no drafts at all
+    # The accelerators' policy, run here: each way twice, then the faster one; the same tokens
+    # whichever way a request goes.
+    object.__setattr__(sampler, "_auto", AutoSpeculation("gpu"))  # a frozen dataclass
+    ways, faster = [], []
+    for _ in range(5):
+        faster.append(sampler._auto.faster())
+        out = sampler.generate(PROMPTS[:2], **kw)
+        assert out.tokens == plain.tokens
+        ways.append(out.engine_stats.speculative)
+        assert (out.engine_stats.verify_steps > 0) == out.engine_stats.speculative
+    assert ways == [True, True, False, False, faster[4]]
+    with pytest.raises(ValueError, match="speculate must be 'always' or 'auto'"):
+        engine(model, draft_tokens=2, speculate="sometimes")
