@@ -271,22 +271,11 @@ def estimate(
     train_s = max(bound(train_flops, train_bytes, peak, bandwidth), model / peak)
     speculative = {}
     if verify is not None:
-        if not 1 <= tokens_per_step <= draft_tokens + 1:
-            raise ValueError(
-                f"tokens per verify step must be in [1, draft_tokens + 1 = {draft_tokens + 1}], "
-                f"got {tokens_per_step}"
-            )
         rounds = -(-sequences_per_group // group_slots)
-        verify_steps = rounds * math.ceil(mean_new / tokens_per_step)
-        verify_bytes = verify.bytes_accessed + group_slots * kv
-        speculative = dict(
-            draft_tokens=draft_tokens,
-            tokens_per_step=tokens_per_step,
-            verify_step_flops=verify.flops,
-            verify_step_bytes=verify_bytes,
-            verify_steps=verify_steps,
-            verify_s=verify_steps * bound(verify.flops, verify_bytes, peak, bandwidth),
-        )
+        speculative = _verify_bound(
+            verify, tokens_per_step, draft_tokens, rounds, mean_new, group_slots * kv, peak,
+            bandwidth,
+        )  # fmt: skip
     return StepTime(
         chip=gen,
         peak_flops=peak / share,
@@ -310,4 +299,27 @@ def estimate(
         steps=steps,
         chips=chips,
         **speculative,
+    )
+
+
+def _verify_bound(
+    verify, tokens_per_step, draft_tokens, rounds, mean_new, kv_bytes, peak, bandwidth
+) -> dict:
+    """The :class:`StepTime` fields of speculative rollouts: ``rounds`` rounds of ``mean_new``
+    tokens at ``tokens_per_step`` per verify step, each step bounded by the verify chunk's
+    figures plus the K/V its slots read (``kv_bytes``, as a decode step's)."""
+    if not 1 <= tokens_per_step <= draft_tokens + 1:
+        raise ValueError(
+            f"tokens per verify step must be in [1, draft_tokens + 1 = {draft_tokens + 1}], "
+            f"got {tokens_per_step}"
+        )
+    steps = rounds * math.ceil(mean_new / tokens_per_step)
+    nbytes = verify.bytes_accessed + kv_bytes
+    return dict(
+        draft_tokens=draft_tokens,
+        tokens_per_step=tokens_per_step,
+        verify_step_flops=verify.flops,
+        verify_step_bytes=nbytes,
+        verify_steps=steps,
+        verify_s=steps * bound(verify.flops, nbytes, peak, bandwidth),
     )
