@@ -46,12 +46,15 @@ def is_noise(line: str) -> bool:
 
 
 def commit() -> str:
-    """Short hash of HEAD, ``+dirty`` when tracked files differ from it."""
+    """Short hash of HEAD, ``+dirty`` when tracked files differ from it, result files under
+    ``benchmarks/results/`` aside (what a command writes, never what it runs: a batch of reruns
+    rewrites them one after the other)."""
     git = ["git", "-C", str(ROOT)]
     sha = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     if sha.returncode:
         return "unknown"
-    dirty = subprocess.run([*git, "diff", "--quiet", "HEAD", "--"], capture_output=True)
+    paths = ["--", ".", ":(exclude)benchmarks/results"]
+    dirty = subprocess.run([*git, "diff", "--quiet", "HEAD", *paths], capture_output=True)
     return sha.stdout.strip() + ("+dirty" if dirty.returncode else "")
 
 

@@ -3,6 +3,7 @@ under ``benchmarks/results/`` starts with the command and the commit that produc
 line ``benchmarks/record.py`` writes)."""
 
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,19 +22,12 @@ AWAITING_RERUN = {
     "attention/qwen3_8b_v5p-64_tpu.txt",
     "demo_tool/seed2_idle.md",
     "demo_tool/seeds_0-4_shared_load.md",
-    "tpu_plan/fullft2k_qwen3_0.6b_v5e-1_slots16.txt",
-    "tpu_plan/fullft4k_qwen3_0.6b_v6e-1.txt",
     "tpu_plan/fullft4k_qwen3_1.7b_v5e-8.txt",
     "tpu_plan/lora2k_qwen3_4b_v5e-1_slots8.txt",
-    "tpu_plan/lora4k_qwen3_1.7b_v5e-1_slots16.txt",
     "tpu_plan/lora4k_qwen3_4b_v5e-1_slots8.txt",
     "tpu_plan/lora4k_qwen3_4b_v6e-1_slots16.txt",
     "tpu_plan/qwen3_8b_dapo_v5p-64.txt",
-    "tpu_plan/recipe_0.6b_delta_v5e-1_slots32_sampling.txt",
     "tpu_plan/recipe_1.7b_kaggle_v5e-8.txt",
-    "tpu_plan/recipe_1.7b_lora_v5e-1_slots32_sampling.txt",
-    "tpu_plan/train4k_qwen3_0.6b_v5e-1.txt",
-    "tpu_plan/train4k_qwen3_1.7b_v6e-1.txt",
     "tpu_plan/train4k_qwen3_4b_v5e-8.txt",
 }
 
@@ -100,6 +94,28 @@ def test_record_writes_command_and_commit_and_reruns_it(tmp_path):
     assert record.main([str(out), "--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
     assert out.read_text().split("\n", 1)[1] == "42\n"
     assert not list(out.parent.glob("*.tmp"))
+
+
+def test_record_marks_a_tree_dirty_by_its_code_not_by_its_results(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import record
+    finally:
+        sys.path.pop(0)
+    repo = tmp_path / "repo"
+    (repo / "benchmarks" / "results").mkdir(parents=True)
+    (repo / "a.py").write_text("x = 1\n")
+    (repo / "benchmarks" / "results" / "r.txt").write_text("old\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "one"]):
+        subprocess.run([*git, *args], check=True)
+    monkeypatch.setattr(record, "ROOT", repo)
+    clean = record.commit()
+    assert re.fullmatch(r"[0-9a-f]{7,}", clean)
+    (repo / "benchmarks" / "results" / "r.txt").write_text("new\n")  # an earlier rerun's output
+    assert record.commit() == clean
+    (repo / "a.py").write_text("x = 2\n")
+    assert record.commit() == clean + "+dirty"
 
 
 def test_interleave_alternates_the_two_trees_under_one_provenance_line(tmp_path):
