@@ -80,7 +80,7 @@ def run_batch(model, prompts, pad_id, stops, args, slots: int, digits) -> None:
     drafted = dict.fromkeys(SOURCES, 0)
     accepted = dict.fromkeys(SOURCES, 0)
     verify_steps = useful = differ = 0
-    speculative = []
+    speculative, changed = [], dict.fromkeys(samplers, 0)
     for epoch in range(args.epochs):
         outs = {}
         for name, sampler in samplers.items():
@@ -103,12 +103,16 @@ def run_batch(model, prompts, pad_id, stops, args, slots: int, digits) -> None:
                 for s in SOURCES:
                     drafted[s] += stats.drafted.get(s, 0)
                     accepted[s] += stats.accepted.get(s, 0)
-        # Speculation changes no token (against the plain run on its attention path); the dense
-        # path may differ from the XLA one by float32 rounding (counted, not asserted).
+        # Speculation changes no token in exact arithmetic (tested in float64); in float32 a
+        # verify step's attention sums in another order than a decode step's, and a sampled
+        # draw that falls within that rounding of a boundary between two tokens goes the other
+        # way (counted against the plain run on its attention path, not asserted), as the dense
+        # path's rows may differ from the XLA path's.
         for name, out in outs.items():
             attention, _, drafts = name.partition("+")
-            if drafts and attention in outs:
-                assert out.tokens == outs[attention].tokens, f"{name}: speculation changed tokens"
+            if drafts and attention in outs and epoch:
+                pairs = zip(out.tokens, outs[attention].tokens, strict=True)
+                changed[name] += sum(a != b for a, b in pairs)
         if "dense" in outs and "xla" in outs:
             pairs = zip(outs["dense"].tokens, outs["xla"].tokens, strict=True)
             differ += sum(a != b for a, b in pairs)
@@ -123,6 +127,10 @@ def run_batch(model, prompts, pad_id, stops, args, slots: int, digits) -> None:
         print(f"{name:>8} | {base[name]:7.2f} {rate:7.1f} | {base[first] / base[name]:7.2f}x")
     if "dense" in samplers and "xla" in samplers:
         print(f"rows whose dense-path tokens differ from the XLA path's: {differ}")
+    for name in samplers:
+        if "+" in name and name.partition("+")[0] in samplers:
+            print(f"rows whose {name} tokens differ from the plain path's (float32): "
+                  f"{changed[name]} of {rows * (args.epochs - 1)}")  # fmt: skip
     per_row = statistics.mean(len(t) for out in speculative for t in out.tokens)
     print(f"response length: {per_row:.1f} tokens on average")
     per_step = useful / max(1, verify_steps)
