@@ -7,6 +7,9 @@ so on the same attention path the two runs should be the same run: the same rewa
 lengths and losses (the table prints the largest differences), in the rollout time it takes.
 
     python benchmarks/speculative_curves.py --steps 8
+
+``--runs OFF ON`` tabulates two runs made before (each directory's ``metrics.jsonl``; their
+``config.yaml`` says how they were made) instead of training.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import yaml
 
 CONFIG = "configs/smollm2_arith.yaml"
 COLUMNS = ("reward_mean", "loss", "response_length_mean")
@@ -29,6 +34,22 @@ def train(run_dir: Path, steps: int, speculate: str, extra: list[str]) -> list[d
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "delta_jax.cli", "train", "--config", CONFIG, *overrides]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return _read(run_dir)
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    """``{"section.key": value}`` of a nested config."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _read(run_dir: Path) -> list[dict]:
+    """A run's per-step metrics."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -36,12 +57,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config")
+    ap.add_argument("--runs", nargs=2, metavar=("OFF", "ON"), help="runs made before")
+    ap.add_argument("--made", default="", help="with --runs: how and where they were made")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = {
-            mode: train(Path(tmp) / mode, args.steps, mode, args.set) for mode in ("false", "true")
-        }
-    off, on = runs["false"], runs["true"]
+    if args.made:
+        print(f"runs: {args.made}")
+    if args.runs:
+        off, on = (_read(Path(d)) for d in args.runs)
+        args.steps = len(off)
+        configs = [_flat(yaml.safe_load((Path(d) / "config.yaml").read_text())) for d in args.runs]
+        differ = sorted(k for k in configs[0] if configs[0][k] != configs[1].get(k))
+        print(f"runs made before: {args.runs[0]} and {args.runs[1]}; their configs differ in "
+              f"{', '.join(differ)}")  # fmt: skip
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            off, on = (train(Path(tmp) / m, args.steps, m, args.set) for m in ("false", "true"))
     print(f"{CONFIG} {' '.join(args.set)}: {args.steps} steps, rollout.speculate false | true")
     head = " | ".join(f"{c:>22}" for c in COLUMNS)
     print(f"step | {head} | tokens/verify step | rollout s off / on")
