@@ -11,7 +11,8 @@ best, where a training run's policy drifts from one epoch to the next.
 Per batch size (the engine's ``decode_slots``), the samplers ``--paths`` names run the same
 epochs in turn (interleaved, so the machine's drift hits each alike): ``dense`` (the CPU
 default, one token per step), ``xla`` (one token per step on the XLA path), and ``dense+k`` /
-``xla+k`` (up to ``k`` drafted tokens per verify step). A batch of 1 runs one sample per prompt
+``xla+k`` (up to ``k`` drafted tokens per verify step), and ``dense+auto`` / ``xla+auto``
+(``speculate="auto"``: on CPU, never). A batch of 1 runs one sample per prompt
 (a prompt's samples must fit the slots), so its drafts come from the sequence's own text and the
 history. Speculation changes no token (checked here: every epoch's tokens are compared with the
 plain path's on the same attention path).
@@ -49,8 +50,9 @@ def _samplers(model, pad_id, stops, slots: int, args) -> dict[str, Sampler]:
     samplers = {}
     for name in args.paths.split(","):
         attention, _, drafts = name.partition("+")
-        if drafts:
-            spec = dict(draft_tokens=args.k, decode_chunk=args.verify_chunk)
+        if drafts:  # "+auto": rollout.speculate=auto, else always
+            when = "auto" if drafts == "auto" else "always"
+            spec = dict(draft_tokens=args.k, decode_chunk=args.verify_chunk, speculate=when)
             samplers[name] = Sampler(model, attention=attention, **spec, **kw)
         else:
             samplers[name] = Sampler(model, attention=attention, **kw)
@@ -131,6 +133,9 @@ def run_batch(model, prompts, pad_id, stops, args, slots: int, digits) -> None:
         if "+" in name and name.partition("+")[0] in samplers:
             print(f"rows whose {name} tokens differ from the plain path's (float32): "
                   f"{changed[name]} of {rows * (args.epochs - 1)}")  # fmt: skip
+    if not speculative:
+        print("no call speculated")
+        return
     per_row = statistics.mean(len(t) for out in speculative for t in out.tokens)
     print(f"response length: {per_row:.1f} tokens on average")
     per_step = useful / max(1, verify_steps)
@@ -153,7 +158,11 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="drafted tokens per verify step")
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--paths", default="dense,dense+k", help="samplers: dense, xla, dense+k, xla+k")
+    ap.add_argument(
+        "--paths",
+        default="dense,dense+k",
+        help="samplers: dense, xla, dense+k, xla+k, dense+auto, xla+auto",
+    )
     ap.add_argument(
         "--verify-chunk",
         type=int,
