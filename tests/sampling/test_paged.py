@@ -91,7 +91,8 @@ def test_dense_cpu_path_matches_oracle_after_writes():
         out = dense_cpu.view_attention(q, keys, values, visible)
         views = ((keys, values),)
         start = positions[:, 0]
-        pages = dense_cpu.views_to_pages(pool, views, table, start, start + 1, shift, None, K)
+        where = jnp.arange(table.shape[1] * page_size)[None, :] + shift[:, None]  # p + shift
+        pages = dense_cpu.views_to_pages(pool, views, table, start, start + 1, where, None, K)
         return out, pages.kv[0]
 
     got, pages = step(*(jnp.asarray(x, jnp.float32) for x in (kv, q, new)), positions, table)
@@ -104,9 +105,9 @@ def test_dense_cpu_path_matches_oracle_after_writes():
 
 
 def test_dense_write_back_writes_only_the_chunk_positions():
-    """``views_to_pages`` copies positions [start, end) of each row's views (from columns
-    ``shift`` on) into its pages; every other position of every page (the scratch page
-    included) keeps its contents."""
+    """``views_to_pages`` copies positions [start, end) of each row's views (position ``p`` from
+    the column the map gives it, here ``p + shift``) into its pages; every other position of
+    every page (the scratch page included) keeps its contents."""
     K, D, page_size, num_pages = 2, 4, 4, 10
     kv = np.arange(num_pages * page_size * 2 * K * D, dtype=np.float32)
     kv = kv.reshape(num_pages, page_size, 2 * K, D)
@@ -121,7 +122,8 @@ def test_dense_write_back_writes_only_the_chunk_positions():
     shift = np.array([2, 5, 0])
     pool = paged.PagePool(kv=(jnp.asarray(kv),))
     views = ((jnp.asarray(keys), jnp.asarray(values)),)
-    got = np.asarray(dense_cpu.views_to_pages(pool, views, table, start, end, shift, None, K).kv[0])
+    where = np.arange(L)[None, :] + shift[:, None]  # position p in column p + shift
+    got = np.asarray(dense_cpu.views_to_pages(pool, views, table, start, end, where, None, K).kv[0])
     want = kv.copy()
     for b in range(3):
         for pos in range(start[b], end[b]):
