@@ -39,6 +39,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -142,10 +143,19 @@ def _echo_of_failed_restore(u: Any) -> bool:
     return dropped or closed
 
 
+_STATUS = re.compile(r"[A-Z][A-Z_]+: ")  # how TensorStore's errors begin: their status code
+
+
 def _drop_task_echo(record: logging.LogRecord) -> bool:
+    """False for asyncio's echo of one of a failed restore's dropped reads: an Orbax task, or a
+    TensorStore read's future (no coroutine to name it: its error begins with a status code)."""
     message = record.getMessage()
-    orbax = f"{os.sep}orbax{os.sep}" in message
-    return not (message.startswith("Task exception was never retrieved") and orbax)
+    if message.startswith("Task exception was never retrieved"):
+        return f"{os.sep}orbax{os.sep}" not in message
+    if message.startswith("Future exception was never retrieved"):
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, ValueError) and _STATUS.match(str(error)))
+    return True
 
 
 @contextlib.contextmanager
