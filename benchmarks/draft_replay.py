@@ -1,0 +1,189 @@
+"""How many tokens per verify step drafts from the rollout's own text can reach on the real model,
+replayed on its recorded rollouts, for several drafting rules.
+
+A drafted token is accepted exactly when it equals the token the sequence draws at that index
+with its own key (:mod:`delta_jax.sampling.speculate`): the draws do not depend on the drafts.
+So rollouts recorded once, without speculation, replay any drafting rule exactly, without the
+model. This records ``--epochs`` requests of the same prompts (``benchmarks/speculative.py``'s
+workload: ``configs/smollm2_arith.yaml``, SmolLM2-135M-Instruct, reasoning-gym ``chain_sum``,
+temperature 0.7, ``--n`` samples per prompt; the first epoch only fills the history), then
+replays one verify step at a time, a prompt's samples advancing together (a sibling's text is
+what it has drawn so far), for each rule:
+
+* ``first``: the drafter's own rule (:meth:`~delta_jax.sampling.drafts.Drafter.propose`: the
+  continuation of the first occurrence of the longest matched suffix, sources in order) asked
+  afresh at every verify step. The engine renews its drafts once per decode chunk and follows
+  them on the device in between (``benchmarks/speculative.py`` measures that);
+* ``frequent``: every occurrence of the longest matched suffix (up to ``max_ngram`` tokens) in
+  all sources votes for its next token, the most frequent is drafted, and the occurrences that
+  agree vote for the one after it (also with the ``history`` or the ``siblings`` left out);
+* ``best-match``: an upper bound for any rule that copies text following an occurrence of the
+  row's last token: the occurrence whose continuation matches the row's future the longest
+  (a rule that knew the draws).
+
+    python benchmarks/draft_replay.py --prompts 16 --epochs 4 --max-new 128 \\
+        --set "data.template={prompt} Explain your reasoning step by step, then give the final number."
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from delta_jax.config import load_config
+from delta_jax.rl.setup import load_model, prompt_sets, special_token_ids
+from delta_jax.sampling import Sampler
+from delta_jax.sampling.drafts import Drafter
+
+CONFIG = "configs/smollm2_arith.yaml"
+MAX_NGRAM, HISTORY_TEXTS = 4, 16  # the drafter's defaults
+
+
+def record(args) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """The prompts and every epoch's responses (rows ``prompt * n + sample``)."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        overrides = [f"run.dir={run_dir}", "run.eval_every=0", "data.extra_eval_sources=null"]
+        config = load_config(CONFIG, overrides + args.set)
+        model, tokenizer = load_model(config, Path(run_dir))
+        pad_id, stops = special_token_ids(tokenizer, model)
+        train, _ = prompt_sets(config, tokenizer)
+        prompts = [list(map(int, ids)) for ids in train.ids[: args.prompts]]
+    sampler = Sampler(
+        model, engine="continuous", pad_token_id=pad_id, stop_token_ids=stops,
+        decode_slots=len(prompts) * args.n,
+    )  # fmt: skip
+    epochs = []
+    for epoch in range(args.epochs):
+        start = time.perf_counter()
+        out = sampler.generate(
+            prompts, max_new_tokens=args.max_new, n=args.n, temperature=args.temperature,
+            seed=1000 + epoch,
+        )  # fmt: skip
+        epochs.append([list(map(int, row)) for row in out.tokens])
+        print(f"epoch {epoch}: {sum(out.lengths)} tokens in {time.perf_counter() - start:.0f} s")
+    return prompts, epochs
+
+
+def _occurrences(docs, key: tuple[int, ...]) -> list[tuple[list[int], int]]:
+    """``(text, i)`` for every ``i >= start`` of every ``(text, start)`` in ``docs`` that
+    ``key`` ends just before."""
+    n = len(key)
+    return [
+        (text, i)
+        for text, start in docs
+        for i in range(max(start, n), len(text))
+        if tuple(text[i - n : i]) == key
+    ]
+
+
+def frequent(context, docs, k: int) -> list[int]:
+    """Up to ``k`` tokens voted by the occurrences of the longest matched suffix."""
+    for n in range(min(MAX_NGRAM, len(context)), 0, -1):
+        alive = _occurrences(docs, tuple(context[-n:]))
+        if alive:
+            break
+    draft = []
+    for j in range(k):
+        votes = collections.Counter(t[i + j] for t, i in alive if i + j < len(t))
+        if not votes:
+            break
+        token = votes.most_common(1)[0][0]
+        draft.append(token)
+        alive = [(t, i) for t, i in alive if i + j < len(t) and t[i + j] == token]
+    return draft
+
+
+def best_match(context, docs, future, k: int) -> list[int]:
+    """The continuation (up to ``k``) of an occurrence of the last token that matches
+    ``future`` the longest."""
+    best: list[int] = []
+    for text, i in _occurrences(docs, tuple(context[-1:])):
+        piece = text[i : i + k]
+        j = 0
+        while j < len(piece) and j < len(future) and piece[j] == future[j]:
+            j += 1
+        if j > len(best):
+            best = piece[:j]
+    return best
+
+
+def replay(prompts, epochs, n: int, k: int, rule: str, sources=("siblings", "history")):
+    """Tokens per verify step of ``rule`` over epochs 1 onwards."""
+    drafter = Drafter(k, history_texts=HISTORY_TEXTS)
+    steps = tokens = 0
+    for e, rows in enumerate(epochs):
+        drafter.begin([np.asarray(p) for p in prompts], n)
+        for p, prompt in enumerate(prompts):
+            group = range(p * n, (p + 1) * n)
+            history = [
+                (prompt + old[r], len(prompt)) for old in epochs[:e] for r in group
+            ][-HISTORY_TEXTS:]
+            at = dict.fromkeys(group, 0)
+            while any(at[r] < len(rows[r]) for r in group):
+                emitted = {}
+                for r in (r for r in group if at[r] < len(rows[r])):
+                    context, future = prompt + rows[r][: at[r]], rows[r][at[r] :]
+                    docs = [(context, 0)]  # its own text and prompt
+                    if "siblings" in sources:
+                        docs += [(prompt + rows[q][: at[q]], len(prompt)) for q in group if q != r]
+                    if "history" in sources:
+                        docs += history
+                    if rule == "first":
+                        draft = drafter.propose(r).tokens.tolist()
+                    elif rule == "frequent":
+                        draft = frequent(context, docs, k)
+                    else:
+                        draft = best_match(context, docs, future, k)
+                    taken = 1  # the drawn token, then each drafted token equal to the next
+                    while taken <= len(draft) and taken < len(future):
+                        if draft[taken - 1] != future[taken - 1]:
+                            break
+                        taken += 1
+                    emitted[r] = future[:taken]
+                for r, toks in emitted.items():
+                    drafter.extend(r, toks)
+                    at[r] += len(toks)
+                    if e:
+                        steps, tokens = steps + 1, tokens + len(toks)
+        drafter.finish()
+    return tokens / steps, steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--epochs", type=int, default=4, help="the first fills the history")
+    ap.add_argument("--k", type=int, default=4, help="drafted tokens per verify step")
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config")
+    args = ap.parse_args()
+    if args.epochs < 2:
+        ap.error("--epochs must be >= 2 (the first is not measured)")
+    print(f"{CONFIG} {' '.join(args.set)}: {args.prompts} prompts x {args.n} samples, "
+          f"k={args.k}, temperature {args.temperature}, up to {args.max_new} new tokens")  # fmt: skip
+    prompts, epochs = record(args)
+    lengths = [len(r) for rows in epochs[1:] for r in rows]
+    print(f"responses: {np.mean(lengths):.1f} tokens on average (epochs 1-{args.epochs - 1})")
+    print(f"\n{'rule':>10} {'sources':>26} | tokens per verify step")
+    runs = [
+        ("first", ("siblings", "history")),
+        ("frequent", ("siblings", "history")),
+        ("frequent", ("siblings",)),
+        ("frequent", ("history",)),
+        ("best-match", ("siblings", "history")),
+    ]
+    for rule, sources in runs:
+        per_step, steps = replay(prompts, epochs, args.n, args.k, rule, sources)
+        names = "self, " + ", ".join(sources)
+        print(f"{rule:>10} {names:>26} | {per_step:.2f} ({steps} verify steps)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
