@@ -36,13 +36,16 @@ CONFIG = "configs/qwen3_8b_delta.yaml"
 def tpu_table(lengths, topology: str, overrides) -> None:
     print(f"Qwen3-8B train step per chip on {topology} (TPU compiler, compile-only), GiB")
     print(f"{'tokens/row':>10} {'attention':>9} {'temporaries':>12} {'peak':>8} {'compile s':>9}")
+    buffer = load_config(CONFIG, list(overrides)).reward.overlong_buffer
     for total in lengths:
         prompt = 2048 if total >= 8192 else 512
+        new = total - prompt
         config = load_config(
             CONFIG,
             [
                 f"data.max_prompt_length={prompt}",
-                f"rollout.max_new_tokens={total - prompt}",
+                f"rollout.max_new_tokens={new}",
+                f"reward.overlong_buffer={min(buffer, new)}",  # no longer than a response
                 *overrides,
             ],
         )
