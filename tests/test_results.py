@@ -22,9 +22,7 @@ AWAITING_RERUN = {
     "attention/qwen3_8b_v5p-64_tpu.txt",
     "demo_tool/seed2_idle.md",
     "demo_tool/seeds_0-4_shared_load.md",
-    "tpu_plan/lora4k_qwen3_4b_v6e-1_slots16.txt",
     "tpu_plan/qwen3_8b_dapo_v5p-64.txt",
-    "tpu_plan/train4k_qwen3_4b_v5e-8.txt",
 }
 
 
