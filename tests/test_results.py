@@ -22,7 +22,6 @@ AWAITING_RERUN = {
     "attention/qwen3_8b_v5p-64_tpu.txt",
     "demo_tool/seed2_idle.md",
     "demo_tool/seeds_0-4_shared_load.md",
-    "tpu_plan/qwen3_8b_dapo_v5p-64.txt",
 }
 
 
