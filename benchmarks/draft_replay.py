@@ -21,8 +21,8 @@ what it has drawn so far), for each rule:
   row's last token: the occurrence whose continuation matches the row's future the longest
   (a rule that knew the draws).
 
-    python benchmarks/draft_replay.py --prompts 16 --epochs 4 --max-new 128 \\
-        --set "data.template={prompt} Explain your reasoning step by step, then give the final number."
+    python benchmarks/draft_replay.py --prompts 16 --epochs 4 --max-new 128 --set \\
+      "data.template={prompt} Explain your reasoning step by step, then give the final number."
 """
 
 from __future__ import annotations
@@ -166,8 +166,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.epochs < 2:
         ap.error("--epochs must be >= 2 (the first is not measured)")
-    print(f"{CONFIG} {' '.join(args.set)}: {args.prompts} prompts x {args.n} samples, "
-          f"k={args.k}, temperature {args.temperature}, up to {args.max_new} new tokens")  # fmt: skip
+    print(f"{CONFIG} {' '.join(args.set)}: {args.prompts} prompts x {args.n} samples, k={args.k}, "
+          f"temperature {args.temperature}, up to {args.max_new} new tokens")  # fmt: skip
     prompts, epochs = record(args)
     lengths = [len(r) for rows in epochs[1:] for r in rows]
     print(f"responses: {np.mean(lengths):.1f} tokens on average (epochs 1-{args.epochs - 1})")

@@ -84,7 +84,7 @@ def lower_decode(
     stop_sequences: tuple[int, int] = (0, 0),
     draft_tokens: int = 0,
     draft_window: int = 0,
-    draft_lead: int = 2,
+    draft_tail: int = 4,
 ) -> jax.stages.Lowered:
     """The decode program lowered for abstract inputs on ``mesh`` (no parameters materialised).
 
@@ -96,8 +96,9 @@ def lower_decode(
     ``rows`` (default ``slots``) x ``gen_len`` (default ``steps``) tokens; the chunk's length
     is a traced value (``steps`` is what a real call passes). ``stop_sequences``: the ``(Q, L)``
     shape of a multi-turn request's stop-sequence matrix (``L = 0``: none). ``draft_tokens``
-    (> 0): the speculative chunk, verify steps of that many drafted tokens from per-slot
-    windows of ``draft_window`` tokens placed by their last ``draft_lead`` tokens.
+    (> 0): the speculative chunk, verify steps of that many drafted tokens looked up in per-slot
+    windows of ``draft_window`` tokens by their last ``draft_tail`` tokens (the drafter's
+    ``max_ngram``).
     """
     graphdef, params, rest, aval = abstract_model(config, mesh, rules, dtype)
     i32, row = jnp.int32, ("batch",)
@@ -129,10 +130,7 @@ def lower_decode(
             fn, draft_tokens=draft_tokens, emitted_width=steps * (draft_tokens + 1)
         )
         W = (slots, draft_window)
-        drafts = Drafts(
-            aval(W, i32, row), aval(W, i32, row), aval((slots,), i32, row),
-            aval((slots, draft_lead), i32, row),
-        )  # fmt: skip
+        drafts = Drafts(aval(W, i32, row), aval(W, i32, row), aval((slots, draft_tail), i32, row))
     with jax.set_mesh(mesh), spmd.logical_axis_rules(rules):
         return jax.jit(fn, donate_argnums=(2, 3)).lower(
             params,

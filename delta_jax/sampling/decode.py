@@ -35,8 +35,8 @@ from delta_jax.sampling.speculate import (
     DRAFT_NONE,
     DRAFT_REJECTED,
     accepted_tokens,
-    follow,
-    window_drafts,
+    lookup_drafts,
+    next_tail,
 )
 from delta_jax.sampling.strategies import Categorical, Greedy
 
@@ -193,15 +193,15 @@ def decode_chunk(
             cols = draw(h[:, 0], s)
             written = backend.write(written, cols, s, i, mesh, K)
             return i + 1, state, _advance(s, cols["tokens"], stop_sequences), written, spec
-        place, tail, emitted, counts = spec
+        tail, emitted, counts = spec
         new, state, v = speculative_step(
-            model, weights, backend, draw, s, state, drafts.window, place, tail,
+            model, weights, backend, draw, s, state, drafts.window, tail,
             draft_tokens, stop_sequences, mesh,
         )  # fmt: skip
         written = backend.write_verified(written, v.cols, s, v.taken, first, mesh, K)
         emitted = _record(emitted, v.cols["tokens"], s.count - first, v.taken)
         counts = counts + _draft_counts(drafts.sources, v, s.active)
-        return i + 1, state, new, written, (v.place, v.tail, emitted, counts)
+        return i + 1, state, new, written, (v.tail, emitted, counts)
 
     def cond(carry):
         i, _, s, _, _ = carry
@@ -212,7 +212,7 @@ def decode_chunk(
         S = slots.last.shape[0]
         emitted = jnp.full((S, emitted_width), -1, jnp.int32)
         counts = jnp.zeros((S, 1 + 2 * len(SOURCES)), jnp.int32)
-        spec = (drafts.place, drafts.tail, emitted, counts)
+        spec = (drafts.tail, emitted, counts)
     state, written = backend.begin_chunk(pool, slots, out, mesh, K, drafts is not None)
     _, state, slots, written, spec = jax.lax.while_loop(
         cond, body, (jnp.zeros((), jnp.int32), state, slots, written, spec)
@@ -224,7 +224,7 @@ def decode_chunk(
         status = jnp.concatenate([status, slots.recent], axis=1)
     result = dict(pool=pool, out=out, status=status)
     if drafts is not None:
-        result["emitted"], result["counts"] = spec[2], spec[3]
+        result["emitted"], result["counts"] = spec[1], spec[2]
     return result
 
 
@@ -279,14 +279,13 @@ def token_sampler(model: Transformer, strategy, seed, return_hidden: bool, pad_i
 class Verified:
     """What one verify step did, per slot: how many drafted tokens it scored (``length``, read
     from the window from ``start``), the drawn columns ``cols`` (``[S, k + 1]``: tokens,
-    log-probs, hidden), the tokens emitted (the first ``taken`` columns), and the slot's place
-    and last tokens after them."""
+    log-probs, hidden), the tokens emitted (the first ``taken`` columns), and the slot's last
+    tokens after them."""
 
     length: Int[Array, " S"]
     start: Int[Array, " S"]
     cols: dict[str, Array]
     taken: Int[Array, " S"]
-    place: Int[Array, " S"]
     tail: Int[Array, "S m"]
 
 
@@ -298,15 +297,15 @@ def speculative_step(
     s: SlotState,
     state,
     window: Int[Array, "S D"],
-    place: Int[Array, " S"],
     tail: Int[Array, "S m"],
     k: int,
     stop_sequences=None,
     mesh: Mesh | None = None,
 ):
-    """One verify step of every slot: up to ``k`` drafts from its window
-    (:mod:`delta_jax.sampling.speculate`) scored with the fed token in one forward pass, the
-    token at each index drawn with that index's key, the drafts kept while they equal it.
+    """One verify step of every slot: up to ``k`` drafts looked up in its window by its last
+    tokens ``tail`` (:func:`~delta_jax.sampling.speculate.lookup_drafts`) scored with the fed
+    token in one forward pass, the token at each index drawn with that index's key, the drafts
+    kept while they equal it.
 
     ``draw``: :func:`token_sampler`'s ``draw(h [S, H], slots)``. A slot drafts no further than
     one token short of its budget.
@@ -315,7 +314,7 @@ def speculative_step(
       ``(slots, state, verified)``: the slots advanced by the tokens emitted, the attention
       state, and what the step did (:class:`Verified`).
     """
-    drafts, length = window_drafts(window, place, k)
+    drafts, length, start = lookup_drafts(window, tail, k)
     length = jnp.clip(jnp.minimum(length, s.max_new - s.count - 1), 0)
     h, state = backend.verify(model, layers, s, drafts, length, state, mesh)
 
@@ -330,8 +329,8 @@ def speculative_step(
     outcome = jnp.where(j < taken[:, None] - 1, DRAFT_ACCEPTED, DRAFT_REJECTED)
     cols["drafted"] = jnp.where(j < length[:, None], outcome, DRAFT_NONE).astype(jnp.int8)
     state = backend.kept(state, taken, k + 1)
-    new_place, tail = follow(window, place, tail, cols["tokens"], taken)
-    return new, state, Verified(length, place, cols, taken, new_place, tail)
+    tail = next_tail(tail, cols["tokens"], taken)
+    return new, state, Verified(length, start, cols, taken, tail)
 
 
 def _advance(s: SlotState, token, stop_sequences) -> SlotState:

@@ -13,9 +13,10 @@ cheap sources of good drafts, looked up in this order:
 A draft is the continuation of an earlier occurrence of the sequence's last ``n``
 tokens, the longest ``n`` first (``max_ngram`` down to ``min_ngram``) and, at each ``n``, the
 sources in the order above. Each lookup is one dict probe per source and ``n``: every source
-keeps, per ``n``, where the first occurrence of each n-gram was followed (the one with the most
-text after it; for ``history``, the newest text's latest occurrence), updated as tokens
-arrive.
+keeps, per ``n``, where the first few occurrences of each n-gram were followed (the earliest:
+the most text after them; for ``history``, the latest ones, newest first), updated as tokens
+arrive. A decode chunk's window holds the continuations of several of these occurrences, so the
+device can draft afresh at every verify step (:mod:`delta_jax.sampling.speculate`).
 
 A draft changes only how fast tokens come, never which: the engine accepts a drafted token
 exactly when it equals the token it draws at that index with the sequence's own key, as it
@@ -57,25 +58,25 @@ class Drafts(NamedTuple):
         (:meth:`Drafter.window`; -1 pads).
       sources: int32 ``[S, D]``, each window token's source (its index in :data:`SOURCES`;
         -1 for pads).
-      place: int32 ``[S]``, the index of the window token the slot expects next (-1: none).
-      tail: int32 ``[S, m]``, the sequence's last ``m`` tokens (:meth:`Drafter.last`).
+      tail: int32 ``[S, max_ngram]``, the sequence's last tokens (:meth:`Drafter.last`).
     """
 
     window: np.ndarray
     sources: np.ndarray
-    place: np.ndarray
     tail: np.ndarray
 
 
 class _Ngrams:
-    """Where the first (``first``) or the latest occurrence of every n-gram (``n`` in
-    ``[lo, hi]``) of some token documents was followed: ``(document, index of the next
-    token)``."""
+    """Where the first (``first``) or the latest ``keep`` occurrences of every n-gram (``n`` in
+    ``[lo, hi]``) of some token documents were followed: ``(document, index of the next
+    token)``, the first or the latest first."""
 
-    def __init__(self, lo: int, hi: int, first: bool = True):
+    def __init__(self, lo: int, hi: int, keep: int, first: bool = True):
         self.sizes = range(hi, lo - 1, -1)  # longest first
-        self.tables: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {n: {} for n in self.sizes}
-        self.first = first
+        self.tables: dict[int, dict[tuple[int, ...], list[tuple[int, int]]]] = {
+            n: {} for n in self.sizes
+        }
+        self.keep, self.first = keep, first
 
     def add(self, doc: int, tokens: list[int], start: int, old: int) -> None:
         """Records the n-grams of ``tokens`` (document ``doc``, now this long) followed by a
@@ -84,29 +85,35 @@ class _Ngrams:
         for i in range(max(start, old), len(tokens)):
             for n in self.sizes:
                 if i >= n:
-                    key, table = tuple(tokens[i - n : i]), self.tables[n]
-                    if not (self.first and key in table):
-                        table[key] = (doc, i)
+                    seen = self.tables[n].setdefault(tuple(tokens[i - n : i]), [])
+                    if not self.first:
+                        seen.insert(0, (doc, i))
+                        del seen[self.keep :]
+                    elif len(seen) < self.keep:
+                        seen.append((doc, i))
 
-    def find(self, n: int, key: tuple[int, ...]) -> tuple[int, int] | None:
-        return self.tables[n].get(key)
+    def find(self, n: int, key: tuple[int, ...]) -> list[tuple[int, int]]:
+        return self.tables[n].get(key, [])
 
 
 class _History:
     """Earlier requests' texts (prompt included) of one prompt, the latest ``keep`` of them, and
     their responses' n-grams (the prompt's own are the ``self`` source)."""
 
-    def __init__(self, prompt_len: int, lo: int, hi: int, keep: int):
-        self.prompt_len, self.lo, self.hi, self.keep = prompt_len, lo, hi, keep
+    def __init__(self, prompt_len: int, lo: int, hi: int, keep: int, pieces: int):
+        self.prompt_len, self.lo, self.hi, self.keep, self.pieces = prompt_len, lo, hi, keep, pieces
         self.texts: list[list[int]] = []
-        self.ngrams = _Ngrams(lo, hi, first=False)  # the newest text's occurrence
+        self.ngrams = self._index()
+
+    def _index(self) -> _Ngrams:
+        return _Ngrams(self.lo, self.hi, self.pieces, first=False)  # the newest texts' first
 
     def add(self, texts: Sequence[list[int]]) -> None:
         self.texts.extend(texts)
         new = range(len(self.texts) - len(texts), len(self.texts))
         if len(self.texts) > self.keep:  # the oldest go, and their n-grams: index anew
             self.texts = self.texts[-self.keep :]
-            self.ngrams, new = _Ngrams(self.lo, self.hi, first=False), range(len(self.texts))
+            self.ngrams, new = self._index(), range(len(self.texts))
         for doc in new:
             self.ngrams.add(doc, self.texts[doc], self.prompt_len, 0)
 
@@ -128,6 +135,11 @@ class Drafter:
         1.25 to 1.41 (``benchmarks/speculative.py``).
       history_texts: earlier texts kept per prompt (0: no ``history`` source).
       history_prompts: prompts with a history, the least recently requested dropped first.
+      pieces: most continuations in a decode chunk's window (and occurrences kept per n-gram
+        and source); on SmolLM2's step-by-step answers drafts looked up afresh at every step
+        over all of a row's sources reach 1.60 tokens per verify step where one piece per
+        source followed through a 16-step chunk gave 1.33 (``benchmarks/draft_replay.py``,
+        ``benchmarks/speculative.py``).
 
     Examples:
       >>> d = Drafter(k=3, min_ngram=1, max_ngram=2)
@@ -147,6 +159,7 @@ class Drafter:
         max_ngram: int = 4,
         history_texts: int = 16,
         history_prompts: int = 4096,
+        pieces: int = 8,
     ):
         for name, value, least in (
             ("k", k, 1),
@@ -154,10 +167,11 @@ class Drafter:
             ("max_ngram", max_ngram, min_ngram),
             ("history_texts", history_texts, 0),
             ("history_prompts", history_prompts, 0),
+            ("pieces", pieces, 1),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
-        self.k, self.lo, self.hi = k, min_ngram, max_ngram
+        self.k, self.lo, self.hi, self.pieces = k, min_ngram, max_ngram, pieces
         self.history_texts, self.history_prompts = history_texts, history_prompts
         self._history: collections.OrderedDict[bytes, _History] = collections.OrderedDict()
         self.begin([], 1)
@@ -170,10 +184,21 @@ class Drafter:
         self._texts = [list(self._prompts[r // n]) for r in range(len(prompts) * n)]
         self._in_prompt = []  # per prompt: n-grams followed inside the prompt
         for i, prompt in enumerate(self._prompts):
-            self._in_prompt.append(_Ngrams(self.lo, self.hi))
+            self._in_prompt.append(self._ngrams())
             self._in_prompt[i].add(0, prompt, 0, 0)
-        self._own = [_Ngrams(self.lo, self.hi) for _ in self._texts]
-        self._group = [_Ngrams(self.lo, self.hi) for _ in self._prompts]
+        self._own = [self._ngrams() for _ in self._texts]
+        self._group = [self._ngrams() for _ in self._prompts]
+
+    def _ngrams(self) -> _Ngrams:
+        return _Ngrams(self.lo, self.hi, self.pieces)
+
+    def window_size(self, steps: int) -> int:
+        """A window that holds :attr:`pieces` continuations of a chunk of ``steps`` verify steps
+        (each emits at most ``k + 1`` tokens), each led by up to ``max_ngram`` tokens and
+        followed by a -1, rounded up to a power of two (one compiled program for every
+        chunk)."""
+        need = self.pieces * (self.hi + steps * (self.k + 1) + 1)
+        return 1 << (need - 1).bit_length()
 
     def extend(self, row: int, tokens: Sequence[int]) -> None:
         """Appends ``tokens`` to request row ``row``'s text."""
@@ -186,19 +211,17 @@ class Drafter:
 
     def drafts(self, rows: Sequence[int | None], size: int) -> Drafts:
         """A decode chunk's :class:`Drafts` for slots running request rows ``rows`` (None: an
-        idle slot): each row's :meth:`window` of ``size`` tokens, its place after the first
-        piece's lead (-1 without a draft) and its last ``min_ngram`` tokens."""
-        S, m = len(rows), self.lo
+        idle slot): each row's :meth:`window` of ``size`` tokens and its last ``max_ngram``
+        tokens."""
+        S, m = len(rows), self.hi
         out = Drafts(
             window=np.full((S, size), -1, np.int32),
             sources=np.full((S, size), -1, np.int32),
-            place=np.full(S, -1, np.int32),
             tail=np.full((S, m), -1, np.int32),
         )
         for i, row in enumerate(rows):
             if row is not None:
                 out.window[i], out.sources[i] = self.window(row, size)
-                out.place[i] = m if out.window[i, 0] >= 0 else -1
                 out.tail[i] = self.last(row, m)
         return out
 
@@ -221,10 +244,10 @@ class Drafter:
 
     def propose(self, row: int) -> Draft:
         """Row ``row``'s draft: up to ``k`` tokens (none when no suffix of it occurred before)."""
-        hits = self._best_hits(row)
+        hits = self._hits(row)
         if not hits:
             return _NONE
-        source, text, i = hits[0]
+        source, text, i, _ = hits[0]
         return Draft(np.asarray(text[i : i + self.k], np.int32), source)
 
     def _sources(self, row: int, p: int, history: _History | None) -> list:
@@ -239,47 +262,52 @@ class Drafter:
         return sources
 
     def window(self, row: int, size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Row ``row``'s draft window for a decode chunk: per source, the continuation of its
-        best hit (longest suffix, then the occurrence its table keeps) led by the ``min_ngram``
-        tokens before it; the pieces longest match first (the first continues as
-        :meth:`propose` does), ``size`` split evenly between them, each followed by a -1.
+        """Row ``row``'s draft window for a decode chunk: the continuations of up to
+        :attr:`pieces` occurrences of its last tokens (:meth:`propose`'s first), each led by
+        the tokens it matched and followed by a -1, ``size`` split evenly between them. The
+        device looks the sequence's last tokens up in the window at every verify step
+        (:func:`~delta_jax.sampling.speculate.lookup_drafts`): at the chunk's start that is
+        :meth:`propose`'s draft (no longer suffix occurs in the sources, and the first piece
+        starts with the match).
 
         Returns:
           ``(tokens, sources)``: int32 ``[size]`` (-1 pads), int8 ``[size]`` (each token's
-          source's index in :data:`SOURCES`, -1 for pads). The device finds its place in the
-          window by the sequence's last ``min_ngram`` tokens
-          (:mod:`delta_jax.sampling.speculate`).
+          source's index in :data:`SOURCES`, -1 for pads).
         """
         tokens, sources = np.full(size, -1, np.int32), np.full(size, -1, np.int8)
-        hits = self._best_hits(row)
+        hits = self._hits(row)
         if hits:
             share, at = size // len(hits), 0
-            for source, text, i in hits:
-                piece = text[i - self.lo : i + share - 1 - self.lo]  # room for the -1 after it
+            for source, text, i, n in hits:
+                piece = text[i - n : i - n + share - 1]  # room for the -1 after it
                 tokens[at : at + len(piece)] = piece
                 sources[at : at + len(piece)] = SOURCES.index(source)
                 at += len(piece) + 1
         return tokens, sources
 
-    def _best_hits(self, row: int) -> list[tuple[str, list[int], int]]:
-        """Per source, its best hit ``(source, text, index of the next token)``, the longest
-        match first (sources in lookup order at equal lengths)."""
+    def _hits(self, row: int) -> list[tuple[str, list[int], int, int]]:
+        """Up to :attr:`pieces` occurrences of row ``row``'s last tokens ``(source, text, index
+        of the next token, tokens matched)``: the longest match first, then the sources in
+        lookup order, then each source's own order (the earliest; in ``history`` the latest)."""
         text, p = self._texts[row], row // self.n
-        found: dict[str, tuple[list[int], int]] = {}
+        history = self._history.get(self._keys[p])
+        hits, seen = [], set()
         for n in range(min(self.hi, len(text)), self.lo - 1, -1):
             key = tuple(text[-n:])
-            for source, ngrams, texts in self._sources(row, p, self._history.get(self._keys[p])):
-                hit = None if source in found else ngrams.find(n, key)
-                if hit is not None:
-                    found[source] = (texts(hit[0]), hit[1])
-        return [(source, *hit) for source, hit in found.items()]
+            for source, ngrams, texts in self._sources(row, p, history):
+                for doc, i in ngrams.find(n, key):
+                    document = texts(doc)
+                    if (id(document), i) not in seen and len(hits) < self.pieces:
+                        seen.add((id(document), i))
+                        hits.append((source, document, i, n))
+        return hits
 
     def finish(self) -> None:
         """The request's texts join their prompts' history (bounded, see the class)."""
         if self.history_texts and self.history_prompts:
             for p, key in enumerate(self._keys):
                 history = self._history.pop(key, None) or _History(
-                    len(self._prompts[p]), self.lo, self.hi, self.history_texts
+                    len(self._prompts[p]), self.lo, self.hi, self.history_texts, self.pieces
                 )
                 history.add(self._texts[p * self.n : (p + 1) * self.n])
                 self._history[key] = history  # the most recently requested last

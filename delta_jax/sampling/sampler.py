@@ -52,9 +52,9 @@ from delta_jax.sampling import dense_cpu, engine
 from delta_jax.sampling.auto_speculation import AutoSpeculation
 from delta_jax.sampling.backends import NAMES, resolve_attention
 from delta_jax.sampling.buckets import Buckets, RequestArrays, prepare_request
-from delta_jax.sampling.drafts import SOURCES, Drafter
+from delta_jax.sampling.drafts import Drafter
 from delta_jax.sampling.output import SamplerOutput
-from delta_jax.sampling.pages import pages_for, pow2
+from delta_jax.sampling.pages import pages_for
 from delta_jax.sampling.programs import ProgramCache
 from delta_jax.sampling.spec import EngineSpec, Turns
 from delta_jax.sampling.static import static_program
@@ -382,11 +382,8 @@ class Sampler:
         # A new prompt needs a free slot: about slots / n prompts join a group at a time.
         at_once = 1 << (-(-group_slots // n) - 1).bit_length()
         k = self.draft_tokens if speculative else 0
-        lead = self._drafter.lo if k else 0
         attention = resolve_attention(self.attention, _platform(self.mesh))
-        # A chunk's verify steps emit at most steps * (k + 1) tokens: each source's piece of a
-        # slot's window holds that many after its lead and the -1 that ends it.
-        window = pow2(len(SOURCES) * (lead + self.decode_chunk * (k + 1) + 1)) if k else 0
+        window = self._drafter.window_size(self.decode_chunk) if k else 0
         return EngineSpec(
             slots=groups * group_slots,
             steps=self.decode_chunk,

@@ -1,18 +1,22 @@
-"""Speculative decoding on device: drafts read from the windows the host prepares, and which
+"""Speculative decoding on device: drafts looked up in the windows the host prepares, and which
 drafted tokens a verify step keeps.
 
 Once per decode chunk the host's drafter (:meth:`~delta_jax.sampling.drafts.Drafter.window`)
-gives every slot a *window*: text its sequence may go on with (continuations from its own text,
-its siblings', earlier steps' rollouts), each piece led by the ``m`` tokens it was matched on
-and followed by a -1. Inside the chunk each slot keeps its *place* in its window, the index of
-the token it expects next (-1: none):
+gives every slot a *window*: text its sequence may go on with (continuations of several
+occurrences of its last tokens in its own text, its siblings', earlier steps' rollouts), each
+piece led by the tokens before it and followed by a -1. Inside the chunk, at every verify step:
 
-* :func:`window_drafts`: the next ``k`` window tokens from the place (a draft ends at a -1);
+* :func:`lookup_drafts`: the slot's last ``m`` tokens (its *tail*) are looked up in its window,
+  the longest suffix that occurs (``m`` tokens down to one), at the first place the
+  window has it (the window's order is the drafter's preference); the ``k`` window tokens after
+  it are the draft (a draft ends at a -1);
 * :func:`accepted_tokens`: a verify step emits the token drawn at the first position, and one
   more for each drafted token, in order, equal to the token drawn at its index;
-* :func:`follow`: after the step the place moves on by the emitted tokens while they are the
-  window's; otherwise it is found again where the window holds the sequence's last ``m``
-  tokens (the first such place), or lost until the next chunk.
+* :func:`next_tail`: the tail after the emitted tokens.
+
+So a sequence that leaves one piece (a drawn token the piece did not have) drafts from another
+at the next step, wherever its new suffix occurs in the window, as drafts asked afresh at every
+step would.
 
 The tokens emitted do not depend on the drafts: the token drawn at index ``count + j`` uses
 that index's key, as decoding without speculation does, and is kept only when every drafted
@@ -30,8 +34,8 @@ __all__ = [
     "DRAFT_OUTCOMES",
     "DRAFT_REJECTED",
     "accepted_tokens",
-    "follow",
-    "window_drafts",
+    "lookup_drafts",
+    "next_tail",
 ]
 
 # Each generated token's draft outcome (``SamplerOutput.drafted_array``): no token was drafted at
@@ -41,17 +45,34 @@ DRAFT_NONE, DRAFT_REJECTED, DRAFT_ACCEPTED = 0, 1, 2
 DRAFT_OUTCOMES = {"none": DRAFT_NONE, "rejected": DRAFT_REJECTED, "accepted": DRAFT_ACCEPTED}
 
 
-def window_drafts(
-    window: Int[Array, "S D"], place: Int[Array, " S"], k: int
-) -> tuple[Int[Array, "S k"], Int[Array, " S"]]:
-    """Each slot's next ``k`` window tokens from its place, and how many there are (up to the
-    window's end or a -1; 0 without a place). Tokens past a draft's length are 0."""
-    D = window.shape[1]
-    at = place[:, None] + jnp.arange(k)
-    tokens = jnp.take_along_axis(window, jnp.clip(at, 0, D - 1), axis=1)
-    there = (place[:, None] >= 0) & (at < D) & (tokens >= 0)
+def lookup_drafts(
+    window: Int[Array, "S D"], tail: Int[Array, "S m"], k: int
+) -> tuple[Int[Array, "S k"], Int[Array, " S"], Int[Array, " S"]]:
+    """Each slot's draft: the ``k`` window tokens after the first place where the window has the
+    longest suffix of ``tail`` (``m`` tokens down to 1; -1 entries of ``tail``, a sequence
+    shorter than ``m``, match nothing).
+
+    Returns:
+      ``(drafts, length, start)``: the drafted tokens (0 past a draft's length), how many (up to
+      the window's end or a -1; 0 when no suffix occurs with a token after it), and the window
+      index of the first drafted token (-1 without a draft).
+    """
+    S, D = window.shape
+    m = tail.shape[1]
+    at = jnp.arange(D)
+    ends = jnp.ones((S, D), bool)  # the suffix of n tokens ends just before index `at`
+    best = jnp.full(S, -1, jnp.int32)
+    for n in range(1, m + 1):  # one token more each round; the longest match found wins
+        before = jnp.pad(window, ((0, 0), (n, 0)), constant_values=-2)[:, :D]  # window[at - n]
+        token = tail[:, m - n, None]
+        ends &= (before == token) & (token >= 0)
+        hit = ends & (window >= 0)
+        first = jnp.min(jnp.where(hit, at, D), axis=1)
+        best = jnp.where(first < D, first, best)
+    drafts = jnp.take_along_axis(window, jnp.clip(best[:, None] + jnp.arange(k), 0, D - 1), 1)
+    there = (best[:, None] >= 0) & (best[:, None] + jnp.arange(k) < D) & (drafts >= 0)
     length = jnp.sum(jnp.cumprod(there, axis=1), axis=1)
-    return jnp.where(jnp.arange(k) < length[:, None], tokens, 0), length
+    return jnp.where(jnp.arange(k) < length[:, None], drafts, 0), length, best
 
 
 def accepted_tokens(
@@ -73,37 +94,11 @@ def accepted_tokens(
     return 1 + jnp.sum(jnp.cumprod(match, axis=1), axis=1)
 
 
-def follow(
-    window: Int[Array, "S D"],
-    place: Int[Array, " S"],
-    tail: Int[Array, "S m"],
-    emitted: Int[Array, "S k1"],
-    taken: Int[Array, " S"],
-) -> tuple[Int[Array, " S"], Int[Array, "S m"]]:
-    """Each slot's place and last ``m`` tokens after it emitted ``emitted[:, :taken]``.
-
-    ``tail``: the sequence's last ``m`` tokens before them (-1 where it has fewer). A slot
-    that emitted nothing keeps both.
-    """
-    S, D = window.shape
-    m, k1 = tail.shape[1], emitted.shape[1]
+def next_tail(
+    tail: Int[Array, "S m"], emitted: Int[Array, "S k1"], taken: Int[Array, " S"]
+) -> Int[Array, "S m"]:
+    """Each slot's last ``m`` tokens after it emitted ``emitted[:, :taken]`` (``tail``: the
+    last ``m`` before them, -1 where the sequence has fewer)."""
+    m = tail.shape[1]
     joined = jnp.concatenate([tail, emitted], axis=1)
-    new_tail = jnp.take_along_axis(joined, taken[:, None] + jnp.arange(m), axis=1)
-    # Still on the window: every emitted token is the window's next one.
-    j = jnp.arange(k1)
-    at = place[:, None] + j
-    ahead = jnp.take_along_axis(window, jnp.clip(at, 0, D - 1), axis=1)
-    same = (j >= taken[:, None]) | ((at < D) & (ahead == emitted))
-    on = (place >= 0) & jnp.all(same, axis=1)
-    # Lost: the first place whose m tokens before it are the sequence's last m (the most
-    # window after it).
-    starts = max(D - m + 1, 0)  # a window shorter than m holds no place
-    hits = jnp.ones((S, starts), bool)
-    for r in range(m):
-        hits &= window[:, r : r + starts] == new_tail[:, r : r + 1]
-    hits &= jnp.all(new_tail >= 0, axis=1, keepdims=True)
-    first = jnp.min(jnp.where(hits, jnp.arange(starts) + m, D + 1), axis=1, initial=D + 1)
-    found = jnp.where(first <= D, first, -1)
-    moved = taken > 0
-    new_place = jnp.where(on, place + taken, found).astype(place.dtype)
-    return jnp.where(moved, new_place, place), jnp.where(moved[:, None], new_tail, tail)
+    return jnp.take_along_axis(joined, taken[:, None] + jnp.arange(m), axis=1)

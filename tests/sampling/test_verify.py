@@ -10,7 +10,7 @@ import pytest
 
 from delta_jax.sampling.decode import SlotState, advance_by
 from delta_jax.sampling.paged import PageList
-from delta_jax.sampling.speculate import accepted_tokens, follow, window_drafts
+from delta_jax.sampling.speculate import accepted_tokens, lookup_drafts, next_tail
 from tests.sampling.test_paged import _flat
 
 
@@ -101,74 +101,76 @@ def test_advance_by_equals_that_many_single_steps(window):
         np.testing.assert_array_equal(np.asarray(getattr(one, name)), want[name], err_msg=name)
 
 
-def _window_oracle(window, place, tail, emitted, taken, k):
-    """Drafts before the step, then the place and tail after it, one slot at a time."""
+def _lookup_oracle(window, tail, k):
+    """The draft after the first place the window has the longest suffix of ``tail``."""
     D, m = len(window), len(tail)
-    drafts = []
-    if place >= 0:
-        for t in window[place : place + k]:
-            if t < 0:
-                break
-            drafts.append(int(t))
-    if taken == 0:
-        return drafts, place, list(tail)
-    out = emitted[:taken]
-    new_tail = (list(tail) + list(out))[-m:]
-    if place >= 0 and all(place + j < D and window[place + j] == out[j] for j in range(taken)):
-        return drafts, place + taken, new_tail
-    found = -1
-    if min(new_tail) >= 0:
-        for i in range(m, D + 1):
-            if list(window[i - m : i]) == new_tail:
-                found = i
-                break
-    return drafts, found, new_tail
+    for n in range(m, 0, -1):
+        key = list(tail[m - n :])
+        if min(key) < 0:
+            continue
+        for i in range(n, D):
+            if list(window[i - n : i]) == key and window[i] >= 0:
+                draft = []
+                for t in window[i : i + k]:
+                    if t < 0:
+                        break
+                    draft.append(int(t))
+                return draft, i
+    return [], -1
 
 
-def test_window_drafts_and_follow_match_a_scan():
+def test_lookup_drafts_and_next_tail_match_a_scan():
     rng = np.random.default_rng(7)
-    S, D, m, k = 256, 12, 2, 3
+    S, D, m, k = 256, 12, 3, 3
     window = rng.integers(0, 3, (S, D))
-    window[rng.random((S, D)) < 0.1] = -1
-    place = rng.integers(-1, D + 1, S)
-    tail = rng.integers(-1, 3, (S, m))
-    # emitted tokens: often the window's own next ones, else random
-    ahead = np.stack([window[s, np.clip(place[s] + np.arange(k + 1), 0, D - 1)] for s in range(S)])
-    emitted = np.where(rng.random((S, k + 1)) < 0.7, np.maximum(ahead, 0), rng.integers(0, 3))
+    window[rng.random((S, D)) < 0.15] = -1
+    tail = rng.integers(0, 3, (S, m))
+    tail[rng.random((S, m)) < 0.1] = -1
+    for s_ in range(S):  # a short sequence: -1 only on the left
+        short = int(np.max(np.nonzero(tail[s_] < 0)[0], initial=-1))
+        tail[s_, : short + 1] = -1
+    emitted = rng.integers(0, 3, (S, k + 1))
     taken = rng.integers(0, k + 2, S)
     j = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
-    drafts, length = window_drafts(j(window), j(place), k)
-    new_place, new_tail = follow(j(window), j(place), j(tail), j(emitted), j(taken))
-    outcomes = set()
-    for s in range(S):
-        want = _window_oracle(window[s], place[s], tail[s], emitted[s], taken[s], k)
-        assert np.asarray(drafts[s, : length[s]]).tolist() == want[0], s
-        assert (np.asarray(drafts[s, length[s] :]) == 0).all()
-        assert int(new_place[s]) == want[1], (s, want)
-        assert np.asarray(new_tail[s]).tolist() == want[2], s
-        on = taken[s] and place[s] >= 0 and want[1] == place[s] + taken[s]
-        lost = "found" if want[1] >= 0 else "lost"
-        outcomes.add("kept" if not taken[s] else "on" if on else lost)
-    assert outcomes == {"kept", "on", "found", "lost"}
+    drafts, length, start = lookup_drafts(j(window), j(tail), k)
+    new_tail = next_tail(j(tail), j(emitted), j(taken))
+    matched = set()
+    for s_ in range(S):
+        want, at = _lookup_oracle(window[s_], tail[s_], k)
+        assert np.asarray(drafts[s_, : length[s_]]).tolist() == want, s_
+        assert (np.asarray(drafts[s_, length[s_] :]) == 0).all() and int(start[s_]) == at
+        after = list(tail[s_]) + list(emitted[s_, : taken[s_]])
+        assert np.asarray(new_tail[s_]).tolist() == after[-m:], s_
+        if at >= 0:  # the length of the suffix it matched on
+            same = [
+                n
+                for n in range(1, m + 1)
+                if list(window[s_, at - n : at]) == list(tail[s_, m - n :])
+            ]
+            matched.add(max(same))
+    assert matched == {1, 2, 3}, matched  # every suffix length was the longest somewhere
+    assert (np.asarray(length) == 0).any() and (np.asarray(length) == k).any()
 
 
-def test_a_sequence_that_follows_its_window_drafts_it_all():
-    # A slot whose window is the text it goes on to draw: each step emits k + 1 tokens (k
-    # drafts and the token after them) and stays on the window.
+def test_a_sequence_whose_window_holds_its_text_drafts_it_all():
+    # A slot whose window is the text it goes on to draw, after a decoy piece that shares its
+    # last token only: each step finds the longer match, emits k + 1 tokens (k drafts and the
+    # token after them) and looks its new tail up again.
     text = np.arange(10, 30)
-    window = jnp.asarray(np.concatenate([[8, 9], text, [-1]])[None], jnp.int32)
-    place, tail, k = jnp.array([2]), jnp.array([[8, 9]]), 3
+    window = np.concatenate([[9, 50, 51, -1], [7, 8, 9], text, [-1]])
+    window = jnp.asarray(window[None], jnp.int32)
+    tail, k = jnp.array([[7, 8, 9]]), 3
     at = 0
     while at + k + 1 <= len(text):
-        drafts, length = window_drafts(window, place, k)
+        drafts, length, start = lookup_drafts(window, tail, k)
         assert np.asarray(drafts[0]).tolist() == text[at : at + k].tolist() and int(length[0]) == k
+        assert int(start[0]) == 7 + at
         drawn = jnp.asarray(text[None, at : at + k + 1], jnp.int32)
         taken = accepted_tokens(drafts, length, drawn)
         assert int(taken[0]) == k + 1
-        place, tail = follow(window, place, tail, drawn, taken)
+        tail = next_tail(tail, drawn, taken)
         at += k + 1
-        assert int(place[0]) == 2 + at
-        assert np.asarray(tail[0]).tolist() == text[at - 2 : at].tolist()
+        assert np.asarray(tail[0]).tolist() == text[at - 3 : at].tolist()
 
 
 def _decode_all(model, backend, strategy, prompts, budgets, stops, windows=None, k=0, m=2):
@@ -212,18 +214,17 @@ def _decode_all(model, backend, strategy, prompts, budgets, stops, windows=None,
     )
     draw = token_sampler(model, strategy, jnp.asarray(5), return_hidden=True, pad_id=0)
     window = jnp.full((S, 1), -1, jnp.int32) if windows is None else jnp.asarray(windows)
-    place = jnp.full(S, -1 if windows is None else m, jnp.int32)
     tail = jnp.asarray([p[-m:] for p in prompts], jnp.int32)
 
     @jax.jit
-    def step(s, pool, place, tail):
-        return speculative_step(model, layers, backend, draw, s, pool, window, place, tail, k)
+    def step(s, pool, tail):
+        return speculative_step(model, layers, backend, draw, s, pool, window, tail, k)
 
     out = [dict(tokens=[], logprobs=[], hidden=[]) for _ in range(S)]
     steps = 0
     while bool(s.active.any()):
-        s, pool, v = step(s, pool, place, tail)
-        place, tail = v.place, v.tail
+        s, pool, v = step(s, pool, tail)
+        tail = v.tail
         steps += 1
         for b in range(S):
             for name in out[b]:
