@@ -19,7 +19,6 @@ PROVENANCE = re.compile(r"^(?:# |\$ ).*\S.*\(.*\bcommit [0-9a-f]{7,40}\b(?!\+dir
 # to be produced again with `python benchmarks/record.py --again FILE`, and leaves this list
 # when it is (the test fails while a listed file already has its commit).
 AWAITING_RERUN = {
-    "attention/qwen3_8b_v5p-64_tpu.txt",
     "demo_tool/seed2_idle.md",
     "demo_tool/seeds_0-4_shared_load.md",
 }
