@@ -136,10 +136,10 @@ class Drafter:
       history_texts: earlier texts kept per prompt (0: no ``history`` source).
       history_prompts: prompts with a history, the least recently requested dropped first.
       pieces: most continuations in a decode chunk's window (and occurrences kept per n-gram
-        and source); on SmolLM2's step-by-step answers drafts looked up afresh at every step
-        over all of a row's sources reach 1.60 tokens per verify step where one piece per
-        source followed through a 16-step chunk gave 1.33 (``benchmarks/draft_replay.py``,
-        ``benchmarks/speculative.py``).
+        and source); on SmolLM2's step-by-step answers (8 samples a prompt, 16-step chunks)
+        a window of 8 looked up at every verify step gave 1.42 tokens per verify step where
+        one continuation per source followed through the chunk gave 1.33
+        (``benchmarks/speculative.py``).
 
     Examples:
       >>> d = Drafter(k=3, min_ngram=1, max_ngram=2)
