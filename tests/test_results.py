@@ -18,10 +18,7 @@ PROVENANCE = re.compile(r"^(?:# |\$ ).*\S.*\(.*\bcommit [0-9a-f]{7,40}\b(?!\+dir
 # Result files whose first line records no commit (made before benchmarks/record.py): each is
 # to be produced again with `python benchmarks/record.py --again FILE`, and leaves this list
 # when it is (the test fails while a listed file already has its commit).
-AWAITING_RERUN = {
-    "demo_tool/seed2_idle.md",
-    "demo_tool/seeds_0-4_shared_load.md",
-}
+AWAITING_RERUN: set[str] = set()  # every file reran by now
 
 
 def _result_files() -> list[Path]:
