@@ -38,10 +38,10 @@ import numpy as np
 from delta_jax.config import load_config
 from delta_jax.rl.setup import load_model, prompt_sets, special_token_ids
 from delta_jax.sampling import Sampler
-from delta_jax.sampling.drafts import Drafter
+from delta_jax.sampling.drafts import MAX_NGRAM, Drafter
 
 CONFIG = "configs/smollm2_arith.yaml"
-MAX_NGRAM, HISTORY_TEXTS = 4, 16  # the drafter's defaults
+HISTORY_TEXTS = 16  # the drafter's default
 
 
 def record(args) -> tuple[list[list[int]], list[list[list[int]]]]:
@@ -120,9 +120,9 @@ def replay(prompts, epochs, n: int, k: int, rule: str, sources=("siblings", "his
         drafter.begin([np.asarray(p) for p in prompts], n)
         for p, prompt in enumerate(prompts):
             group = range(p * n, (p + 1) * n)
-            history = [
-                (prompt + old[r], len(prompt)) for old in epochs[:e] for r in group
-            ][-HISTORY_TEXTS:]
+            history = [(prompt + old[r], len(prompt)) for old in epochs[:e] for r in group][
+                -HISTORY_TEXTS:
+            ]
             at = dict.fromkeys(group, 0)
             while any(at[r] < len(rows[r]) for r in group):
                 emitted = {}

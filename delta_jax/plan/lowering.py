@@ -18,7 +18,7 @@ from delta_jax.models import Transformer
 from delta_jax.models.axes import logical_to_mesh
 from delta_jax.sampling.backends import backend_for
 from delta_jax.sampling.decode import decode_program, prefill_chunk, write_observations
-from delta_jax.sampling.drafts import Drafts
+from delta_jax.sampling.drafts import MAX_NGRAM, Drafts
 from delta_jax.sampling.paged import PAGE_AXES, PageList, PagePool
 from delta_jax.sampling.spec import SLOT_FIELDS, Attention
 from delta_jax.sampling.strategies import make_strategy
@@ -84,7 +84,7 @@ def lower_decode(
     stop_sequences: tuple[int, int] = (0, 0),
     draft_tokens: int = 0,
     draft_window: int = 0,
-    draft_tail: int = 4,
+    draft_tail: int = MAX_NGRAM,
 ) -> jax.stages.Lowered:
     """The decode program lowered for abstract inputs on ``mesh`` (no parameters materialised).
 

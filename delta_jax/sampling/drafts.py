@@ -32,9 +32,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["SOURCES", "Draft", "Drafter", "Drafts"]
+__all__ = ["MAX_NGRAM", "SOURCES", "Draft", "Drafter", "Drafts"]
 
 SOURCES = ("self", "siblings", "history")
+MAX_NGRAM = 4  # the longest suffix matched by default: a window's tail width on device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +157,7 @@ class Drafter:
         k: int,
         *,
         min_ngram: int = 1,
-        max_ngram: int = 4,
+        max_ngram: int = MAX_NGRAM,
         history_texts: int = 16,
         history_prompts: int = 4096,
         pieces: int = 8,
