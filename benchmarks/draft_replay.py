@@ -17,11 +17,16 @@ what it has drawn so far), for each rule:
 * ``frequent``: every occurrence of the longest matched suffix (up to ``max_ngram`` tokens) in
   all sources votes for its next token, the most frequent is drafted, and the occurrences that
   agree vote for the one after it (also with the ``history`` or the ``siblings`` left out);
+* ``tree``: a verify step that checks a trie of up to ``--tree-nodes`` drafted tokens (up to
+  ``--tree-depth`` deep) instead of one line of ``k``: the continuations of the occurrences of the
+  longest matched suffix, the nodes most occurrences pass through (ties: the shallower); the
+  step keeps the longest path of the trie that the sequence draws (the draws do not depend on
+  the drafts, so this is exact too);
 * ``best-match``: an upper bound for any rule that copies text following an occurrence of the
   row's last token: the occurrence whose continuation matches the row's future the longest
   (a rule that knew the draws).
 
-    python benchmarks/draft_replay.py --prompts 16 --epochs 4 --max-new 128 --set \\
+    python benchmarks/draft_replay.py --prompts 16 --epochs 4 --max-new 128 [--rules tree] --set \\
       "data.template={prompt} Explain your reasoning step by step, then give the final number."
 """
 
@@ -42,6 +47,7 @@ from delta_jax.sampling.drafts import MAX_NGRAM, Drafter
 
 CONFIG = "configs/smollm2_arith.yaml"
 HISTORY_TEXTS = 16  # the drafter's default
+RULES = ("first", "frequent", "best-match", "tree")
 
 
 def record(args) -> tuple[list[list[int]], list[list[list[int]]]]:
@@ -98,6 +104,19 @@ def frequent(context, docs, k: int) -> list[int]:
     return draft
 
 
+def tree(context, docs, depth: int, nodes: int) -> set[tuple[int, ...]]:
+    """The trie (its nodes as token prefixes) of the ``nodes`` continuations (up to ``depth``
+    tokens) that most occurrences of the longest matched suffix go on with."""
+    for n in range(min(MAX_NGRAM, len(context)), 0, -1):
+        alive = _occurrences(docs, tuple(context[-n:]))
+        if alive:
+            break
+    counts = collections.Counter(
+        tuple(t[i : i + j]) for t, i in alive for j in range(1, min(depth, len(t) - i) + 1)
+    )  # a prefix is counted at least as often as its extensions: the set is a trie
+    return set(sorted(counts, key=lambda path: (-counts[path], len(path)))[:nodes])
+
+
 def best_match(context, docs, future, k: int) -> list[int]:
     """The continuation (up to ``k``) of an occurrence of the last token that matches
     ``future`` the longest."""
@@ -112,8 +131,9 @@ def best_match(context, docs, future, k: int) -> list[int]:
     return best
 
 
-def replay(prompts, epochs, n: int, k: int, rule: str, sources=("siblings", "history")):
-    """Tokens per verify step of ``rule`` over epochs 1 onwards."""
+def replay(prompts, epochs, n: int, k: int, rule: str, sources=("siblings", "history"), nodes=0):
+    """Tokens per verify step of ``rule`` over epochs 1 onwards (``tree``: a trie of ``nodes``
+    drafted tokens up to ``k`` deep)."""
     drafter = Drafter(k, history_texts=HISTORY_TEXTS)
     steps = tokens = 0
     for e, rows in enumerate(epochs):
@@ -137,12 +157,14 @@ def replay(prompts, epochs, n: int, k: int, rule: str, sources=("siblings", "his
                         draft = drafter.propose(r).tokens.tolist()
                     elif rule == "frequent":
                         draft = frequent(context, docs, k)
-                    else:
+                    elif rule == "best-match":
                         draft = best_match(context, docs, future, k)
-                    taken = 1  # the drawn token, then each drafted token equal to the next
-                    while taken <= len(draft) and taken < len(future):
-                        if draft[taken - 1] != future[taken - 1]:
-                            break
+                    if rule == "tree":
+                        trie = tree(context, docs, k, nodes)
+                    else:  # one line of drafts: the trie of its prefixes
+                        trie = {tuple(draft[:j]) for j in range(1, len(draft) + 1)}
+                    taken = 1  # the drawn token, then each drafted token the row drew next
+                    while taken < len(future) and tuple(future[:taken]) in trie:
                         taken += 1
                     emitted[r] = future[:taken]
                 for r, toks in emitted.items():
@@ -162,6 +184,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="drafted tokens per verify step")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--rules", default=",".join(RULES), help="which to replay")
+    ap.add_argument("--tree-nodes", default="4,8,16,32", help="drafted tokens of the tree rule")
+    ap.add_argument("--tree-depth", default="4,8", help="the tree rule's deepest drafts")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config")
     args = ap.parse_args()
     if args.epochs < 2:
@@ -179,10 +204,21 @@ def main() -> None:
         ("frequent", ("history",)),
         ("best-match", ("siblings", "history")),
     ]
-    for rule, sources in runs:
+    rules = args.rules.split(",")
+    if set(rules) - set(RULES):
+        ap.error(f"--rules: one of {', '.join(RULES)}")
+    for rule, sources in (run for run in runs if run[0] in rules):
         per_step, steps = replay(prompts, epochs, args.n, args.k, rule, sources)
         names = "self, " + ", ".join(sources)
         print(f"{rule:>10} {names:>26} | {per_step:.2f} ({steps} verify steps)", flush=True)
+    if "tree" not in rules:
+        return
+    print(f"\n{'rule':>10} {'nodes x depth':>26} | tokens per verify step (all sources)")
+    for depth in map(int, args.tree_depth.split(",")):
+        for nodes in map(int, args.tree_nodes.split(",")):
+            per_step, steps = replay(prompts, epochs, args.n, depth, "tree", nodes=nodes)
+            size = f"{nodes} x {depth}"
+            print(f"{'tree':>10} {size:>26} | {per_step:.2f} ({steps} verify steps)", flush=True)
 
 
 if __name__ == "__main__":
