@@ -43,24 +43,28 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
-# The modules that take longest (seconds of one worker on the 2-core CI machine, measured
-# 2026-11-25 with `--durations`), longest first. Workers take whole modules (`--dist
-# loadscope`) in collection order, so these go first and the many short modules fill in at the
-# end: left to xdist's default order (most tests first), a 6-minute module with few tests was
-# handed out last and ran while the other worker sat idle.
+# The modules that take longest (seconds of one worker on a 2-core machine, measured 2026-11-28
+# with `--durations`: the sum of their tests among the 100 slowest), longest first. Workers take
+# whole modules (`--dist loadscope`) in collection order, so these go first and the many short
+# modules fill in at the end: left to xdist's default order (most tests first), a 6-minute
+# module with few tests was handed out last and ran while the other worker sat idle.
 HEAVY_FIRST = (
-    "tests/rl/test_compare.py",  # ~390 s: two demo warm-ups and four RL runs
-    "tests/rl/test_loop.py",  # ~300 s
-    "tests/test_plan_tpu.py",  # ~260 s: TPU compiles
-    "tests/test_readme.py",  # ~230 s
-    "tests/test_multihost.py",  # ~220 s: runs of two processes
-    "tests/rl/test_train_step.py",
-    "tests/sampling/test_engine.py",
-    "tests/rl/test_trainer.py",
-    "tests/test_plan.py",
-    "tests/test_hub.py",
-    "tests/rl/test_multiturn_run.py",
-    "tests/test_sharding.py",
+    "tests/rl/test_loop.py",  # ~330 s
+    "tests/sampling/test_engine.py",  # ~250 s
+    "tests/test_multihost.py",  # ~240 s: runs of two processes
+    "tests/rl/test_compare.py",  # ~210 s: a demo warm-up and two RL runs
+    "tests/rl/test_train_step.py",  # ~190 s
+    "tests/test_plan_tpu.py",  # ~170 s: TPU compiles
+    "tests/test_readme.py",  # ~140 s
+    "tests/models/test_gguf.py",  # ~130 s: the real model and transformers
+    "tests/sampling/test_multiturn.py",  # ~125 s
+    "tests/rl/test_trainer.py",  # ~120 s
+    "tests/rl/test_checkpoint_kills.py",  # ~105 s
+    "tests/rl/test_multiturn_run.py",  # ~105 s
+    "tests/sampling/test_speculative.py",  # ~100 s
+    "tests/test_plan.py",  # ~100 s
+    "tests/test_hub.py",  # ~90 s
+    "tests/test_sharding.py",  # ~85 s
 )
 
 

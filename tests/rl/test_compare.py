@@ -1,4 +1,4 @@
-"""`delta-jax compare` end to end on the demo at two seeds x two losses, and the demo learning.
+"""`delta-jax compare` end to end on the demo at one seed x two losses, and the demo learning.
 
 One reduced sweep serves both slow checks (each used to train its own runs): the comparison
 command's table, resume and statistics, and the demo's promise that every seed starts RL in the
@@ -19,10 +19,11 @@ from delta_jax.models import from_pretrained
 from delta_jax.rl.setup import restore_policy
 
 STEPS = 12  # the first 12 of the demo's 100 RL steps (constant schedule: the same 12 steps)
-# Two of the five seeds the README promises (docs/evidence.md has all five at full length). The
-# warm-up runs until the held-out probe reaches its target, 210-440 steps depending on the seed;
-# 0 and 2 are the two shortest (210 and 260 steps), which keeps this sweep affordable in CI.
-SEEDS = (0, 2)
+# One of the five seeds the README promises (docs/evidence.md has all five at full length): 2, one
+# of the seeds that started RL below the band before issue 16's fix. The warm-up runs until the
+# held-out probe reaches its target, 210-440 steps depending on the seed (260 at seed 2); a
+# second seed doubled the sweep's time in CI and checked nothing the first does not.
+SEEDS = (2,)
 
 
 def test_t_interval_matches_the_textbook_formula():
@@ -35,7 +36,7 @@ def test_t_interval_matches_the_textbook_formula():
 
 @pytest.fixture(scope="module")
 def demo_sweep(tmp_path_factory):
-    """``delta-jax compare`` of the README demo, two seeds x delta and dapo, 12 RL steps.
+    """``delta-jax compare`` of the README demo, ``SEEDS`` x delta and dapo, 12 RL steps.
 
     The demo's own settings (warm-up to the target band, 32 prompts x 8 samples, math
     verifier) with fewer steps, held-out accuracy measured at steps 0 and 12 on 128 problems.
@@ -50,7 +51,7 @@ def demo_sweep(tmp_path_factory):
     return out, argv
 
 
-@pytest.mark.slow  # the sweep: two warm-ups and four 12-step runs, two processes at a time
+@pytest.mark.slow  # the sweep: a warm-up and two 12-step runs, two processes at a time
 @pytest.mark.parametrize("seed", SEEDS)
 def test_demo_starts_in_the_band_and_rl_raises_the_right_answer(demo_sweep, seed):
     """The README's demo (the DelTA runs of the sweep), shortened to 12 RL steps.
@@ -91,7 +92,7 @@ def test_compare_runs_resumes_and_writes_its_table(demo_sweep):
     assert tuple(table[0]) == TABLE_COLUMNS and [r["loss"] for r in table] == ["delta", "dapo"]
     with open(out / "runs.csv") as f:
         runs = list(csv.DictReader(f))
-    assert tuple(runs[0]) == RUN_COLUMNS and len(runs) == 4
+    assert tuple(runs[0]) == RUN_COLUMNS and len(runs) == 2 * len(SEEDS)
     for r in runs:  # the table is read from each run's own metrics
         rows = [json.loads(x) for x in (out / r["loss"] / f"seed{r['seed']}" / "metrics.jsonl")
                 .read_text().splitlines()]  # fmt: skip
@@ -106,13 +107,14 @@ def test_compare_runs_resumes_and_writes_its_table(demo_sweep):
         assert start["delta", seed] == start["dapo", seed]
     assert float(table[0]["diff_eval_final_mean"]) == 0.0  # delta minus itself
     coefs = json.loads((out / "coefficients.json").read_text())
-    assert set(coefs) == set(map(str, SEEDS)) and "mean_answer" in coefs["0"]["final"]
-    assert 0 <= coefs["0"]["start"]["shared_count_share"] <= 1  # both-sides tokens' share
+    seed = str(SEEDS[0])
+    assert set(coefs) == set(map(str, SEEDS)) and "mean_answer" in coefs[seed]["final"]
+    assert 0 <= coefs[seed]["start"]["shared_count_share"] <= 1  # both-sides tokens' share
     for when in ("start", "final"):  # each coefficient batch is kept, with its heatmap
-        assert (out / "delta" / "seed0" / "diagnostics" / f"heatmap_{when}.html").exists()
+        assert (out / "delta" / f"seed{seed}" / "diagnostics" / f"heatmap_{when}.html").exists()
     assert (out / "curves.png").stat().st_size > 0
     summary = (out / "summary.md").read_text()
-    assert "| delta | 2 |" in summary and "| dapo | 2 |" in summary
+    assert f"| delta | {len(SEEDS)} |" in summary and f"| dapo | {len(SEEDS)} |" in summary
     # Resume: a finished sweep trains nothing again; an unfinished run resumes from its last
     # checkpoint (here: the final one, so it adds no step) through the trainer.
     last = out / "dapo" / f"seed{SEEDS[-1]}"
