@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "launch" / "local_multiprocess.py"
 MESH = (1, 2, 2)
 PROMPT, GEN, ROWS = 6, 5, 8
-STEPS = 3
+STEPS = 2  # updates before the save the resumed run starts from
 # Same program on the same data; only the collectives' reduction order differs (float32).
 TOL = 1e-5
 
@@ -287,7 +287,7 @@ def _cli(out: Path, steps: int, processes: int, *overrides: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_cli_two_processes_match_one_process_and_resume(tmp_path):
-    """`delta-jax train`, 2 processes x 2 devices vs 1 x 4; the 2-process run resumes at step 3."""
+    """`delta-jax train`, 2 processes x 2 devices vs 1 x 4; the 2-process run is resumed."""
     # The dense test reward gives every group varied rewards (a learning signal) from a
     # briefly warmed-up policy; the math reward would need hundreds of warm-up steps first.
     want = _cli(tmp_path / "one", STEPS + 1, 1, *REWARD, "model.demo_warmup_steps=30")
@@ -295,7 +295,7 @@ def test_cli_two_processes_match_one_process_and_resume(tmp_path):
     # The 2-process runs start from the warmed-up model the 1-process run saved.
     model = f"model.path={tmp_path / 'one' / 'demo_model'}"
     assert len(_cli(tmp_path / "two", STEPS, 2, *REWARD, model)) == STEPS
-    got = _cli(tmp_path / "two", STEPS + 1, 2, *REWARD, model)  # resumes from the step-3 save
+    got = _cli(tmp_path / "two", STEPS + 1, 2, *REWARD, model)  # resumes from the step-STEPS save
     assert [row["step"] for row in got] == list(range(1, STEPS + 2))
     for g, w in zip(got, want, strict=True):
         # Timings and compile counts depend on the process layout, not on the maths.
