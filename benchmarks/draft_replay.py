@@ -193,10 +193,12 @@ def main() -> None:
         ap.error("--epochs must be >= 2 (the first is not measured)")
     print(f"{CONFIG} {' '.join(args.set)}: {args.prompts} prompts x {args.n} samples, k={args.k}, "
           f"temperature {args.temperature}, up to {args.max_new} new tokens")  # fmt: skip
+    rules = args.rules.split(",")
+    if set(rules) - set(RULES):
+        ap.error(f"--rules: one of {', '.join(RULES)}")
     prompts, epochs = record(args)
     lengths = [len(r) for rows in epochs[1:] for r in rows]
     print(f"responses: {np.mean(lengths):.1f} tokens on average (epochs 1-{args.epochs - 1})")
-    print(f"\n{'rule':>10} {'sources':>26} | tokens per verify step")
     runs = [
         ("first", ("siblings", "history")),
         ("frequent", ("siblings", "history")),
@@ -204,9 +206,8 @@ def main() -> None:
         ("frequent", ("history",)),
         ("best-match", ("siblings", "history")),
     ]
-    rules = args.rules.split(",")
-    if set(rules) - set(RULES):
-        ap.error(f"--rules: one of {', '.join(RULES)}")
+    if set(rules) - {"tree"}:
+        print(f"\n{'rule':>10} {'sources':>26} | tokens per verify step")
     for rule, sources in (run for run in runs if run[0] in rules):
         per_step, steps = replay(prompts, epochs, args.n, args.k, rule, sources)
         names = "self, " + ", ".join(sources)
