@@ -14,15 +14,24 @@ from flax import nnx
 
 from delta_jax import demo
 from delta_jax.cli import main
-from delta_jax.compare import RUN_COLUMNS, TABLE_COLUMNS, run_dir, t_interval
+from delta_jax.compare import (
+    RUN_COLUMNS,
+    TABLE_COLUMNS,
+    plot_curves,
+    run_dir,
+    summarize,
+    summary_markdown,
+    t_interval,
+)
 from delta_jax.models import from_pretrained
 from delta_jax.rl.setup import restore_policy
 
 STEPS = 12  # the first 12 of the demo's 100 RL steps (constant schedule: the same 12 steps)
 # One of the five seeds the README promises (docs/evidence.md has all five at full length): 2, one
 # of the seeds that started RL below the band before issue 16's fix. The warm-up runs until the
-# held-out probe reaches its target, 210-440 steps depending on the seed (260 at seed 2); a
-# second seed doubled the sweep's time in CI and checked nothing the first does not.
+# held-out probe reaches its target, 210-440 steps depending on the seed (260 at seed 2). A
+# second seed doubled the sweep's time in CI; the statistics over several seeds are checked on
+# written metrics (test_table_over_several_seeds_pairs_the_differences_by_seed).
 SEEDS = (2,)
 
 
@@ -32,6 +41,41 @@ def test_t_interval_matches_the_textbook_formula():
     half = 3.182446305284263 * np.std(x, ddof=1) / 2  # t_{0.975, 3}, sqrt(4)
     np.testing.assert_allclose([m, lo, hi], [0.25, 0.25 - half, 0.25 + half], rtol=1e-9)
     assert np.isnan(t_interval([0.5])[1])
+
+
+def test_table_over_several_seeds_pairs_the_differences_by_seed(tmp_path):
+    """The table, curves and summary of a sweep of 3 seeds x 2 losses, from runs' metrics written
+    here (the demo sweep below trains one seed): each quantity's mean and t-interval over the
+    seeds, and the paired differences against the first loss, seed by seed."""
+    rng = np.random.default_rng(0)
+    losses, seeds, per_run = ("delta", "dapo"), (0, 1, 2), {}
+    for loss in losses:
+        for seed in seeds:
+            rdir = run_dir(tmp_path, loss, seed)
+            rdir.mkdir(parents=True)
+            evals, rewards = rng.uniform(0, 1, 3), rng.uniform(0, 1, 4)
+            rows = [{"step": 0, "eval/avg@1": evals[0]}]
+            rows += [{"step": i + 1, "reward_mean": r} for i, r in enumerate(rewards)]
+            rows[2]["eval/avg@1"], rows[4]["eval/avg@1"] = evals[1], evals[2]
+            (rdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            per_run[loss, seed] = {
+                "eval_final": evals[2], "eval_gain": evals[2] - evals[0],
+                "reward_auc": rewards.mean(),
+            }  # fmt: skip
+    runs, table = summarize(tmp_path, losses, seeds)
+    assert len(runs) == 6 and [r["n"] for r in table] == [3, 3]
+    for row, loss in zip(table, losses, strict=True):
+        for q in ("eval_final", "eval_gain", "reward_auc"):
+            vals = [per_run[loss, s][q] for s in seeds]
+            diffs = [per_run[loss, s][q] - per_run["delta", s][q] for s in seeds]
+            for prefix, v in (("", vals), ("diff_", diffs)):
+                half = 4.302652729911275 * np.std(v, ddof=1) / np.sqrt(3)  # t_{0.975, 2}
+                got = [row[f"{prefix}{q}_{end}"] for end in ("mean", "lo", "hi")]
+                want = [np.mean(v), np.mean(v) - half, np.mean(v) + half]
+                np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+    assert plot_curves(tmp_path, losses, seeds, tmp_path / "curves.png").stat().st_size > 0
+    summary = summary_markdown("t", "cmd", runs, table, {}, losses)
+    assert "| dapo | 3 | " in summary and summary.count(" [") >= 5  # intervals printed
 
 
 @pytest.fixture(scope="module")
