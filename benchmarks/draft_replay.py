@@ -46,7 +46,6 @@ from delta_jax.sampling import Sampler
 from delta_jax.sampling.drafts import MAX_NGRAM, Drafter
 
 CONFIG = "configs/smollm2_arith.yaml"
-HISTORY_TEXTS = 16  # the drafter's default
 RULES = ("first", "frequent", "best-match", "tree")
 
 
@@ -87,12 +86,19 @@ def _occurrences(docs, key: tuple[int, ...]) -> list[tuple[list[int], int]]:
     ]
 
 
-def frequent(context, docs, k: int) -> list[int]:
-    """Up to ``k`` tokens voted by the occurrences of the longest matched suffix."""
+def _longest_match(context, docs) -> list[tuple[list[int], int]]:
+    """The occurrences of the longest suffix of ``context`` (up to ``MAX_NGRAM`` tokens) that
+    occurs in ``docs`` (none: [])."""
     for n in range(min(MAX_NGRAM, len(context)), 0, -1):
         alive = _occurrences(docs, tuple(context[-n:]))
         if alive:
-            break
+            return alive
+    return []
+
+
+def frequent(context, docs, k: int) -> list[int]:
+    """Up to ``k`` tokens voted by the occurrences of the longest matched suffix."""
+    alive = _longest_match(context, docs)
     draft = []
     for j in range(k):
         votes = collections.Counter(t[i + j] for t, i in alive if i + j < len(t))
@@ -107,12 +113,10 @@ def frequent(context, docs, k: int) -> list[int]:
 def tree(context, docs, depth: int, nodes: int) -> set[tuple[int, ...]]:
     """The trie (its nodes as token prefixes) of the ``nodes`` continuations (up to ``depth``
     tokens) that most occurrences of the longest matched suffix go on with."""
-    for n in range(min(MAX_NGRAM, len(context)), 0, -1):
-        alive = _occurrences(docs, tuple(context[-n:]))
-        if alive:
-            break
     counts = collections.Counter(
-        tuple(t[i : i + j]) for t, i in alive for j in range(1, min(depth, len(t) - i) + 1)
+        tuple(t[i : i + j])
+        for t, i in _longest_match(context, docs)
+        for j in range(1, min(depth, len(t) - i) + 1)
     )  # a prefix is counted at least as often as its extensions: the set is a trie
     return set(sorted(counts, key=lambda path: (-counts[path], len(path)))[:nodes])
 
@@ -134,14 +138,14 @@ def best_match(context, docs, future, k: int) -> list[int]:
 def replay(prompts, epochs, n: int, k: int, rule: str, sources=("siblings", "history"), nodes=0):
     """Tokens per verify step of ``rule`` over epochs 1 onwards (``tree``: a trie of ``nodes``
     drafted tokens up to ``k`` deep)."""
-    drafter = Drafter(k, history_texts=HISTORY_TEXTS)
+    drafter = Drafter(k)  # its defaults; the replay keeps as much history
     steps = tokens = 0
     for e, rows in enumerate(epochs):
         drafter.begin([np.asarray(p) for p in prompts], n)
         for p, prompt in enumerate(prompts):
             group = range(p * n, (p + 1) * n)
             history = [(prompt + old[r], len(prompt)) for old in epochs[:e] for r in group][
-                -HISTORY_TEXTS:
+                -drafter.history_texts :
             ]
             at = dict.fromkeys(group, 0)
             while any(at[r] < len(rows[r]) for r in group):
