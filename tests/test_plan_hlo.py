@@ -77,3 +77,61 @@ def test_without_the_hlo_parser_the_cost_analysis_counts_loops_once(x, monkeypat
     assert (full.loops_counted_once, once.loops_counted_once) == (0, 1)
     assert once.flops == compiled.cost_analysis()["flops"]
     assert full.flops == pytest.approx(10 * once.flops, rel=1e-3)
+
+
+# A program as the TPU compiler prints one: a weight prefetched into on-chip memory (memory space
+# 1) by an asynchronous copy, a fusion reading it there and writing its result to HBM, inside a
+# loop of 3 trips.
+_ON_CHIP = """HloModule on_chip
+
+%fused_computation (w: f32[256,256], a: f32[8,256]) -> f32[8,256] {
+  %a = f32[8,256]{1,0} parameter(1)
+  %w = f32[256,256]{1,0:S(1)} parameter(0)
+  ROOT %d = f32[8,256]{1,0} dot(%a, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (p: (s32[], f32[8,256], f32[256,256])) -> (s32[], f32[8,256], f32[256,256]) {
+  %p = (s32[], f32[8,256]{1,0}, f32[256,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8,256]{1,0} get-tuple-element(%p), index=1
+  %w = f32[256,256]{1,0} get-tuple-element(%p), index=2
+  %copy-start = (f32[256,256]{1,0:S(1)}, f32[256,256]{1,0}, u32[]) copy-start(%w)
+  %copy-done = f32[256,256]{1,0:S(1)} copy-done(%copy-start)
+  %fusion = f32[8,256]{1,0} fusion(%copy-done, %x), kind=kOutput, calls=%fused_computation
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = (s32[], f32[8,256]{1,0}, f32[256,256]{1,0}) tuple(%next, %fusion, %w)
+}
+
+%cond (p: (s32[], f32[8,256], f32[256,256])) -> pred[] {
+  %p = (s32[], f32[8,256]{1,0}, f32[256,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: f32[8,256], w: f32[256,256]) -> f32[8,256] {
+  %x = f32[8,256]{1,0} parameter(0)
+  %w = f32[256,256]{1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,256]{1,0}, f32[256,256]{1,0}) tuple(%zero, %x, %w)
+  %loop = (s32[], f32[8,256]{1,0}, f32[256,256]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %result = f32[8,256]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_bytes_are_hbm_traffic_only():
+    """Each trip reads the weight from HBM once (the copy-start's source; not its destination
+    in on-chip memory, not the source alias its result repeats, not the copy-done, not the
+    fusion's read of the on-chip copy), reads the activations and writes the result to HBM;
+    the loop counter's bytes come on top. The cost analysis counts every one of those."""
+    weight, activations = 256 * 256 * 4, 8 * 256 * 4
+    plain = loop_cost(_ON_CHIP.replace(":S(1)", ""))
+    cost = loop_cost(_ON_CHIP)
+    assert (cost.loops, cost.unknown_trips) == (1, 0)
+    counter = cost.bytes_accessed - 3 * (weight + 2 * activations)
+    assert 0 <= counter < 256  # the counter's scalars, the tuples' pointers: 51 bytes a trip
+    # The same program with every buffer in HBM counts the copies in full.
+    assert plain.bytes_accessed > cost.bytes_accessed + 3 * 2 * weight
+    assert plain.flops == cost.flops == pytest.approx(3 * 2 * 8 * 256 * 256, abs=10)

@@ -13,12 +13,20 @@ body's cost from XLA's own cost analysis run on that body alone, then
     full(C) = once(C) + sum over the loops w of C: trips(w) * full(body(w)) - once(body(w))
 
 A loop whose trip count is not of that form counts once (as the cost analysis counts it).
+
+The cost analysis also counts every byte an instruction reads or writes wherever it lives. The
+TPU compiler keeps some in its on-chip VMEM (memory space 1 in the layouts it prints,
+``{...S(1)}``): weights prefetched there by ``copy-start`` ahead of the matmul that reads them,
+intermediates passed between fusions. Only HBM traffic bounds a step, so the bytes of operands
+and results in memory space 1 are taken out (:func:`_off_hbm_bytes`, each such instruction's own
+cost analysis); a ``copy-start``'s read from HBM stays. XLA:CPU programs have none.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 
 COMPUTATION_HEAD = re.compile(r"(ENTRY )?%([\w.\-]+) ")
@@ -26,6 +34,16 @@ _WHILE = re.compile(r"%[\w.\-]+ = .* while\(%([\w.\-]+)\), condition=%([\w.\-]+)
 _DEF = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = .*? ([\w\-]+)\((.*?)\)(?:, |$)")
 _REF = re.compile(r"%([\w.\-]+)")
 _KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_ON_CHIP = "S(1)"  # the TPU compiler's on-chip memory space (VMEM) in a printed layout
+_ELEMENT = re.compile(r"(?:pred|token|[suf]\d+|bf16|f8\w*)\[[\d,]*\](?:\{[^{}]*\})?")
+_PER_OPERAND = re.compile(r"bytes accessed(\d+|out)\{(\d*)\}")
+# Control flow: the computations these instructions run are costed in place by the analysis (a
+# fusion's or a reduction's computation is costed as part of its instruction).
+_CONTROL = {
+    "while": re.compile(r"(?:body|condition)=%([\w.\-]+)"),
+    "call": re.compile(r"to_apply=%([\w.\-]+)"),
+    "conditional": re.compile(r"(?:_computations?)=\{?((?:%[\w.\-]+(?:, )?)+)"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,9 +149,126 @@ def _trips(comps, caller_defs, init: str, condition: str, body: str) -> int | No
     return max(-(-(limit - start) // step), 0)
 
 
+def _closing(text: str, start: int) -> int:
+    """The index just past the bracket that closes ``text[start]`` (``(`` or ``{``)."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += text[i] in "({"
+        depth -= text[i] in ")}"
+        if depth == 0:
+            return i + 1
+    return len(text)
+
+
+def _instruction(line: str) -> tuple[str, str, str, str, str] | None:
+    """``(name, shape, opcode, operands, attributes)`` of one instruction's line, or None."""
+    found = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ", line)
+    if not found:
+        return None
+    rest = line[found.end() :]
+    end = _closing(rest, 0) if rest.startswith("(") else rest.find(" ")
+    shape, rest = rest[:end], rest[end:].lstrip()
+    opcode = re.match(r"[\w\-]+", rest)
+    if not opcode or len(rest) == opcode.end() or rest[opcode.end()] != "(":
+        return None
+    close = _closing(rest, opcode.end())
+    return found.group(1), shape, opcode.group(0), rest[opcode.end() + 1 : close - 1], rest[close:]
+
+
+def _element_bytes(element: str) -> int:
+    dtype, dims = re.match(r"(\w+)\[([\d,]*)\]", element).groups()
+    bits = 8 if dtype in ("pred", "token") else int(re.sub(r"\D", "", dtype) or 8)
+    return math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+
+
+def _off_hbm_share(shape: str, skip: int | None = None) -> float:
+    """The fraction of ``shape``'s bytes (a tuple's: of all its elements) that is not HBM
+    traffic: elements in on-chip memory, and element ``skip`` (a copy-start's source alias)."""
+    elements = _ELEMENT.findall(shape) if shape.startswith("(") else [shape]
+    sizes = [_element_bytes(e) for e in elements]
+    off = sum(size for i, size in enumerate(sizes) if _ON_CHIP in elements[i] or i == skip)
+    return off / max(sum(sizes), 1)
+
+
+def _alone(comps, shapes, shape: str, opcode: str, names: list[str], attributes: str) -> str:
+    """A module of one instruction, its operands (``names``) as parameters."""
+    args = [f"  p{i} = {shapes[n]} parameter({i})" for i, n in enumerate(names)]
+    root = f"  ROOT r = {shape} {opcode}({', '.join(f'p{i}' for i in range(len(names)))})"
+    callees = _reached(comps, _REF.findall(attributes))
+    body = "\n".join([*args, root + attributes])
+    called = ("\n".join(comps[c]) for c in comps if c in callees)
+    return "\n\n".join(["HloModule alone", *called, "ENTRY e {\n" + body + "\n}"])
+
+
+def _off_hbm_bytes(comps, name: str, analyse) -> float:
+    """Bytes XLA's cost analysis counts for the instructions of computation ``name`` that are
+    not HBM traffic, by the analysis of each instruction alone (``analyse(module_text)``):
+    operands and results in on-chip memory; of an asynchronous copy (``copy-start``: source
+    read, destination written) the source alias its result repeats, and all of its
+    ``copy-done`` (which moves nothing more)."""
+    parsed = [p for p in map(_instruction, comps[name][1:]) if p]
+    shapes = {p[0]: p[1] for p in parsed}
+    total = 0.0
+    for _, shape, opcode, operands, attributes in parsed:
+        names = _REF.findall(operands)
+        if opcode in ("parameter", "tuple", "get-tuple-element", "bitcast", "constant", *_CONTROL):
+            continue  # no bytes of their own (control flow: its computations count theirs)
+        if opcode == "custom-call":
+            continue  # a kernel: the roofline costs its inside itself (and its printed
+            # attributes can run over several lines)
+        if _ON_CHIP not in shape and not any(_ON_CHIP in shapes.get(n, "") for n in names):
+            continue
+        cost = analyse(_alone(comps, shapes, shape, opcode, names, attributes))
+        if opcode == "copy-done":
+            total += cost.get("bytes accessed", 0.0)
+            continue
+        keys = [k for k in map(_PER_OPERAND.fullmatch, cost) if k]
+        # Only the instruction's own operands (a fusion's analysis also leaves its inner
+        # instructions' keys); a tuple's bytes may be keyed by element as well as whole.
+        for which in ["out", *map(str, range(len(names)))]:
+            operand = shape if which == "out" else shapes[names[int(which)]]
+            by_element = {int(k[2]): cost[k[0]] for k in keys if k[1] == which and k[2]}
+            if by_element:
+                elements = _ELEMENT.findall(operand)
+                total += sum(v for i, v in by_element.items() if _ON_CHIP in elements[i])
+            else:
+                skip = 1 if opcode == "copy-start" and which == "out" else None
+                total += cost.get(f"bytes accessed{which}{{}}", 0.0) * _off_hbm_share(operand, skip)
+    return total
+
+
+def _reached(comps, names) -> set[str]:
+    """The computations ``names`` reach (themselves included)."""
+    seen, todo = set(), [n for n in names if n in comps]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += [r for r in _REF.findall("\n".join(comps[name][1:])) if r in comps]
+    return seen
+
+
+def _control_flow(comps, name: str) -> set[str]:
+    """``name`` and the computations it runs as control flow (loops, calls, branches), which
+    the cost analysis of ``name`` costs instruction by instruction."""
+    seen, todo = set(), [name]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for line in comps[current][1:]:
+            parsed = _instruction(line)
+            if parsed and parsed[2] in _CONTROL:
+                for group in _CONTROL[parsed[2]].findall(parsed[4]):
+                    todo += [r for r in re.findall(r"[\w.\-]+", group) if r in comps]
+    return seen
+
+
 def loop_cost(text: str) -> Cost:
-    """FLOPs and bytes of the module printed in ``text`` (``compiled.as_text()``), every loop
-    body times its trip count (XLA's cost analysis of each body, on the CPU client)."""
+    """FLOPs and HBM bytes of the module printed in ``text`` (``compiled.as_text()``), every
+    loop body times its trip count (XLA's cost analysis of each body, on the CPU client, less
+    its on-chip bytes)."""
     import jax
     from jax._src.lib import _jax
     from jaxlib import _hlo
@@ -153,8 +288,16 @@ def loop_cost(text: str) -> Cost:
             ["HloModule loop_body", *("\n".join(comps[k]) for k in comps if k in seen)]
             + ["ENTRY " + "\n".join(comps[name])]
         )
-        cost = _jax.hlo_module_cost_analysis(client, _hlo.hlo_module_from_text(module))
-        return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+        cost = analyse(module)
+        off_hbm = sum(off_hbm_bytes(c) for c in _control_flow(comps, name))
+        return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)) - off_hbm
+
+    def analyse(module: str) -> dict:
+        return _jax.hlo_module_cost_analysis(client, _hlo.hlo_module_from_text(module))
+
+    @functools.cache
+    def off_hbm_bytes(name: str) -> float:
+        return _off_hbm_bytes(comps, name, analyse) if _ON_CHIP in "".join(comps[name]) else 0.0
 
     loops = unknown = 0
     runs: dict[str, int] = {}
