@@ -9,7 +9,7 @@ time alone. A verify step scores ``k + 1`` positions per sequence for one read o
   rollouts ran at 0.74x the speed of plain decoding at batch 1 and 8 and 0.48x at batch 32,
   with 1.26-1.33 tokens per verify step, ``benchmarks/speculative.py``);
 * where it is bound by reading the weights (TPU and GPU at RL's batch sizes: the planner's
-  roofline puts the paper config's decode at 1.10x the minimum bytes per token), a verify step
+  roofline puts the paper config's decode at 1.05x the minimum bytes per token), a verify step
   costs little more than a decode step (an H100: 1.04x at batch 1, 1.40-1.46x at 64,
   ``benchmarks/verify_cost.py``), and speculation gains whenever the drafts are accepted often
   enough, which depends on the task and drifts as the policy trains.
