@@ -177,7 +177,8 @@ def _instruction(line: str) -> tuple[str, str, str, str, str] | None:
 
 def _element_bytes(element: str) -> int:
     dtype, dims = re.match(r"(\w+)\[([\d,]*)\]", element).groups()
-    bits = 8 if dtype in ("pred", "token") else int(re.sub(r"\D", "", dtype) or 8)
+    width = re.match(r"[a-z]+(\d+)", dtype)  # s32, bf16, f8e4m3fn; pred and token: a byte
+    bits = int(width.group(1)) if width else 8
     return math.prod(int(d) for d in dims.split(",") if d) * bits // 8
 
 
