@@ -206,7 +206,9 @@ def _off_hbm_bytes(comps, name: str, analyse) -> float:
     not HBM traffic, by the analysis of each instruction alone (``analyse(module_text)``):
     operands and results in on-chip memory; of an asynchronous copy (``copy-start``: source
     read, destination written) the source alias its result repeats, and all of its
-    ``copy-done`` (which moves nothing more)."""
+    ``copy-done`` (which moves nothing more). The later halves of other asynchronous ops
+    (``async-update``, ``async-done``, ``all-gather-done``...) cannot be costed alone: their
+    bytes stay counted."""
     parsed = [p for p in map(_instruction, comps[name][1:]) if p]
     shapes = {p[0]: p[1] for p in parsed}
     total = 0.0
@@ -219,6 +221,8 @@ def _off_hbm_bytes(comps, name: str, analyse) -> float:
             # attributes can run over several lines)
         if _ON_CHIP not in shape and not any(_ON_CHIP in shapes.get(n, "") for n in names):
             continue
+        if opcode.endswith("-done") and opcode != "copy-done" or opcode == "async-update":
+            continue  # the later half of an asynchronous op does not stand alone: kept as counted
         cost = analyse(_alone(comps, shapes, shape, opcode, names, attributes))
         if opcode == "copy-done":
             total += cost.get("bytes accessed", 0.0)
