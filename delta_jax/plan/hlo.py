@@ -208,7 +208,8 @@ def _off_hbm_bytes(comps, name: str, analyse) -> float:
     read, destination written) the source alias its result repeats, and all of its
     ``copy-done`` (which moves nothing more). The later halves of other asynchronous ops
     (``async-update``, ``async-done``, ``all-gather-done``...) cannot be costed alone: their
-    bytes stay counted."""
+    bytes stay counted, as do those of any instruction ``analyse`` cannot cost alone (it
+    returns ``{}``)."""
     parsed = [p for p in map(_instruction, comps[name][1:]) if p]
     shapes = {p[0]: p[1] for p in parsed}
     total = 0.0
@@ -300,9 +301,16 @@ def loop_cost(text: str) -> Cost:
     def analyse(module: str) -> dict:
         return _jax.hlo_module_cost_analysis(client, _hlo.hlo_module_from_text(module))
 
+    def analyse_alone(module: str) -> dict:
+        try:
+            return analyse(module)
+        except jax.errors.JaxRuntimeError:  # an instruction that does not stand alone
+            return {}  # keeps the bytes the computation's analysis counted for it
+
     @functools.cache
     def off_hbm_bytes(name: str) -> float:
-        return _off_hbm_bytes(comps, name, analyse) if _ON_CHIP in "".join(comps[name]) else 0.0
+        on_chip = _ON_CHIP in "".join(comps[name])
+        return _off_hbm_bytes(comps, name, analyse_alone) if on_chip else 0.0
 
     loops = unknown = 0
     runs: dict[str, int] = {}
