@@ -284,12 +284,7 @@ def loop_cost(text: str) -> Cost:
 
     @functools.cache
     def once(name: str) -> tuple[float, float]:
-        seen, todo = set(), [name]
-        while todo:  # the computations ``name`` reaches
-            for ref in _REF.findall("\n".join(comps[todo.pop()][1:])):
-                if ref in comps and ref not in seen and ref != name:
-                    seen.add(ref)
-                    todo.append(ref)
+        seen = _reached(comps, _REF.findall("\n".join(comps[name][1:]))) - {name}
         module = "\n\n".join(
             ["HloModule loop_body", *("\n".join(comps[k]) for k in comps if k in seen)]
             + ["ENTRY " + "\n".join(comps[name])]
