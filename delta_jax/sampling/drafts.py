@@ -15,8 +15,9 @@ tokens, the longest ``n`` first (``max_ngram`` down to ``min_ngram``) and, at ea
 sources in the order above. Each lookup is one dict probe per source and ``n``: every source
 keeps, per ``n``, where the first few occurrences of each n-gram were followed (the earliest:
 the most text after them; for ``history``, the latest ones, newest first), updated as tokens
-arrive. A decode chunk's window holds the continuations of several of these occurrences, so the
-device can draft afresh at every verify step (:mod:`delta_jax.sampling.speculate`).
+arrive. A decode chunk's window holds the continuations of several of these occurrences, then
+the whole texts themselves, so the device can draft afresh at every verify step
+(:mod:`delta_jax.sampling.speculate`).
 
 A draft changes only how fast tokens come, never which: the engine accepts a drafted token
 exactly when it equals the token it draws at that index with the sequence's own key, as it
@@ -194,11 +195,12 @@ class Drafter:
         return _Ngrams(self.lo, self.hi, self.pieces)
 
     def window_size(self, steps: int) -> int:
-        """A window that holds :attr:`pieces` continuations of a chunk of ``steps`` verify steps
-        (each emits at most ``k + 1`` tokens), each led by up to ``max_ngram`` tokens and
-        followed by a -1, rounded up to a power of two (one compiled program for every
+        """A window whose first half holds :attr:`pieces` continuations of a chunk of ``steps``
+        verify steps (each emits at most ``k + 1`` tokens), each led by up to ``max_ngram``
+        tokens and followed by a -1, and whose second half holds as much again of the texts
+        (:meth:`window`), rounded up to a power of two (one compiled program for every
         chunk)."""
-        need = self.pieces * (self.hi + steps * (self.k + 1) + 1)
+        need = 2 * self.pieces * (self.hi + steps * (self.k + 1) + 1)
         return 1 << (need - 1).bit_length()
 
     def extend(self, row: int, tokens: Sequence[int]) -> None:
@@ -263,28 +265,50 @@ class Drafter:
         return sources
 
     def window(self, row: int, size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Row ``row``'s draft window for a decode chunk: the continuations of up to
-        :attr:`pieces` occurrences of its last tokens (:meth:`propose`'s first), each led by
-        the tokens it matched and followed by a -1, ``size`` split evenly between them. The
-        device looks the sequence's last tokens up in the window at every verify step
+        """Row ``row``'s draft window for a decode chunk: in its first half, the continuations
+        of up to :attr:`pieces` occurrences of its last tokens (:meth:`propose`'s first), each
+        led by the tokens it matched and followed by a -1; in the rest, whole texts in lookup
+        order (:meth:`_texts_of`), each followed by a -1, as many as fit. The device looks the
+        sequence's last tokens up in the window at every verify step
         (:func:`~delta_jax.sampling.speculate.lookup_drafts`): at the chunk's start that is
         :meth:`propose`'s draft (no longer suffix occurs in the sources, and the first piece
-        starts with the match).
+        starts with the match); once the sequence has drawn tokens no piece goes on with, its
+        new last tokens are found in the texts.
 
         Returns:
           ``(tokens, sources)``: int32 ``[size]`` (-1 pads), int8 ``[size]`` (each token's
           source's index in :data:`SOURCES`, -1 for pads).
         """
         tokens, sources = np.full(size, -1, np.int32), np.full(size, -1, np.int8)
+        at = 0
+
+        def put(source: str, piece: Sequence[int]) -> None:
+            nonlocal at
+            tokens[at : at + len(piece)] = piece
+            sources[at : at + len(piece)] = SOURCES.index(source)
+            at += len(piece) + 1
+
         hits = self._hits(row)
-        if hits:
-            share, at = size // len(hits), 0
-            for source, text, i, n in hits:
-                piece = text[i - n : i - n + share - 1]  # room for the -1 after it
-                tokens[at : at + len(piece)] = piece
-                sources[at : at + len(piece)] = SOURCES.index(source)
-                at += len(piece) + 1
+        share = size // 2 // max(len(hits), 1)
+        for source, text, i, n in hits:
+            put(source, text[i - n : i - n + share - 1])  # room for the -1 after it
+        for source, text in self._texts_of(row):
+            if at >= size - 1:
+                break
+            put(source, text[: size - at - 1])
         return tokens, sources
+
+    def _texts_of(self, row: int) -> list[tuple[str, list[int]]]:
+        """Row ``row``'s whole texts to draft from, in lookup order: its own (prompt included),
+        its siblings' responses, then its prompt's earlier responses, the latest first."""
+        p, n = row // self.n, self.n
+        start = len(self._prompts[p])
+        texts = [("self", self._texts[row])]
+        texts += [("siblings", self._texts[q][start:]) for q in range(p * n, p * n + n) if q != row]
+        history = self._history.get(self._keys[p])
+        if history is not None:
+            texts += [("history", t[start:]) for t in reversed(history.texts)]
+        return [(source, text) for source, text in texts if text]
 
     def _hits(self, row: int) -> list[tuple[str, list[int], int, int]]:
         """Up to :attr:`pieces` occurrences of row ``row``'s last tokens ``(source, text, index

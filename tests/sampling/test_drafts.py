@@ -59,6 +59,14 @@ class Oracle:
                 return old[d][i : i + self.k], "history"
         return [], None
 
+    def texts_of(self, row):
+        """The whole texts a window holds after its pieces: the row's own (prompt included),
+        its siblings' responses, its prompt's earlier responses (the latest first)."""
+        p, P = row // self.n, len(self.prompts[row // self.n])
+        siblings = [self.texts[r][P:] for r in range(p * self.n, (p + 1) * self.n) if r != row]
+        old = self.history.get(bytes(np.asarray(self.prompts[p], np.int64)), [])
+        return [t for t in [self.texts[row], *siblings, *[t[P:] for t in old[::-1]]] if t]
+
     def finish(self):
         if self.keep and self.prompts_kept:
             for p, prompt in enumerate(self.prompts):
@@ -109,8 +117,11 @@ def test_drafts_match_an_exhaustive_search(k, lo, hi, texts, prompts):
                 # The chunk's window: looked up by the row's last max_ngram tokens (as the
                 # device does at the chunk's first step), the same draft.
                 tokens, sources = drafter.window(r, drafter.window_size(1))
-                if source is None:
-                    assert (tokens == -1).all() and (sources == -1).all()
+                if source is None:  # no piece: the whole texts from the window's start
+                    layout = sum((t + [-1] for t in oracle.texts_of(r)), [])[: len(tokens)]
+                    layout[-1] = -1
+                    assert tokens.tolist() == layout + [-1] * (len(tokens) - len(layout))
+                    assert sources[0] == SOURCES.index("self")
                 else:
                     at = lookup(tokens.tolist(), oracle.texts[r][-hi:])
                     assert tokens[at : at + len(want)].tolist() == want
@@ -122,6 +133,33 @@ def test_drafts_match_an_exhaustive_search(k, lo, hi, texts, prompts):
     # Every source was exercised (history only where it is kept).
     assert all(seen[s] > 0 for s in ("self", "siblings"))
     assert (seen["history"] > 0) == (texts > 0)
+
+
+def test_a_window_holds_the_whole_texts_after_its_pieces():
+    """Drawing a token that no piece of the chunk goes on with, a sequence drafts from the whole
+    texts after the pieces: its own, its siblings', its prompt's earlier responses."""
+    d = Drafter(2, min_ngram=1, max_ngram=2, pieces=1)
+    d.begin([np.array([1, 2, 3])], n=2)
+    d.extend(0, [4, 5, 6])
+    d.extend(1, [4, 7, 8])
+    d.finish()
+    d.begin([np.array([1, 2, 3])], n=2)
+    d.extend(0, [4])
+    d.extend(1, [9])
+    tokens, sources = d.window(0, 32)
+    # One piece (the latest earlier response after "3 4"), then the texts in lookup order.
+    history, siblings = SOURCES.index("history"), SOURCES.index("siblings")
+    expect = [(3, 4, 7, 8), (1, 2, 3, 4), (9,), (4, 7, 8), (4, 5, 6)]
+    where = [history, 0, siblings, history, history]
+    at = 0
+    for piece, source in zip(expect, where, strict=True):
+        assert tokens[at : at + len(piece) + 1].tolist() == [*piece, -1]
+        assert (sources[at : at + len(piece)] == source).all() and sources[at + len(piece)] == -1
+        at += len(piece) + 1
+    assert (tokens[at:] == -1).all() and (sources[at:] == -1).all()
+    # The row draws 5 after 4 (the piece went on with 7): "4 5" is found in the older response.
+    at = lookup(tokens.tolist(), [4, 5])
+    assert tokens[at] == 6 and sources[at] == history
 
 
 def test_a_sibling_ahead_drafts_the_shared_text_and_history_the_first_tokens():
@@ -164,7 +202,8 @@ def test_a_chunks_drafts_and_a_preempted_rows_text():
     window, sources = d.window(1, 16)
     assert (chunk.window[0] == window).all() and (chunk.sources[0] == sources).all()
     assert window[:2].tolist() == [3, 4] and window[2:5].tolist() == [5, 6, 7]  # sibling 0's
-    assert (chunk.window[2] == -1).all()  # row 0's "6 7" was never followed
+    # Row 0's "6 7" was never followed: no piece, its own text and its sibling's from the start.
+    assert chunk.window[2].tolist() == [1, 2, 3, 4, 5, 6, 7, -1, 4] + [-1] * 7
     assert chunk.tail.tolist() == [[3, 4], [-1, -1], [6, 7]]
     assert (chunk.window[1] == -1).all() and (chunk.sources[1] == -1).all()
     d.extend_rows([0, None, 1], np.array([[8, 9, -1], [0, 0, 0], [5, 6, -1]]), [1, 0, 2])
