@@ -18,13 +18,7 @@ PROVENANCE = re.compile(r"^(?:# |\$ ).*\S.*\(.*\bcommit [0-9a-f]{7,40}\b(?!\+dir
 # Result files whose first line records no commit (made before benchmarks/record.py): each is
 # to be produced again with `python benchmarks/record.py --again FILE`, and leaves this list
 # when it is (the test fails while a listed file already has its commit).
-# Recorded with uncommitted edits beside the planner's committed code (docs and a docstring for
-# the first two, the new test file for the third: `+dirty` on their first line); to rerun clean.
-AWAITING_RERUN: set[str] = {
-    "tpu_plan/qwen3_8b_delta_v5p-64_speculative_k16.txt",
-    "tpu_plan/qwen3_8b_delta_v5p-64_speculative_k32.txt",
-    "tpu_plan/recipe_1.7b_lora_v5e-1_slots32_roofline.txt",
-}
+AWAITING_RERUN: set[str] = set()
 
 
 def _result_files() -> list[Path]:
