@@ -292,23 +292,24 @@ class Drafter:
         share = size // 2 // max(len(hits), 1)
         for source, text, i, n in hits:
             put(source, text[i - n : i - n + share - 1])  # room for the -1 after it
-        for source, text in self._texts_of(row):
+        for source, text, begin in self._texts_of(row):
             if at >= size - 1:
                 break
-            put(source, text[: size - at - 1])
+            put(source, text[begin : begin + size - at - 1])  # only what fits is copied
         return tokens, sources
 
-    def _texts_of(self, row: int) -> list[tuple[str, list[int]]]:
-        """Row ``row``'s whole texts to draft from, in lookup order: its own (prompt included),
-        its siblings' responses, then its prompt's earlier responses, the latest first."""
+    def _texts_of(self, row: int) -> list[tuple[str, list[int], int]]:
+        """Row ``row``'s whole texts to draft from, in lookup order, as ``(source, text, index
+        it starts at)``: its own (prompt included), its siblings' responses, then its prompt's
+        earlier responses, the latest first."""
         p, n = row // self.n, self.n
         start = len(self._prompts[p])
-        texts = [("self", self._texts[row])]
-        texts += [("siblings", self._texts[q][start:]) for q in range(p * n, p * n + n) if q != row]
+        texts = [("self", self._texts[row], 0)]
+        texts += [("siblings", self._texts[q], start) for q in range(p * n, p * n + n) if q != row]
         history = self._history.get(self._keys[p])
         if history is not None:
-            texts += [("history", t[start:]) for t in reversed(history.texts)]
-        return [(source, text) for source, text in texts if text]
+            texts += [("history", t, start) for t in reversed(history.texts)]
+        return [(source, text, begin) for source, text, begin in texts if len(text) > begin]
 
     def _hits(self, row: int) -> list[tuple[str, list[int], int, int]]:
         """Up to :attr:`pieces` occurrences of row ``row``'s last tokens ``(source, text, index
