@@ -131,17 +131,21 @@ def test_local_launcher_dry_run():
         )
 
 
-def test_local_launcher_runs_and_propagates_failure(tmp_path):
+def test_local_launcher_runs_and_propagates_failure(tmp_path, monkeypatch):
     local = _local_module()
     log = tmp_path / "out.txt"
     show = "import os; print(os.environ['DELTA_JAX_PROCESS_ID'], os.environ['XLA_FLAGS'])"
+    # Each process gets its own device count; the other XLA flags are passed on.
+    other = "--xla_backend_optimization_level=0"
+    monkeypatch.setenv("XLA_FLAGS", f"{other} --xla_force_host_platform_device_count=8")
     with log.open("w") as sink:
         status = local.launch(
             [sys.executable, "-c", show], processes=3, devices_per_process=2, sink=sink
         )
     assert status == 0
     lines = sorted(log.read_text().splitlines())
-    assert lines == [f"[p{i}] {i} --xla_force_host_platform_device_count=2" for i in range(3)]
+    want = f"{other} --xla_force_host_platform_device_count=2"
+    assert lines == [f"[p{i}] {i} {want}" for i in range(3)]
     # Process 1 fails at once; process 0 would sleep for a minute and must be stopped.
     fail = (
         "import os, sys, time; i = os.environ['DELTA_JAX_PROCESS_ID']; "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -262,9 +263,9 @@ def _cli(out: Path, steps: int, processes: int, *overrides: str) -> list[dict]:
         *overrides,
     ]
     if processes == 1:
-        env = dict(
-            os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
-        )
+        flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ["XLA_FLAGS"])
+        flags += " --xla_force_host_platform_device_count=4"
+        env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
         proc = subprocess.run(cli, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     else:
         cmd = [

@@ -25,6 +25,7 @@ from delta_jax.compare import (
 )
 from delta_jax.models import from_pretrained
 from delta_jax.rl.setup import restore_policy
+from tests.compile_flags import optimized
 
 STEPS = 12  # the first 12 of the demo's 100 RL steps (constant schedule: the same 12 steps)
 # One of the five seeds the README promises (docs/evidence.md has all five at full length): 2, one
@@ -91,7 +92,9 @@ def demo_sweep(tmp_path_factory):
         "--seeds", *map(str, SEEDS), "--out", str(out), "--workers", "2", f"run.steps={STEPS}",
         f"run.eval_every={STEPS}", f"run.save_every={STEPS}", "run.eval_prompts=128",
     ]  # fmt: skip
-    assert main(argv) == 0
+    with pytest.MonkeyPatch.context() as env:  # the runs' processes: XLA's default optimisation
+        env.setenv("XLA_FLAGS", optimized()["XLA_FLAGS"])
+        assert main(argv) == 0
     return out, argv
 
 
