@@ -270,10 +270,11 @@ class Drafter:
         led by the tokens it matched and followed by a -1; in the rest, whole texts in lookup
         order (:meth:`_texts_of`), each followed by a -1, as many as fit. The device looks the
         sequence's last tokens up in the window at every verify step
-        (:func:`~delta_jax.sampling.speculate.lookup_drafts`): at the chunk's start that is
-        :meth:`propose`'s draft (no longer suffix occurs in the sources, and the first piece
-        starts with the match); once the sequence has drawn tokens no piece goes on with, its
-        new last tokens are found in the texts.
+        (:func:`~delta_jax.sampling.speculate.lookup_drafts`, a vote among the first
+        occurrences): at the chunk's start the longest suffix it finds is :meth:`propose`'s
+        and its first occurrence is :meth:`propose`'s draft (no longer suffix occurs in the
+        sources, and the first piece starts with the match); once the sequence has drawn
+        tokens no piece goes on with, its new last tokens are found in the texts.
 
         Returns:
           ``(tokens, sources)``: int32 ``[size]`` (-1 pads), int8 ``[size]`` (each token's

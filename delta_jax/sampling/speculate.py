@@ -8,9 +8,9 @@ those texts whole), each piece led by the tokens before it and followed by a -1.
 chunk, at every verify step:
 
 * :func:`lookup_drafts`: the slot's last ``m`` tokens (its *tail*) are looked up in its window,
-  the longest suffix that occurs (``m`` tokens down to one), at the first place the
-  window has it (the window's order is the drafter's preference); the ``k`` window tokens after
-  it are the draft (a draft ends at a -1);
+  the longest suffix that occurs (``m`` tokens down to one); the continuations of its first
+  occurrences (the window's order is the drafter's preference) vote token by token for the
+  draft of up to ``k`` tokens (a continuation ends at a -1);
 * :func:`accepted_tokens`: a verify step emits the token drawn at the first position, and one
   more for each drafted token, in order, equal to the token drawn at its index;
 * :func:`next_tail`: the tail after the emitted tokens.
@@ -26,6 +26,7 @@ token before it was accepted (so its context is the one decoding without specula
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
@@ -34,6 +35,7 @@ __all__ = [
     "DRAFT_NONE",
     "DRAFT_OUTCOMES",
     "DRAFT_REJECTED",
+    "VOTERS",
     "accepted_tokens",
     "lookup_drafts",
     "next_tail",
@@ -45,35 +47,72 @@ __all__ = [
 DRAFT_NONE, DRAFT_REJECTED, DRAFT_ACCEPTED = 0, 1, 2
 DRAFT_OUTCOMES = {"none": DRAFT_NONE, "rejected": DRAFT_REJECTED, "accepted": DRAFT_ACCEPTED}
 
+# Occurrences of a slot's longest matching suffix whose continuations vote for its draft. Where
+# the text goes on in several ways, the most frequent way is the likeliest: replayed on
+# SmolLM2's rollouts, the vote of the first 16 gave 1.63 tokens per verify step against 1.58 for
+# the first occurrence's continuation alone (64 voters: 1.63).
+VOTERS = 16
+
 
 def lookup_drafts(
-    window: Int[Array, "S D"], tail: Int[Array, "S m"], k: int
+    window: Int[Array, "S D"], tail: Int[Array, "S m"], k: int, voters: int = VOTERS
 ) -> tuple[Int[Array, "S k"], Int[Array, " S"], Int[Array, " S"]]:
-    """Each slot's draft: the ``k`` window tokens after the first place where the window has the
-    longest suffix of ``tail`` (``m`` tokens down to 1; -1 entries of ``tail``, a sequence
-    shorter than ``m``, match nothing).
+    """Each slot's draft: the ``k`` window tokens after the longest suffix of ``tail`` (``m``
+    tokens down to 1; -1 entries of ``tail``, a sequence shorter than ``m``, match nothing),
+    chosen by a vote among its first ``voters`` occurrences in the window.
+
+    The occurrences' continuations (each up to ``k`` tokens, ended by a -1 or the window's end)
+    vote token by token: the draft's next token is the one most of the continuations still
+    agreeing with the draft have there (a tie goes to the token of the earliest occurrence), and
+    the draft ends where none of them goes on. With ``voters = 1`` the draft is the first
+    occurrence's continuation. The draft is the continuation of the earliest occurrence that
+    agrees with all of it, its *lead*.
 
     Returns:
-      ``(drafts, length, start)``: the drafted tokens (0 past a draft's length), how many (up to
-      the window's end or a -1; 0 when no suffix occurs with a token after it), and the window
-      index of the first drafted token (-1 without a draft).
+      ``(drafts, length, start)``: the drafted tokens (0 past a draft's length), how many (0
+      when no suffix occurs with a token after it), and the window index of the lead's first
+      drafted token (-1 without a draft): the draft is ``window[start : start + length]``.
     """
     S, D = window.shape
     m = tail.shape[1]
+    if k == 0:  # verify steps that score the fed token only
+        return jnp.zeros((S, 0), jnp.int32), jnp.zeros(S, jnp.int32), jnp.full(S, -1, jnp.int32)
     at = jnp.arange(D)
     ends = jnp.ones((S, D), bool)  # the suffix of n tokens ends just before index `at`
-    best = jnp.full(S, -1, jnp.int32)
+    hits = jnp.zeros((S, D), bool)  # where the longest suffix found so far ends
     for n in range(1, m + 1):  # one token more each round; the longest match found wins
         before = jnp.pad(window, ((0, 0), (n, 0)), constant_values=-2)[:, :D]  # window[at - n]
         token = tail[:, m - n, None]
         ends &= (before == token) & (token >= 0)
         hit = ends & (window >= 0)
-        first = jnp.min(jnp.where(hit, at, D), axis=1)
-        best = jnp.where(first < D, first, best)
-    drafts = jnp.take_along_axis(window, jnp.clip(best[:, None] + jnp.arange(k), 0, D - 1), 1)
-    there = (best[:, None] >= 0) & (best[:, None] + jnp.arange(k) < D) & (drafts >= 0)
-    length = jnp.sum(jnp.cumprod(there, axis=1), axis=1)
-    return jnp.where(jnp.arange(k) < length[:, None], drafts, 0), length, best
+        hits = jnp.where(jnp.any(hit, axis=1, keepdims=True), hit, hits)
+    # The first `voters` occurrences, in window order (a score that falls along the window).
+    score, first = jax.lax.top_k(jnp.where(hits, D - at, 0), min(voters, D))
+    j = jnp.arange(k)
+    index = first[:, :, None] + j  # [S, M, k]
+    cont = jnp.take_along_axis(window[:, None, :], jnp.clip(index, 0, D - 1), axis=2)
+    there = (score[:, :, None] > 0) & (index < D) & (cont >= 0)
+    there = jnp.cumprod(there, axis=2).astype(bool)  # a continuation ends at its first -1
+    alive = there[:, :, 0]
+    lead = jnp.full(S, -1, jnp.int32)
+    drafts = []
+    for d in range(k):  # the draft's token at index d, from the continuations that still agree
+        tok = cont[:, :, d]
+        vote = alive & there[:, :, d]
+        agree = (tok[:, :, None] == tok[:, None, :]) & vote[:, None, :]  # [S, M, M]
+        votes = jnp.where(vote, jnp.sum(agree, axis=2), 0)
+        winner = jnp.argmax(votes, axis=1)  # the earliest of the most voted
+        chosen = jnp.take_along_axis(tok, winner[:, None], axis=1)[:, 0]
+        some = jnp.max(votes, axis=1) > 0
+        alive = vote & (tok == chosen[:, None]) & some[:, None]
+        lead = jnp.where(some, jnp.argmax(alive, axis=1), lead)
+        drafts.append(jnp.where(some, chosen, -1))
+    drafts = jnp.stack(drafts, axis=1)
+    length = jnp.sum(drafts >= 0, axis=1)
+    start = jnp.where(
+        lead >= 0, jnp.take_along_axis(first, jnp.maximum(lead, 0)[:, None], 1)[:, 0], -1
+    )
+    return jnp.where(drafts >= 0, drafts, 0), length, start
 
 
 def accepted_tokens(

@@ -3,6 +3,8 @@ of the rule: a drafted token is kept while it equals the token drawn at its inde
 emitted tokens advance a slot as that many decode steps would (stops, budgets, stop
 sequences)."""
 
+from collections import Counter
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,21 +103,37 @@ def test_advance_by_equals_that_many_single_steps(window):
         np.testing.assert_array_equal(np.asarray(getattr(one, name)), want[name], err_msg=name)
 
 
-def _lookup_oracle(window, tail, k):
-    """The draft after the first place the window has the longest suffix of ``tail``."""
+def _lookup_oracle(window, tail, k, voters):
+    """The draft voted by the continuations of the first ``voters`` places the window has the
+    longest suffix of ``tail``, and where its lead's continuation starts."""
     D, m = len(window), len(tail)
     for n in range(m, 0, -1):
         key = list(tail[m - n :])
         if min(key) < 0:
             continue
-        for i in range(n, D):
-            if list(window[i - n : i]) == key and window[i] >= 0:
-                draft = []
-                for t in window[i : i + k]:
-                    if t < 0:
-                        break
-                    draft.append(int(t))
-                return draft, i
+        starts = [i for i in range(n, D) if list(window[i - n : i]) == key and window[i] >= 0]
+        if not starts:
+            continue
+        conts = {}
+        for i in starts[:voters]:
+            c = []
+            for t in window[i : i + k]:
+                if t < 0:
+                    break
+                c.append(int(t))
+            conts[i] = c
+        draft, alive = [], list(conts)
+        while len(draft) < k:
+            going = [i for i in alive if len(conts[i]) > len(draft)]
+            if not going:
+                break
+            counts = Counter(conts[i][len(draft)] for i in going)
+            top = max(counts.values())
+            # the most voted token; between equals, the one of the earliest occurrence
+            token = next(conts[i][len(draft)] for i in going if counts[conts[i][len(draft)]] == top)
+            draft.append(token)
+            alive = [i for i in going if conts[i][len(draft) - 1] == token]
+        return draft, alive[0]
     return [], -1
 
 
@@ -132,11 +150,17 @@ def test_lookup_drafts_and_next_tail_match_a_scan():
     emitted = rng.integers(0, 3, (S, k + 1))
     taken = rng.integers(0, k + 2, S)
     j = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
-    drafts, length, start = lookup_drafts(j(window), j(tail), k)
+    voters = 3
+    drafts, length, start = lookup_drafts(j(window), j(tail), k, voters)
+    first, first_length, first_start = lookup_drafts(j(window), j(tail), k, voters=1)
     new_tail = next_tail(j(tail), j(emitted), j(taken))
-    matched = set()
+    matched, outvoted = set(), 0
     for s_ in range(S):
-        want, at = _lookup_oracle(window[s_], tail[s_], k)
+        want, at = _lookup_oracle(window[s_], tail[s_], k, voters)
+        alone, alone_at = _lookup_oracle(window[s_], tail[s_], k, 1)  # the first occurrence's
+        assert np.asarray(first[s_, : first_length[s_]]).tolist() == alone, s_
+        assert int(first_start[s_]) == alone_at
+        outvoted += alone_at != at
         assert np.asarray(drafts[s_, : length[s_]]).tolist() == want, s_
         assert (np.asarray(drafts[s_, length[s_] :]) == 0).all() and int(start[s_]) == at
         after = list(tail[s_]) + list(emitted[s_, : taken[s_]])
@@ -149,6 +173,7 @@ def test_lookup_drafts_and_next_tail_match_a_scan():
             ]
             matched.add(max(same))
     assert matched == {1, 2, 3}, matched  # every suffix length was the longest somewhere
+    assert outvoted > 10  # the vote often chose another continuation than the first one's
     assert (np.asarray(length) == 0).any() and (np.asarray(length) == k).any()
 
 
