@@ -6,8 +6,8 @@ time alone. A verify step scores ``k + 1`` positions per sequence for one read o
 * where the decode is compute-bound, it costs about ``k + 1`` decode steps' arithmetic and
   gains only where more than that many tokens come per verify step. That is the CPU: there
   ``auto`` never speculates (on this repository's 2-core CPU, SmolLM2-135M's step-by-step
-  rollouts ran at 0.76x / 0.85x / 0.58x the speed of plain decoding at batch 1 / 8 / 32, with
-  1.42-1.59 tokens per verify step, ``benchmarks/speculative.py``);
+  rollouts ran at 0.84x / 0.84x / 0.54x the speed of plain decoding at batch 1 / 8 / 32, with
+  1.43-1.64 tokens per verify step, ``benchmarks/speculative.py``);
 * where it is bound by reading the weights (TPU and GPU at RL's batch sizes: the planner's
   roofline puts the paper config's decode at 1.05x the minimum bytes per token), a verify step
   costs little more than a decode step (an H100: 1.04x at batch 1, 1.40-1.46x at 64,

@@ -140,8 +140,9 @@ class Drafter:
       pieces: most continuations in a decode chunk's window (and occurrences kept per n-gram
         and source); on SmolLM2's step-by-step answers (8 samples a prompt, 16-step chunks)
         a window of 8 looked up at every verify step gave 1.42 tokens per verify step where
-        one continuation per source followed through the chunk gave 1.33, and 1.59 with the
-        whole texts after the 8 (``benchmarks/speculative.py``).
+        one continuation per source followed through the chunk gave 1.33, 1.59 with the
+        whole texts after the 8, and 1.64 with the device's vote among the occurrences
+        (``benchmarks/speculative.py``).
 
     Examples:
       >>> d = Drafter(k=3, min_ngram=1, max_ngram=2)
