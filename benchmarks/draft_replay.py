@@ -24,7 +24,14 @@ what it has drawn so far), for each rule:
   the drafts, so this is exact too);
 * ``best-match``: an upper bound for any rule that copies text following an occurrence of the
   row's last token: the occurrence whose continuation matches the row's future the longest
-  (a rule that knew the draws).
+  (a rule that knew the draws);
+* ``window``: what the engine drafts from. Every ``--chunk`` verify steps each row gets the
+  drafter's window (:meth:`~delta_jax.sampling.drafts.Drafter.window`, the sequences' texts as
+  the chunk starts); at every step its draft is the device's own lookup
+  (:func:`~delta_jax.sampling.speculate.lookup_drafts`, the vote of the first
+  :data:`~delta_jax.sampling.speculate.VOTERS` occurrences) in that window, or, for the tries,
+  the trie of the continuations of those occurrences (the ``tree`` rule's choice of nodes, in
+  the window).
 
     python benchmarks/draft_replay.py --prompts 16 --epochs 4 --max-new 128 [--rules tree] --set \\
       "data.template={prompt} Explain your reasoning step by step, then give the final number."
@@ -38,15 +45,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from delta_jax.config import load_config
 from delta_jax.rl.setup import load_model, prompt_sets, special_token_ids
 from delta_jax.sampling import Sampler
 from delta_jax.sampling.drafts import MAX_NGRAM, Drafter
+from delta_jax.sampling.speculate import VOTERS, lookup_drafts
 
 CONFIG = "configs/smollm2_arith.yaml"
-RULES = ("first", "frequent", "best-match", "tree")
+RULES = ("first", "frequent", "best-match", "tree", "window")
 
 
 def record(args) -> tuple[list[list[int]], list[list[list[int]]]]:
@@ -180,6 +189,73 @@ def replay(prompts, epochs, n: int, k: int, rule: str, sources=("siblings", "his
     return tokens / steps, steps
 
 
+def window_trie(window: np.ndarray, tail: list[int], depth: int, nodes: int) -> set:
+    """The ``tree`` rule in a window: the trie of the ``nodes`` continuations (up to ``depth``)
+    that most of the first ``VOTERS`` occurrences of the longest suffix of ``tail`` go on with
+    (ties: the shallower, then the earlier occurrence)."""
+    D, found = len(window), []
+    for n in range(len(tail), 0, -1):
+        key = tail[len(tail) - n :]
+        if min(key) < 0:
+            continue
+        found = [i for i in range(n, D) if window[i] >= 0 and window[i - n : i].tolist() == key]
+        if found:
+            break
+    counts, first = collections.Counter(), {}
+    for o, i in enumerate(found[:VOTERS]):
+        cont = window[i : i + depth].tolist()
+        cont = cont[: cont.index(-1)] if -1 in cont else cont
+        for j in range(1, len(cont) + 1):
+            counts[tuple(cont[:j])] += 1
+            first.setdefault(tuple(cont[:j]), o)
+    return set(sorted(counts, key=lambda path: (-counts[path], len(path), first[path]))[:nodes])
+
+
+def replay_windows(prompts, epochs, n: int, k: int, chunk: int, nodes: int = 0):
+    """Tokens per verify step over epochs 1 onwards when drafts come from the engine's windows,
+    renewed every ``chunk`` verify steps: its voted line of ``k`` (``nodes = 0``) or a trie of
+    ``nodes`` up to ``k`` deep."""
+    drafter = Drafter(k)
+    lookup = jax.jit(lookup_drafts, static_argnums=2)
+    steps = tokens = 0
+    for e, rows in enumerate(epochs):
+        drafter.begin([np.asarray(p) for p in prompts], n)
+        at = [0] * len(rows)
+        while live := [r for r in range(len(rows)) if at[r] < len(rows[r])]:
+            size = drafter.window_size(chunk)
+            windows = np.stack([drafter.window(r, size)[0] for r in live])
+            texts = {r: [*prompts[r // n], *rows[r][: at[r]]] for r in live}
+            new = {r: [] for r in live}  # the chunk's tokens: the host's texts grow after it
+            for _ in range(chunk):
+                going = [i for i, r in enumerate(live) if at[r] < len(rows[r])]
+                if not going:
+                    break
+                tails = np.asarray([([-1] * MAX_NGRAM + texts[live[i]])[-MAX_NGRAM:]
+                                    for i in range(len(live))])  # fmt: skip
+                if not nodes:
+                    drafts, length, _ = map(np.asarray, lookup(windows, tails, k))
+                for i in going:
+                    r = live[i]
+                    if nodes:
+                        trie = window_trie(windows[i], tails[i].tolist(), k, nodes)
+                    else:
+                        line = drafts[i, : length[i]].tolist()
+                        trie = {tuple(line[:j]) for j in range(1, len(line) + 1)}
+                    future = rows[r][at[r] :]
+                    taken = 1
+                    while taken < len(future) and tuple(future[:taken]) in trie:
+                        taken += 1
+                    texts[r] += future[:taken]
+                    new[r] += future[:taken]
+                    at[r] += taken
+                    if e:
+                        steps, tokens = steps + 1, tokens + taken
+            for r in live:
+                drafter.extend(r, new[r])
+        drafter.finish()
+    return tokens / steps, steps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=16)
@@ -191,6 +267,7 @@ def main() -> None:
     ap.add_argument("--rules", default=",".join(RULES), help="which to replay")
     ap.add_argument("--tree-nodes", default="4,8,16,32", help="drafted tokens of the tree rule")
     ap.add_argument("--tree-depth", default="4,8", help="the tree rule's deepest drafts")
+    ap.add_argument("--chunk", type=int, default=16, help="verify steps per window (window)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config")
     args = ap.parse_args()
     if args.epochs < 2:
@@ -216,14 +293,26 @@ def main() -> None:
         per_step, steps = replay(prompts, epochs, args.n, args.k, rule, sources)
         names = "self, " + ", ".join(sources)
         print(f"{rule:>10} {names:>26} | {per_step:.2f} ({steps} verify steps)", flush=True)
-    if "tree" not in rules:
-        return
-    print(f"\n{'rule':>10} {'nodes x depth':>26} | tokens per verify step (all sources)")
-    for depth in map(int, args.tree_depth.split(",")):
-        for nodes in map(int, args.tree_nodes.split(",")):
-            per_step, steps = replay(prompts, epochs, args.n, depth, "tree", nodes=nodes)
-            size = f"{nodes} x {depth}"
-            print(f"{'tree':>10} {size:>26} | {per_step:.2f} ({steps} verify steps)", flush=True)
+    if "tree" in rules:
+        print(f"\n{'rule':>10} {'nodes x depth':>26} | tokens per verify step (all sources)")
+        for depth in map(int, args.tree_depth.split(",")):
+            for nodes in map(int, args.tree_nodes.split(",")):
+                per_step, steps = replay(prompts, epochs, args.n, depth, "tree", nodes=nodes)
+                size = f"{nodes} x {depth}"
+                print(f"{'tree':>10} {size:>26} | {per_step:.2f} ({steps} verify steps)",
+                      flush=True)  # fmt: skip
+    if "window" in rules:
+        print(f"\n{'rule':>10} {'drafts':>26} | tokens per verify step (engine windows, "
+              f"renewed every {args.chunk} steps)")  # fmt: skip
+        per_step, steps = replay_windows(prompts, epochs, args.n, args.k, args.chunk)
+        line = f"line of {args.k}, voted"
+        print(f"{'window':>10} {line:>26} | {per_step:.2f} ({steps} verify steps)", flush=True)
+        for depth in map(int, args.tree_depth.split(",")):
+            for nodes in map(int, args.tree_nodes.split(",")):
+                per_step, steps = replay_windows(prompts, epochs, args.n, depth, args.chunk, nodes)
+                size = f"trie {nodes} x {depth}"
+                print(f"{'window':>10} {size:>26} | {per_step:.2f} ({steps} verify steps)",
+                      flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
