@@ -287,7 +287,7 @@ def main() -> None:
         ("frequent", ("history",)),
         ("best-match", ("siblings", "history")),
     ]
-    if set(rules) - {"tree"}:
+    if set(rules) - {"tree", "window"}:
         print(f"\n{'rule':>10} {'sources':>26} | tokens per verify step")
     for rule, sources in (run for run in runs if run[0] in rules):
         per_step, steps = replay(prompts, epochs, args.n, args.k, rule, sources)
