@@ -211,6 +211,17 @@ def window_trie(window: np.ndarray, tail: list[int], depth: int, nodes: int) -> 
     return set(sorted(counts, key=lambda path: (-counts[path], len(path), first[path]))[:nodes])
 
 
+def _tail(prompt: list[int], response: list[int], at: int) -> list[int]:
+    """The last ``MAX_NGRAM`` tokens of the prompt and the response's first ``at`` (-1 before a
+    shorter text)."""
+    before = response[max(0, at - MAX_NGRAM) : at]
+    return ([-1] * MAX_NGRAM + prompt[-MAX_NGRAM:] + before)[-MAX_NGRAM:]
+
+
+def _row(rule: str, label: str, per_step: float, steps: int) -> None:
+    print(f"{rule:>10} {label:>26} | {per_step:.2f} ({steps} verify steps)", flush=True)
+
+
 def replay_windows(prompts, epochs, n: int, k: int, chunk: int, nodes: int = 0):
     """Tokens per verify step over epochs 1 onwards when drafts come from the engine's windows,
     renewed every ``chunk`` verify steps: its voted line of ``k`` (``nodes = 0``) or a trie of
@@ -224,14 +235,12 @@ def replay_windows(prompts, epochs, n: int, k: int, chunk: int, nodes: int = 0):
         while live := [r for r in range(len(rows)) if at[r] < len(rows[r])]:
             size = drafter.window_size(chunk)
             windows = np.stack([drafter.window(r, size)[0] for r in live])
-            texts = {r: [*prompts[r // n], *rows[r][: at[r]]] for r in live}
-            new = {r: [] for r in live}  # the chunk's tokens: the host's texts grow after it
+            begin = {r: at[r] for r in live}  # the host's texts grow at the chunk's end
             for _ in range(chunk):
                 going = [i for i, r in enumerate(live) if at[r] < len(rows[r])]
                 if not going:
                     break
-                tails = np.asarray([([-1] * MAX_NGRAM + texts[live[i]])[-MAX_NGRAM:]
-                                    for i in range(len(live))])  # fmt: skip
+                tails = np.asarray([_tail(prompts[r // n], rows[r], at[r]) for r in live])
                 if not nodes:
                     drafts, length, _ = map(np.asarray, lookup(windows, tails, k))
                 for i in going:
@@ -245,13 +254,11 @@ def replay_windows(prompts, epochs, n: int, k: int, chunk: int, nodes: int = 0):
                     taken = 1
                     while taken < len(future) and tuple(future[:taken]) in trie:
                         taken += 1
-                    texts[r] += future[:taken]
-                    new[r] += future[:taken]
                     at[r] += taken
                     if e:
                         steps, tokens = steps + 1, tokens + taken
             for r in live:
-                drafter.extend(r, new[r])
+                drafter.extend(r, rows[r][begin[r] : at[r]])
         drafter.finish()
     return tokens / steps, steps
 
@@ -292,27 +299,22 @@ def main() -> None:
     for rule, sources in (run for run in runs if run[0] in rules):
         per_step, steps = replay(prompts, epochs, args.n, args.k, rule, sources)
         names = "self, " + ", ".join(sources)
-        print(f"{rule:>10} {names:>26} | {per_step:.2f} ({steps} verify steps)", flush=True)
+        _row(rule, names, per_step, steps)
     if "tree" in rules:
         print(f"\n{'rule':>10} {'nodes x depth':>26} | tokens per verify step (all sources)")
         for depth in map(int, args.tree_depth.split(",")):
             for nodes in map(int, args.tree_nodes.split(",")):
                 per_step, steps = replay(prompts, epochs, args.n, depth, "tree", nodes=nodes)
-                size = f"{nodes} x {depth}"
-                print(f"{'tree':>10} {size:>26} | {per_step:.2f} ({steps} verify steps)",
-                      flush=True)  # fmt: skip
+                _row("tree", f"{nodes} x {depth}", per_step, steps)
     if "window" in rules:
         print(f"\n{'rule':>10} {'drafts':>26} | tokens per verify step (engine windows, "
               f"renewed every {args.chunk} steps)")  # fmt: skip
         per_step, steps = replay_windows(prompts, epochs, args.n, args.k, args.chunk)
-        line = f"line of {args.k}, voted"
-        print(f"{'window':>10} {line:>26} | {per_step:.2f} ({steps} verify steps)", flush=True)
+        _row("window", f"line of {args.k}, voted", per_step, steps)
         for depth in map(int, args.tree_depth.split(",")):
             for nodes in map(int, args.tree_nodes.split(",")):
                 per_step, steps = replay_windows(prompts, epochs, args.n, depth, args.chunk, nodes)
-                size = f"trie {nodes} x {depth}"
-                print(f"{'window':>10} {size:>26} | {per_step:.2f} ({steps} verify steps)",
-                      flush=True)  # fmt: skip
+                _row("window", f"trie {nodes} x {depth}", per_step, steps)
 
 
 if __name__ == "__main__":
