@@ -143,3 +143,64 @@ def next_tail(
     m = tail.shape[1]
     joined = jnp.concatenate([tail, emitted], axis=1)
     return jnp.take_along_axis(joined, taken[:, None] + jnp.arange(m), axis=1)
+
+
+def lookup_tree(
+    window: Int[Array, "S D"],
+    tail: Int[Array, "S m"],
+    nodes: int,
+    depth: int,
+    voters: int = VOTERS,
+) -> tuple[Int[Array, "S N"], Int[Array, "S N"], Int[Array, "S N"], Int[Array, " S"]]:
+    """Each slot's trie of drafts: the ``nodes`` continuations (up to ``depth`` tokens) that most
+    of the first ``voters`` occurrences of the longest suffix of ``tail`` go on with (ties: the
+    shallower, then the earlier occurrence). A node is counted at least as often as its children
+    and ranks before them, so the first ``n`` nodes are a trie for every ``n``.
+
+    Returns:
+      ``(tokens, parent, level, count)``: each node's token, its parent's index (-1: the root,
+      the slot's fed token), its depth (1 for the root's children), in rank order (a parent
+      before its children; 0 / -1 / 0 past ``count``), and how many nodes each slot has.
+    """
+    S, D = window.shape
+    m = tail.shape[1]
+    at = jnp.arange(D)
+    ends = jnp.ones((S, D), bool)
+    hits = jnp.zeros((S, D), bool)
+    for n in range(1, m + 1):
+        before = jnp.pad(window, ((0, 0), (n, 0)), constant_values=-2)[:, :D]
+        token = tail[:, m - n, None]
+        ends &= (before == token) & (token >= 0)
+        hit = ends & (window >= 0)
+        hits = jnp.where(jnp.any(hit, axis=1, keepdims=True), hit, hits)
+    M = min(voters, D)
+    score, first = jax.lax.top_k(jnp.where(hits, D - at, 0), M)
+    index = first[:, :, None] + jnp.arange(depth)  # [S, M, L]
+    cont = jnp.take_along_axis(window[:, None, :], jnp.clip(index, 0, D - 1), axis=2)
+    there = (score[:, :, None] > 0) & (index < D) & (cont >= 0)
+    there = jnp.cumprod(there, axis=2).astype(bool)
+    # same[s, a, b, d]: continuations a and b agree on their first d + 1 tokens
+    agree = (cont[:, :, None, :] == cont[:, None, :, :]) & there[:, :, None, :]
+    same = jnp.cumprod(agree & there[:, None, :, :], axis=3).astype(bool)
+    count = jnp.sum(same, axis=2)  # [S, M, L]: occurrences through node (a, d)
+    canon = jnp.argmax(same, axis=2)  # the earliest occurrence with the same prefix
+    own = there & (canon == jnp.arange(M)[None, :, None])  # one candidate per distinct node
+    d = jnp.arange(depth)[None, None, :]
+    a = jnp.arange(M)[None, :, None]
+    rank = count * (depth * M) + (depth - 1 - d) * M + (M - 1 - a)  # larger first
+    flat = jnp.where(own, rank, -1).reshape(S, M * depth)
+    best, pick = jax.lax.top_k(flat, nodes)
+    ok = best >= 0
+    pa, pd = pick // depth, pick % depth  # occurrence and depth of each picked node
+    tokens = jnp.take_along_axis(cont.reshape(S, -1), pick, axis=1)
+    # The parent: the node of the same prefix one token shorter, (canon[a, d - 1], d - 1).
+    up = jnp.take_along_axis(canon.reshape(S, -1), pa * depth + jnp.maximum(pd - 1, 0), axis=1)
+    key = jnp.where(pd > 0, up * depth + pd - 1, -1)  # [S, N] the parent's flat index
+    parent = jnp.argmax(pick[:, None, :] == key[:, :, None], axis=2)
+    parent = jnp.where((pd > 0) & ok, parent, -1)
+    return (
+        jnp.where(ok, tokens, 0),
+        parent,
+        jnp.where(ok, pd + 1, 0),
+        jnp.sum(ok, axis=1),
+    )

@@ -291,3 +291,52 @@ def test_speculative_steps_emit_the_tokens_of_plain_decoding(temperature):
         np.testing.assert_allclose(spec[b]["hidden"], plain[b]["hidden"], atol=1e-5)
     assert len(plain[2]["tokens"]) <= 9 and len(plain[3]["tokens"]) == 30
     assert spec_steps < plain_steps == max(len(o["tokens"]) for o in plain)
+
+
+def _trie_oracle(window, tail, nodes, depth, voters):
+    """The paths of the ``nodes`` continuations most of the first ``voters`` occurrences of the
+    longest suffix of ``tail`` go on with (ties: shallower, then the earlier occurrence)."""
+    D, m = len(window), len(tail)
+    starts = []
+    for n in range(m, 0, -1):
+        key = list(tail[m - n :])
+        starts = [i for i in range(n, D) if window[i] >= 0 and list(window[i - n : i]) == key]
+        if starts:
+            break
+    seen = {}  # path -> [count, first occurrence]
+    for o, i in enumerate(starts[:voters]):
+        path = ()
+        for t in window[i : i + depth]:
+            if t < 0:
+                break
+            path += (int(t),)
+            seen.setdefault(path, [0, o])[0] += 1
+    return sorted(seen, key=lambda p: (-seen[p][0], len(p), seen[p][1]))[:nodes]
+
+
+@pytest.mark.parametrize(("nodes", "depth"), [(4, 4), (8, 3), (16, 6)])
+def test_lookup_tree_matches_a_scan(nodes, depth):
+    from delta_jax.sampling.speculate import lookup_tree
+
+    rng = np.random.default_rng(nodes)
+    S, D, m, voters = 200, 40, 3, 5
+    window = rng.integers(0, 3, (S, D))
+    window[rng.random((S, D)) < 0.1] = -1
+    tail = rng.integers(0, 3, (S, m))
+    j = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    tokens, parent, level, count = map(
+        np.asarray, lookup_tree(j(window), j(tail), nodes, depth, voters)
+    )
+    full = 0
+    for s in range(S):
+        want = _trie_oracle(window[s], tail[s], nodes, depth, voters)
+        paths = []
+        for i in range(count[s]):
+            assert parent[s, i] < i  # a parent comes before its children
+            above = () if parent[s, i] < 0 else paths[parent[s, i]]
+            paths.append((*above, int(tokens[s, i])))
+            assert len(paths[-1]) == level[s, i]
+        assert paths == want, s
+        assert (parent[s, count[s] :] == -1).all() and (level[s, count[s] :] == 0).all()
+        full += count[s] == nodes
+    assert 0 < full < S  # full tries and smaller ones
