@@ -204,3 +204,36 @@ def lookup_tree(
         jnp.where(ok, pd + 1, 0),
         jnp.sum(ok, axis=1),
     )
+
+
+def accepted_path(
+    tokens: Int[Array, "S N"],
+    parent: Int[Array, "S N"],
+    count: Int[Array, " S"],
+    drawn: Int[Array, "S N1"],
+) -> tuple[Int[Array, "S N1"], Int[Array, " S"]]:
+    """The path a verify step of a trie keeps: from the root (position 0, the fed token), the
+    child whose token is the one drawn at the current position, as long as there is one.
+
+    Position ``i + 1`` holds node ``i`` (:func:`lookup_tree`'s order); ``drawn[:, p]`` is the
+    token drawn at position ``p`` (with the key of its depth's index). Siblings hold distinct
+    tokens, so at most one child matches, and a node is kept exactly when decoding without
+    speculation would have drawn its token there.
+
+    Returns:
+      ``(positions, taken)``: the positions whose drawn tokens are emitted, in order (the root,
+      then the kept nodes; 0 past ``taken``), and how many tokens are emitted (1 + kept nodes).
+    """
+    S, N = tokens.shape
+    real = jnp.arange(N)[None, :] < count[:, None]
+    at = jnp.zeros(S, jnp.int32)  # the current position
+    going = jnp.ones(S, bool)
+    kept = []
+    for _ in range(N):
+        want = jnp.take_along_axis(drawn, at[:, None], axis=1)
+        child = real & (parent == at[:, None] - 1) & (tokens == want) & going[:, None]
+        going = jnp.any(child, axis=1)
+        at = jnp.where(going, jnp.argmax(child, axis=1) + 1, at)
+        kept.append(jnp.where(going, at, 0))
+    positions = jnp.stack([jnp.zeros(S, jnp.int32), *kept], axis=1)
+    return positions, 1 + jnp.sum(positions[:, 1:] > 0, axis=1)

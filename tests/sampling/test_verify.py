@@ -340,3 +340,31 @@ def test_lookup_tree_matches_a_scan(nodes, depth):
         assert (parent[s, count[s] :] == -1).all() and (level[s, count[s] :] == 0).all()
         full += count[s] == nodes
     assert 0 < full < S  # full tries and smaller ones
+
+
+def test_accepted_path_keeps_the_drawn_tokens_down_the_trie():
+    from delta_jax.sampling.speculate import accepted_path, lookup_tree
+
+    rng = np.random.default_rng(3)
+    S, D, m, nodes, depth = 300, 40, 3, 8, 5
+    window = rng.integers(0, 3, (S, D))
+    tail = rng.integers(0, 3, (S, m))
+    j = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    tokens, parent, level, count = lookup_tree(j(window), j(tail), nodes, depth, 6)
+    drawn = rng.integers(0, 3, (S, nodes + 1))
+    positions, taken = map(np.asarray, accepted_path(tokens, parent, count, j(drawn)))
+    tokens, parent, count = map(np.asarray, (tokens, parent, count))
+    lengths = set()
+    for s in range(S):
+        # The oracle: the emitted tokens are the drawn ones along the path; each kept node's
+        # token is the token drawn at its parent's position.
+        children = {}
+        for i in range(count[s]):
+            children.setdefault(int(parent[s, i]) + 1, {})[int(tokens[s, i])] = i + 1
+        want = [0]
+        while (nxt := children.get(want[-1], {}).get(int(drawn[s, want[-1]]))) is not None:
+            want.append(nxt)
+        assert positions[s, : taken[s]].tolist() == want, s
+        assert (positions[s, taken[s] :] == 0).all()
+        lengths.add(int(taken[s]))
+    assert {1, 2, 3} <= lengths  # rejected at once, one and two nodes kept
