@@ -11,11 +11,12 @@ best, where a training run's policy drifts from one epoch to the next.
 Per batch size (the engine's ``decode_slots``), the samplers ``--paths`` names run the same
 epochs in turn (interleaved, so the machine's drift hits each alike): ``dense`` (the CPU
 default, one token per step), ``xla`` (one token per step on the XLA path), and ``dense+k`` /
-``xla+k`` (up to ``k`` drafted tokens per verify step), and ``dense+auto`` / ``xla+auto``
-(``speculate="auto"``: on CPU, never). A batch of 1 runs one sample per prompt
-(a prompt's samples must fit the slots), so its drafts come from the sequence's own text and the
-history. Speculation changes no token (checked here: every epoch's tokens are compared with the
-plain path's on the same attention path).
+``xla+k`` (up to ``k`` drafted tokens per verify step: one line of them), ``dense+NxD`` (a
+trie of up to ``N`` drafted tokens at most ``D`` deep, ``draft_depth``; not the TPU kernel's path),
+and ``dense+auto`` / ``xla+auto`` (``speculate="auto"``: on CPU, never). A batch of 1 runs
+one sample per prompt (a prompt's samples must fit the slots), so its drafts come from the
+sequence's own text and the history. Speculation changes no token (checked here: every
+epoch's tokens are compared with the plain path's on the same attention path).
 
 Acceptance is also split by the kind of token at each drafted index (the output's
 ``drafted_array``): tokens whose text holds a digit (the numbers: the problem's own content)
@@ -50,9 +51,11 @@ def _samplers(model, pad_id, stops, slots: int, args) -> dict[str, Sampler]:
     samplers = {}
     for name in args.paths.split(","):
         attention, _, drafts = name.partition("+")
-        if drafts:  # "+auto": rollout.speculate=auto, else always
+        if drafts:  # "+auto": rollout.speculate=auto, else always; "+NxD": a trie
             when = "auto" if drafts == "auto" else "always"
-            spec = dict(draft_tokens=args.k, decode_chunk=args.verify_chunk, speculate=when)
+            k, _, depth = (str(args.k) if drafts == "auto" else drafts).partition("x")
+            spec = dict(draft_tokens=int(k), draft_depth=int(depth or 0), speculate=when)
+            spec.update(decode_chunk=args.verify_chunk)
             samplers[name] = Sampler(model, attention=attention, **spec, **kw)
         else:
             samplers[name] = Sampler(model, attention=attention, **kw)
@@ -81,8 +84,12 @@ def run_batch(model, prompts, pad_id, stops, args, slots: int, digits) -> None:
     tokens = {name: 0 for name in samplers}
     drafted = dict.fromkeys(SOURCES, 0)
     accepted = dict.fromkeys(SOURCES, 0)
-    verify_steps = useful = differ = 0
+    verify_steps = dict.fromkeys(samplers, 0)
+    useful = dict.fromkeys(samplers, 0)
+    differ = 0
     speculative, changed = [], dict.fromkeys(samplers, 0)
+    # The acceptance by source and by kind of token: the first speculative path's.
+    draft_path = next((name for name in samplers if "+" in name and "auto" not in name), None)
     for epoch in range(args.epochs):
         outs = {}
         for name, sampler in samplers.items():
@@ -99,9 +106,10 @@ def run_batch(model, prompts, pad_id, stops, args, slots: int, digits) -> None:
             tokens[name] += sum(out.lengths)
             stats = out.engine_stats
             if stats.verify_steps:
+                verify_steps[name] += stats.verify_steps
+                useful[name] += stats.useful_steps
+            if stats.verify_steps and name == draft_path:
                 speculative.append(out)
-                verify_steps += stats.verify_steps
-                useful += stats.useful_steps
                 for s in SOURCES:
                     drafted[s] += stats.drafted.get(s, 0)
                     accepted[s] += stats.accepted.get(s, 0)
@@ -138,12 +146,16 @@ def run_batch(model, prompts, pad_id, stops, args, slots: int, digits) -> None:
         return
     per_row = statistics.mean(len(t) for out in speculative for t in out.tokens)
     print(f"response length: {per_row:.1f} tokens on average")
-    per_step = useful / max(1, verify_steps)
-    print(f"tokens per verify step {per_step:.2f} ({useful} tokens, {verify_steps} verify steps)")
+    for name in samplers:
+        if verify_steps[name]:
+            per_step = useful[name] / verify_steps[name]
+            print(f"{name}: tokens per verify step {per_step:.2f} ({useful[name]} tokens, "
+                  f"{verify_steps[name]} verify steps)")  # fmt: skip
+    print(f"{draft_path}: drafts by source")
     for s in SOURCES:
         rate = accepted[s] / drafted[s] if drafted[s] else float("nan")
         print(f"  {s:>8}: {drafted[s]:6d} drafted, {accepted[s]:6d} accepted ({rate:.2f})")
-    print("acceptance by the kind of token at the drafted index:")
+    print(f"{draft_path}: acceptance by the kind of token at the drafted index:")
     for kind, (d, a) in _by_kind(speculative, digits).items():
         rate = a / d if d else float("nan")
         print(f"  {kind:>8}: {d:6d} drafted, {a:6d} accepted ({rate:.2f})")
@@ -161,7 +173,7 @@ def main() -> None:
     ap.add_argument(
         "--paths",
         default="dense,dense+k",
-        help="samplers: dense, xla, dense+k, xla+k, dense+auto, xla+auto",
+        help="samplers: dense, xla, dense+k, xla+k, dense+NxD (a trie), dense+auto, xla+auto",
     )
     ap.add_argument(
         "--verify-chunk",

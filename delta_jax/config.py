@@ -175,6 +175,11 @@ class RolloutConfigSection:
     # measured in the run (delta_jax.sampling.auto_speculation).
     speculate: bool | Literal["auto"] = False
     draft_tokens: int = ranged(4, 1)
+    # 0: each verify step drafts one line of draft_tokens tokens. d > 0: a trie of up to
+    # draft_tokens nodes, at most d deep (several ways the text may go on, each scored position
+    # attending to its ancestors), on the engine's CPU and GPU attention paths; the TPU kernel
+    # takes no such mask, so a run on TPU with draft_depth > 0 stops at setup.
+    draft_depth: int = ranged(0, 0)
     # python_tool's call format: "tool_call" (Qwen3's <tool_call> JSON, the tool declared in
     # the chat template), "fenced" (a ```python block, for base models), "auto": "tool_call"
     # when the tokenizer has a chat template, else "fenced".
@@ -492,6 +497,11 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"rollout.samples_per_prompt={r.samples_per_prompt} exceeds "
             f"rollout.decode_slots={r.decode_slots}"
+        )
+    if r.draft_depth > r.draft_tokens:
+        raise ConfigError(
+            f"rollout.draft_depth={r.draft_depth} must be <= rollout.draft_tokens="
+            f"{r.draft_tokens} (a trie of draft_tokens nodes is at most that deep)"
         )
     if config.reward.overlong_buffer > r.max_new_tokens:
         raise ConfigError(

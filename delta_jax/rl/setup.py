@@ -569,6 +569,7 @@ def build_run_parts(
         page_size=config.rollout.page_size,
         num_pages=config.rollout.num_pages or None,
         draft_tokens=config.rollout.draft_tokens if config.rollout.speculate else 0,
+        draft_depth=config.rollout.draft_depth if config.rollout.speculate else 0,
         speculate="auto" if config.rollout.speculate == "auto" else "always",
     )
     train_scorer, scorer = make_scorers(config, reward_fns, reward_weights)

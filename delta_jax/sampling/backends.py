@@ -26,6 +26,7 @@ from delta_jax.sampling.paged import (
     PagedAttention,
     PageList,
     PagePool,
+    move_kv,
     paged_forward,
     pallas_attention,
     write_rows,
@@ -42,6 +43,7 @@ __all__ = [
     "XlaBackend",
     "backend_for",
     "resolve_attention",
+    "tries_refusal",
 ]
 
 
@@ -52,6 +54,9 @@ class PagedBackend:
     """
 
     name: ClassVar[str] = "xla"
+    # Whether a verify step may score a trie of drafts (each position attending to its
+    # ancestors), or a line only (the causal mask).
+    tries: ClassVar[bool] = False
     # The prefill's and the decode's paged attention (one signature, ``PagedAttention``).
     prefill_attention: ClassVar[PagedAttention] = staticmethod(xla_attention)
     decode_attention: ClassVar[PagedAttention] = staticmethod(xla_attention)
@@ -60,6 +65,8 @@ class PagedBackend:
 
     def refusal(self, spec: EngineSpec) -> str | None:
         """Why this path cannot run ``spec`` whatever the request (one line), or None."""
+        if spec.draft_depth and not self.tries:
+            return tries_refusal(self.name)
         return None
 
     def decode_list_pages(self, spec: EngineSpec) -> int:
@@ -117,28 +124,37 @@ class PagedBackend:
             mesh=mesh,
         )
 
-    def verify(self, model: Transformer, layers, slots, drafts, draft_len, state, mesh):
-        """A speculative verify step: every slot's fed token and its drafted ones (``drafts
-        [S, k]``, the first ``draft_len`` real) at consecutive positions; the hidden states
-        ``[S, k + 1, H]`` and the new state. K/V past a slot's drafts go to the scratch page."""
-        T = drafts.shape[1] + 1
-        j = jnp.arange(T)
+    def verify(self, model: Transformer, layers, slots, ids, level, inside, valid, state, mesh):
+        """A speculative verify step: every slot's fed token and its drafted ones (``ids [S,
+        T]``, at consecutive positions from ``pos``, each at the rotary position ``pos +
+        level``); the hidden states ``[S, T, H]`` and the new state. ``inside [S, T, T]`` (a
+        trie of drafts; None: a line): the step's positions each one attends to (its
+        ancestors). K/V of the positions not ``valid`` go to the scratch page."""
         return paged_forward(
             model,
             layers,
-            jnp.concatenate([slots.last[:, None], drafts], axis=1),
-            slots.pos[:, None] + j,
-            slots.active[:, None] & (j <= draft_len[:, None]),
+            ids,
+            slots.pos[:, None] + jnp.arange(ids.shape[1]),
+            valid,
             state,
             self._decode_pages(slots),
             attend=self.decode_attention,
             mesh=mesh,
+            rope=slots.pos[:, None] + level,
+            inside=inside,
         )
 
-    def kept(self, state, taken, T: int):
-        """The state after a verify step of ``T`` tokens per slot kept each slot's first
-        ``taken``: the paged paths' rejected K/V sit at positions the next tokens overwrite."""
-        return state
+    def kept(self, state, slots, path, taken, T: int, trie: bool, mesh, kv_heads: int):
+        """The state after a verify step of ``T`` positions that kept each slot's first
+        ``taken`` positions of ``path`` (from ``pos``): a line's are its first ``taken`` (the
+        rejected K/V sit at positions the next tokens overwrite); a trie's kept K/V move to
+        the positions after its root, in order."""
+        if not trie:
+            return state
+        j = jnp.arange(path.shape[1])
+        moved = slots.active[:, None] & (j < taken[:, None]) & (path != j)
+        src, dst = slots.pos[:, None] + path, slots.pos[:, None] + j
+        return move_kv(state, src, dst, moved, self._decode_pages(slots), mesh, kv_heads)
 
     def _decode_pages(self, slots):
         return slots.pages
@@ -169,6 +185,8 @@ class PagedBackend:
 class XlaBackend(PagedBackend):
     """Flat page lists, :func:`~delta_jax.sampling.paged.xla_attention` (GPU)."""
 
+    tries = True
+
 
 class PallasBackend(PagedBackend):
     """Page tables and the ragged paged attention TPU kernel for decode; the prefill (several
@@ -181,7 +199,7 @@ class PallasBackend(PagedBackend):
         # The kernel's page table is a TPU scalar-memory operand (see :mod:`smem`).
         if smem.max_rows_per_call(spec.max_table) == 0:
             return smem.page_table_error(spec.max_table)
-        return None
+        return super().refusal(spec)
 
     def decode_list_pages(self, spec):
         return 1
@@ -198,6 +216,7 @@ class DenseCpuBackend(PagedBackend):
     per chunk; a prefill gathers each row's table once per layer."""
 
     name = "dense"
+    tries = True
     prefill_attention = staticmethod(dense_cpu.dense_attention)
 
     def _width(self, spec, pages):
@@ -251,20 +270,23 @@ class DenseCpuBackend(PagedBackend):
         )
         return hidden, (pool, views, shift)
 
-    def verify(self, model, layers, slots, drafts, draft_len, state, mesh):
+    def verify(self, model, layers, slots, ids, level, inside, valid, state, mesh):
         # Every sequence's tokens at the same columns; which of them later queries see is
         # settled by :meth:`kept` (the views' K/V of the others are never read).
         pool, views, shift, columns = state
-        ids = jnp.concatenate([slots.last[:, None], drafts], axis=1)
-        positions = slots.pos[:, None] + jnp.arange(ids.shape[1])
+        T = ids.shape[1]
+        if inside is None:  # a line: each position attends to the ones before it
+            inside = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (ids.shape[0], T, T))
+        positions = slots.pos[:, None] + level
         hidden, views = dense_cpu.verify_forward(
-            model, layers, ids, positions, views, columns, mesh
+            model, layers, ids, positions, inside, views, columns, mesh
         )
         return hidden, (pool, views, shift, columns)
 
-    def kept(self, state, taken, T):
+    def kept(self, state, slots, path, taken, T, trie, mesh, kv_heads):
+        # The kept columns become visible; the chunk's end writes them back in order.
         pool, views, shift, columns = state
-        return pool, views, shift, dense_cpu.keep_columns(columns, taken, T)
+        return pool, views, shift, dense_cpu.keep_columns(columns, path, taken, T)
 
     def write_verified(self, out, cols, slots, taken, first, mesh, kv_heads):
         return dense_cpu.write_verified(out, cols, slots.count - first, taken)
@@ -287,6 +309,14 @@ _BACKENDS: dict[str, Any] = {
 }
 # The attention paths a sampler may name (``"auto"``: :func:`resolve_attention`).
 NAMES = ("auto", *_BACKENDS)
+
+
+def tries_refusal(name: str) -> str:
+    """Why the ``name`` attention path refuses a trie of drafts."""
+    return (
+        f"draft_depth > 0 (a trie of drafts per verify step) runs on the 'xla' and 'dense' "
+        f"attention paths; the {name!r} path verifies one line of drafts (draft_depth=0)"
+    )
 
 
 def resolve_attention(attention: str, platform: str) -> str:

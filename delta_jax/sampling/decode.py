@@ -34,8 +34,12 @@ from delta_jax.sampling.speculate import (
     DRAFT_ACCEPTED,
     DRAFT_NONE,
     DRAFT_REJECTED,
-    accepted_tokens,
+    Trie,
+    accepted_path,
+    ancestors,
+    line_trie,
     lookup_drafts,
+    lookup_tree,
     next_tail,
 )
 from delta_jax.sampling.strategies import Categorical, Greedy
@@ -145,6 +149,7 @@ def decode_chunk(
     backend: PagedBackend,
     mesh: Mesh | None,
     draft_tokens: int = 0,
+    draft_depth: int = 0,
     emitted_width: int = 0,
 ) -> dict[str, Any]:
     """Up to ``limit`` decode steps of every live slot (exits early when none is live).
@@ -174,7 +179,8 @@ def decode_chunk(
     loop, where the slices fuse into the matmuls (a copy would hold every weight twice).
 
     ``drafts`` (speculative chunks, ``draft_tokens`` = k >= 1): each step is a verify step
-    (:func:`speculative_step`) scoring up to ``k`` drafted tokens per slot; the chunk also
+    (:func:`speculative_step`) scoring up to ``k`` drafted tokens per slot (a line, or with
+    ``draft_depth`` a trie up to that deep); the chunk also
     returns the tokens each slot emitted (``emitted [S, emitted_width]``, -1 after them) and
     per-slot counters ``counts [S, 1 + 2 * len(SOURCES)]``: verify steps, then drafted and
     accepted tokens by draft source.
@@ -196,7 +202,7 @@ def decode_chunk(
         tail, emitted, counts = spec
         new, state, v = speculative_step(
             model, weights, backend, draw, s, state, drafts.window, tail,
-            draft_tokens, stop_sequences, mesh,
+            draft_tokens, stop_sequences, mesh, draft_depth,
         )  # fmt: skip
         written = backend.write_verified(written, v.cols, s, v.taken, first, mesh, K)
         emitted = _record(emitted, v.cols["tokens"], s.count - first, v.taken)
@@ -239,11 +245,14 @@ def _record(emitted, tokens, at, taken):
 def _draft_counts(sources, v: Verified, live) -> Int[Array, "S C"]:
     """One verify step's counters per slot: 1 (a live slot's step), then its drafted and its
     accepted tokens by source (one column per :data:`SOURCES` entry each)."""
-    j = jnp.arange(v.cols["tokens"].shape[1] - 1)
-    src = jnp.take_along_axis(sources, jnp.clip(v.start[:, None] + j, 0, sources.shape[1] - 1), 1)
-    onehot = src[:, :, None] == jnp.arange(len(SOURCES))  # [S, k, sources]
-    drafted = (j < v.length[:, None])[:, :, None] & onehot
-    accepted = (j < v.taken[:, None] - 1)[:, :, None] & onehot
+    trie, N = v.trie, v.trie.tokens.shape[1]
+    src = jnp.take_along_axis(sources, jnp.clip(trie.where, 0, sources.shape[1] - 1), 1)
+    onehot = src[:, :, None] == jnp.arange(len(SOURCES))  # [S, N, sources]
+    j = jnp.arange(v.path.shape[1])[None, :, None]
+    node = jnp.arange(1, N + 1)[None, None, :]
+    kept = jnp.any((v.path[:, :, None] == node) & (j < v.taken[:, None, None]), axis=1)
+    drafted = trie.real[:, :, None] & onehot
+    accepted = (kept & trie.real)[:, :, None] & onehot
     per = [live[:, None], drafted.sum(1), accepted.sum(1)]
     return jnp.concatenate([x.astype(jnp.int32) for x in per], axis=1)
 
@@ -277,13 +286,13 @@ def token_sampler(model: Transformer, strategy, seed, return_hidden: bool, pad_i
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Verified:
-    """What one verify step did, per slot: how many drafted tokens it scored (``length``, read
-    from the window from ``start``), the drawn columns ``cols`` (``[S, k + 1]``: tokens,
-    log-probs, hidden), the tokens emitted (the first ``taken`` columns), and the slot's last
-    tokens after them."""
+    """What one verify step did, per slot: the drafts it scored (``trie``), the positions it
+    kept (``path``, :func:`~delta_jax.sampling.speculate.accepted_path`), the drawn columns
+    along the path ``cols`` (``[S, depth + 1]``: tokens, log-probs, hidden, draft outcomes),
+    the tokens emitted (the first ``taken`` columns), and the slot's last tokens after them."""
 
-    length: Int[Array, " S"]
-    start: Int[Array, " S"]
+    trie: Trie
+    path: Int[Array, "S L"]
     cols: dict[str, Array]
     taken: Int[Array, " S"]
     tail: Int[Array, "S m"]
@@ -301,36 +310,67 @@ def speculative_step(
     k: int,
     stop_sequences=None,
     mesh: Mesh | None = None,
+    depth: int = 0,
 ):
-    """One verify step of every slot: up to ``k`` drafts looked up in its window by its last
-    tokens ``tail`` (:func:`~delta_jax.sampling.speculate.lookup_drafts`) scored with the fed
-    token in one forward pass, the token at each index drawn with that index's key, the drafts
-    kept while they equal it.
+    """One verify step of every slot: its drafts looked up in its window by its last tokens
+    ``tail``, scored with the fed token in one forward pass, the token at each position drawn
+    with the key of its index, the drafts kept down the path of the drawn tokens.
 
-    ``draw``: :func:`token_sampler`'s ``draw(h [S, H], slots)``. A slot drafts no further than
-    one token short of its budget.
+    The drafts: with ``depth = 0`` one line of up to ``k`` tokens
+    (:func:`~delta_jax.sampling.speculate.lookup_drafts`); else a trie of up to ``k`` nodes at
+    most ``depth`` deep (:func:`~delta_jax.sampling.speculate.lookup_tree`), each node
+    attending to its ancestors only (the XLA and the dense CPU paths). ``draw``:
+    :func:`token_sampler`'s ``draw(h [S, H], slots)``. A slot drafts no further than one
+    token short of its budget.
 
     Returns:
       ``(slots, state, verified)``: the slots advanced by the tokens emitted, the attention
       state, and what the step did (:class:`Verified`).
     """
-    drafts, length, start = lookup_drafts(window, tail, k)
-    length = jnp.clip(jnp.minimum(length, s.max_new - s.count - 1), 0)
-    h, state = backend.verify(model, layers, s, drafts, length, state, mesh)
+    tree = depth > 0
+    if tree:
+        trie = lookup_tree(window, tail, k, depth)
+    else:
+        trie, depth = line_trie(*lookup_drafts(window, tail, k)), k
+    trie = trie._replace(real=trie.real & (trie.level < (s.max_new - s.count)[:, None]))
+    S, T = s.last.shape[0], k + 1
+    ids = jnp.concatenate([s.last[:, None], trie.tokens], axis=1)
+    level = jnp.concatenate([jnp.zeros((S, 1), jnp.int32), trie.level], axis=1)
+    valid = s.active[:, None] & jnp.concatenate([jnp.ones((S, 1), bool), trie.real], axis=1)
+    inside = ancestors(trie, depth) if tree else None
+    h, state = backend.verify(model, layers, s, ids, level, inside, valid, state, mesh)
 
-    def at(j, h_j):  # index count + j: its own key
-        return draw(h_j, dataclasses.replace(s, count=s.count + j))
+    def at(lv, h_t):  # a position at level lv: the key of index count + lv
+        return draw(h_t, dataclasses.replace(s, count=s.count + lv))
 
-    cols = jax.vmap(at, in_axes=(0, 1), out_axes=1)(jnp.arange(k + 1), h)
-    emit = accepted_tokens(drafts, length, cols["tokens"])
+    cols = jax.vmap(at, in_axes=(1, 1), out_axes=1)(level, h)
+    path, _ = accepted_path(trie, cols["tokens"], depth)
+    cols = {name: _along(col, path) for name, col in cols.items()}
+    emit = 1 + jnp.sum(path[:, 1:] > 0, axis=1)
     new = advance_by(s, cols["tokens"], emit, stop_sequences)
     taken = new.count - s.count
-    j = jnp.arange(k + 1)
-    outcome = jnp.where(j < taken[:, None] - 1, DRAFT_ACCEPTED, DRAFT_REJECTED)
-    cols["drafted"] = jnp.where(j < length[:, None], outcome, DRAFT_NONE).astype(jnp.int8)
-    state = backend.kept(state, taken, k + 1)
+    cols["drafted"] = _outcomes(trie, path, taken)
+    K = model.config.num_kv_heads
+    state = backend.kept(state, s, path, taken, T, tree, mesh, K)
     tail = next_tail(tail, cols["tokens"], taken)
-    return new, state, Verified(length, start, cols, taken, tail)
+    return new, state, Verified(trie, path, cols, taken, tail)
+
+
+def _along(col, path):
+    """``col [S, T, ...]`` at each slot's ``path [S, L]`` positions."""
+    index = path.reshape(*path.shape, *(1,) * (col.ndim - 2))
+    return jnp.take_along_axis(col, index, axis=1)
+
+
+def _outcomes(trie: Trie, path, taken) -> Int[Array, "S L"]:
+    """Each emitted token's draft outcome: a kept node's token was drafted and accepted; the
+    last token was drawn in place of a rejected draft where its position had a drafted child,
+    else nothing was drafted at its index."""
+    up = jnp.where(trie.real, trie.parent + 1, -1)  # each node's parent position
+    has_child = jnp.any(up[:, None, :] == path[:, :, None], axis=2)  # [S, L]
+    j = jnp.arange(path.shape[1])
+    rejected = jnp.where(has_child, DRAFT_REJECTED, DRAFT_NONE)
+    return jnp.where(j < taken[:, None] - 1, DRAFT_ACCEPTED, rejected).astype(jnp.int8)
 
 
 def _advance(s: SlotState, token, stop_sequences) -> SlotState:

@@ -222,23 +222,28 @@ def verify_forward(
     layers,
     ids: Int[Array, "B T"],
     positions: Int[Array, "B T"],
+    inside: Bool[Array, "B T T"],
     views: Views,
     columns: Columns,
     mesh: Mesh | None,
 ) -> tuple[Float[Array, "B T H"], Views]:
-    """A speculative verify step on the views: every sequence's ``T`` tokens written at
-    columns ``[at, at + T)``, token ``t`` seeing its sequence's kept columns and the step's
-    columns up to its own."""
-    j = jnp.arange(views[0][0].shape[-1])[None, None, :]
-    t = jnp.arange(ids.shape[1])[None, :, None]
-    visible = columns.seen[:, None, :] | ((j >= columns.at) & (j <= columns.at + t))
+    """A speculative verify step on the views: every sequence's ``T`` tokens (at ``positions``,
+    for the rotary embedding) written at columns ``[at, at + T)``, token ``t`` seeing its
+    sequence's kept columns and the step's columns ``at + u`` where ``inside[b, t, u]`` (its
+    ancestors in a trie of drafts; the tokens before it in a line)."""
+    W, T = views[0][0].shape[-1], ids.shape[1]
+    u = jnp.arange(W) - columns.at  # [W]: the step's position a column holds
+    step = jnp.take_along_axis(inside, jnp.clip(u, 0, T - 1)[None, None, :], axis=2)
+    visible = columns.seen[:, None, :] | (step & ((u >= 0) & (u < T))[None, None, :])
     return _forward_on_views(model, layers, ids, positions, views, visible, columns.at, mesh)
 
 
-def keep_columns(columns: Columns, taken: Int[Array, " B"], T: int) -> Columns:
-    """After a verify step that kept each sequence's first ``taken`` of its ``T`` tokens."""
-    j = jnp.arange(columns.seen.shape[1])[None, :]
-    kept = (j >= columns.at) & (j < columns.at + taken[:, None])
+def keep_columns(columns: Columns, path: Int[Array, "B L"], taken: Int[Array, " B"], T: int):
+    """After a verify step of ``T`` columns that kept each sequence's first ``taken`` positions
+    of ``path`` (ascending: a trie's parents come before their children)."""
+    cols = jnp.where(jnp.arange(path.shape[1]) < taken[:, None], columns.at + path, -1)
+    j = jnp.arange(columns.seen.shape[1])
+    kept = jnp.any(j[None, :, None] == cols[:, None, :], axis=2)  # [B, W]
     return Columns(columns.seen | kept, columns.base, columns.at + T)
 
 

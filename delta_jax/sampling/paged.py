@@ -61,6 +61,7 @@ __all__ = [
     "combined",
     "copy_pages",
     "init_pool",
+    "move_kv",
     "paged_forward",
     "pallas_attention",
     "per_group",
@@ -162,8 +163,12 @@ def _write_pages(kv, new, page, offset):
     return kv.at[page.reshape(-1), offset.reshape(-1)].set(flat, mode="drop")
 
 
-def xla_attention(q, kv, positions, valid, pages: PageList):
+def xla_attention(q, kv, positions, valid, pages: PageList, inside=None):
     """Attention of q [B,T,N,D] over the listed pages: work grows with the pages in use.
+
+    ``inside [B, T, T]`` (a verify step of a trie of drafts, written at consecutive positions
+    from ``positions[:, 0]``): which of the call's own positions each query attends to (its
+    ancestors); None: every position up to its own.
 
     The list is walked in blocks of ``XLA_PAGES_PER_BLOCK`` pages by a ``while_loop`` that
     stops after the last real entry (the list is packed from its start), so padding entries
@@ -201,6 +206,11 @@ def xla_attention(q, kv, positions, valid, pages: PageList):
         scores = scores * (D**-0.5)
         key_pos = index[:, None] * page_size + jnp.arange(page_size)  # [U, P]
         visible = key_pos[:, None, :] <= jnp.take(positions, row, axis=0)[:, :, None]
+        if inside is not None:  # the call's own positions: the query's ancestors only
+            rel = key_pos - jnp.take(positions[:, 0], row)[:, None]  # [U, P]
+            mine = jnp.take(inside, row, axis=0)  # [U, T, T]
+            ancestor = jnp.take_along_axis(mine, jnp.clip(rel, 0, T - 1)[:, None, :], axis=2)
+            visible &= ((rel < 0) | (rel >= T))[:, None, :] | ancestor
         visible = (visible & (seq < B)[:, None, None])[:, None, :, None, :]  # [U, 1, T, 1, P]
         scores = jnp.where(visible, scores, -jnp.inf)
         page_max = jnp.max(scores, axis=-1)  # [U, K, T, G]
@@ -334,6 +344,8 @@ def paged_forward(
     *,
     attend: PagedAttention = xla_attention,
     mesh: Mesh | None = None,
+    rope: Int[Array, "B T"] | None = None,
+    inside: Bool[Array, "B T T"] | None = None,
 ) -> tuple[Float[Array, "B T H"], PagePool]:
     """Runs the decoder on ``T`` tokens per sequence over its pages.
 
@@ -346,6 +358,11 @@ def paged_forward(
     sequence's pages from position 0 on, in group-local page indices: with a ``mesh``, rows,
     page lists and pool pages are split over the data groups (the ``batch`` rule) and each
     group's writes and attention run on its own share.
+
+    A verify step of a trie of drafts (the paths whose attention takes ``inside``): its ``T``
+    tokens are written at consecutive positions, each token's rotary embedding at its depth
+    ``rope`` (default: ``positions``), each attending to the sequence before the step and to
+    the step's positions ``inside`` marks (its ancestors).
 
     Returns:
       The final RMS-normed hidden states [B, T, H] and the updated pool.
@@ -362,18 +379,36 @@ def paged_forward(
         positions, valid, pages
     )
 
-    def write_and_attend(kv, new, q, positions, valid, page, offset, pages):
+    def write_and_attend(kv, new, q, positions, valid, page, offset, pages, *mask):
         kv = _write_pages(kv, new, page, offset)
-        return attend(q, kv, positions, valid, pages), kv
+        return attend(q, kv, positions, valid, pages, *mask), kv
 
-    specs = ("R-H-", "R-H-", "R-H-", "R-", "R-", "R-", "R-", pages_spec)
+    mask = () if inside is None else (inside,)
+    specs = ("R-H-", "R-H-", "R-H-", "R-", "R-", "R-", "R-", pages_spec) + ("R--",) * len(mask)
     group_layer = per_group(write_and_attend, mesh, K, specs, ("R-H-", "R-H-"))
 
     def layer_kv(q, k, v, kv):
-        return group_layer(kv, combined(k, v), q, positions, valid, page, offset, pages)
+        return group_layer(kv, combined(k, v), q, positions, valid, page, offset, pages, *mask)
 
-    hidden, new = model.forward_with(ids, positions, layer_kv, list(pool.kv), layers)
+    rope = positions if rope is None else rope
+    hidden, new = model.forward_with(ids, rope, layer_kv, list(pool.kv), layers)
     return hidden, PagePool(kv=tuple(ax.constrain(kv, PAGE_AXES) for kv in new))
+
+
+def move_kv(pool: PagePool, src, dst, moved, pages, mesh: Mesh | None, kv_heads: int):
+    """Every layer's K/V at positions ``src [B, T]`` copied to positions ``dst`` of the same
+    sequence, where ``moved`` (the kept path of a verify step of a trie, to the consecutive
+    positions after its root); ``pages``: the sequences' flat :class:`PageList`."""
+    page_size = pool.page_size
+
+    def move(kv, src, dst, moved, pages):
+        sp, so = write_slots(src, moved, page_size, pages=pages)
+        dp, do = write_slots(dst, moved, page_size, pages=pages)
+        dp = jnp.where(moved, dp, kv.shape[0])  # out of range: dropped
+        return kv.at[dp, do].set(kv[sp, so], mode="drop")
+
+    move = per_group(move, mesh, kv_heads, ("R-H-", "R-", "R-", "R-", "R"), "R-H-")
+    return PagePool(kv=tuple(move(kv, src, dst, moved, pages) for kv in pool.kv))
 
 
 def write_rows(out, row, count, cols, mesh, kv_heads):

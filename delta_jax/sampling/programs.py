@@ -232,7 +232,8 @@ class EnginePrograms:
         signature = (self.width, strategy_signature(self.strategy), spec.return_hidden)
         signature += (spec.attention, *(q.shape for q in self.sequences))
         if drafts is not None:
-            signature += (spec.draft_tokens, drafts.window.shape, drafts.tail.shape)
+            signature += (spec.draft_tokens, spec.draft_depth, drafts.window.shape)
+            signature += (drafts.tail.shape,)
         key = ("decode", packed.shape, pages.shape, self.rows, self.gen_len, *signature)
         fn = functools.partial(
             decode_program,
@@ -243,6 +244,7 @@ class EnginePrograms:
             backend=self.backend,
             mesh=self.cache.mesh,
             draft_tokens=spec.draft_tokens,
+            draft_depth=spec.draft_depth,
             emitted_width=spec.steps * (spec.draft_tokens + 1),
         )
         args = (self.params, self.rest, self.pool, self.out, packed, pages, steps)

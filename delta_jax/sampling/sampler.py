@@ -50,7 +50,7 @@ from delta_jax.models import Transformer
 from delta_jax.models.axes import logical_to_mesh
 from delta_jax.sampling import dense_cpu, engine
 from delta_jax.sampling.auto_speculation import AutoSpeculation
-from delta_jax.sampling.backends import NAMES, resolve_attention
+from delta_jax.sampling.backends import NAMES, backend_for, resolve_attention, tries_refusal
 from delta_jax.sampling.buckets import Buckets, RequestArrays, prepare_request
 from delta_jax.sampling.drafts import Drafter
 from delta_jax.sampling.output import SamplerOutput
@@ -144,6 +144,11 @@ class Sampler:
         calls' rollouts of the same prompt, kept by this sampler); 0 decodes one token per
         step. The tokens are the same either way (greedy and sampled): a drafted token is
         kept only where it equals the token drawn at its index with that index's key.
+      draft_depth: 0 drafts one line of up to ``draft_tokens`` tokens per verify step; ``d >
+        0`` a trie of up to ``draft_tokens`` nodes at most ``d`` deep (the continuations most
+        of the occurrences go on with; each scored position attends to its ancestors), so a
+        verify step may keep one of several ways the text goes on. The ``"xla"`` and
+        ``"dense"`` attention paths (not the TPU kernel's, which takes no such mask).
       speculate: with ``draft_tokens > 0``, ``"always"`` (every request) or ``"auto"``
         (:class:`~delta_jax.sampling.auto_speculation.AutoSpeculation`: never on CPU; on
         accelerators the faster way as measured on this sampler's requests).
@@ -171,6 +176,7 @@ class Sampler:
     prefill_chunk: int = 512
     attention: str = "auto"
     draft_tokens: int = 0
+    draft_depth: int = 0
     speculate: str = "always"
     _programs: ProgramCache = dataclasses.field(init=False, repr=False)
     _drafter: Drafter | None = dataclasses.field(init=False, repr=False)
@@ -305,6 +311,12 @@ class Sampler:
             raise ValueError(f"draft_tokens must be an int >= 0, got {k!r}")
         if k and self.engine != "continuous":
             raise ValueError("draft_tokens > 0 (speculative decoding) needs engine='continuous'")
+        depth = self.draft_depth
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= max(k, 0):
+            raise ValueError(f"draft_depth must be an int in [0, draft_tokens={k}], got {depth!r}")
+        attention = resolve_attention(self.attention, _platform(self.mesh))
+        if depth and not backend_for(attention).tries:
+            raise ValueError(tries_refusal(attention))
         if self.speculate not in ("always", "auto"):
             raise ValueError(f"speculate must be 'always' or 'auto', got {self.speculate!r}")
         # Speculative decoding's drafts, with the history of this sampler's earlier requests.
@@ -399,6 +411,7 @@ class Sampler:
             return_hidden=return_hidden,
             pad_id=self.pad_token_id,
             draft_tokens=k,
+            draft_depth=self.draft_depth if k else 0,
             draft_window=window,
         )
 

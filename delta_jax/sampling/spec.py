@@ -245,8 +245,9 @@ class EngineSpec:
     return_hidden: bool
     pad_id: int
     # Speculative decoding: tokens drafted per slot and verify step (0: plain decode steps),
-    # and each slot's draft window per chunk (tokens).
+    # the depth of a trie of them (0: one line), and each slot's draft window per chunk.
     draft_tokens: int = 0
+    draft_depth: int = 0
     draft_window: int = 0
 
     @property

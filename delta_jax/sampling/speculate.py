@@ -10,25 +10,34 @@ chunk, at every verify step:
 * :func:`lookup_drafts`: the slot's last ``m`` tokens (its *tail*) are looked up in its window,
   the longest suffix that occurs (``m`` tokens down to one); the continuations of its first
   occurrences (the window's order is the drafter's preference) vote token by token for the
-  draft of up to ``k`` tokens (a continuation ends at a -1);
-* :func:`accepted_tokens`: a verify step emits the token drawn at the first position, and one
-  more for each drafted token, in order, equal to the token drawn at its index;
+  draft of up to ``k`` tokens (a continuation ends at a -1); or :func:`lookup_tree`: the
+  continuations most of them go on with, as a trie of up to ``k`` nodes (:class:`Trie`; a
+  line is a trie of one branch, :func:`line_trie`);
+* :func:`accepted_path`: a verify step emits the token drawn at the root (the fed token's
+  position), and one more for each drafted token that equals the token drawn at its parent,
+  down from the root;
 * :func:`next_tail`: the tail after the emitted tokens.
 
 So a sequence that leaves one piece (a drawn token the piece did not have) drafts from another
 at the next step, wherever its new suffix occurs in the window, as drafts asked afresh at every
 step would.
 
-The tokens emitted do not depend on the drafts: the token drawn at index ``count + j`` uses
-that index's key, as decoding without speculation does, and is kept only when every drafted
-token before it was accepted (so its context is the one decoding without speculation had).
+The tokens emitted do not depend on the drafts: the token drawn at index ``count + j`` (a
+position ``j`` deep in the trie) uses that index's key, as decoding without speculation does,
+and is kept only when every drafted token on its path was accepted (so its context is the one
+decoding without speculation had). A drafted token ``d`` is therefore accepted with
+probability ``p(d)``, and on a rejection the emitted token is drawn from ``p`` without the
+drafted children, renormalised: the speculative-sampling rule for deterministic drafts,
+realised with the same draws as decoding without speculation.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int
+from jaxtyping import Array, Bool, Int
 
 __all__ = [
     "DRAFT_ACCEPTED",
@@ -36,8 +45,12 @@ __all__ = [
     "DRAFT_OUTCOMES",
     "DRAFT_REJECTED",
     "VOTERS",
-    "accepted_tokens",
+    "Trie",
+    "accepted_path",
+    "ancestors",
+    "line_trie",
     "lookup_drafts",
+    "lookup_tree",
     "next_tail",
 ]
 
@@ -74,26 +87,10 @@ def lookup_drafts(
       when no suffix occurs with a token after it), and the window index of the lead's first
       drafted token (-1 without a draft): the draft is ``window[start : start + length]``.
     """
-    S, D = window.shape
-    m = tail.shape[1]
+    S = window.shape[0]
     if k == 0:  # verify steps that score the fed token only
         return jnp.zeros((S, 0), jnp.int32), jnp.zeros(S, jnp.int32), jnp.full(S, -1, jnp.int32)
-    at = jnp.arange(D)
-    ends = jnp.ones((S, D), bool)  # the suffix of n tokens ends just before index `at`
-    hits = jnp.zeros((S, D), bool)  # where the longest suffix found so far ends
-    for n in range(1, m + 1):  # one token more each round; the longest match found wins
-        before = jnp.pad(window, ((0, 0), (n, 0)), constant_values=-2)[:, :D]  # window[at - n]
-        token = tail[:, m - n, None]
-        ends &= (before == token) & (token >= 0)
-        hit = ends & (window >= 0)
-        hits = jnp.where(jnp.any(hit, axis=1, keepdims=True), hit, hits)
-    # The first `voters` occurrences, in window order (a score that falls along the window).
-    score, first = jax.lax.top_k(jnp.where(hits, D - at, 0), min(voters, D))
-    j = jnp.arange(k)
-    index = first[:, :, None] + j  # [S, M, k]
-    cont = jnp.take_along_axis(window[:, None, :], jnp.clip(index, 0, D - 1), axis=2)
-    there = (score[:, :, None] > 0) & (index < D) & (cont >= 0)
-    there = jnp.cumprod(there, axis=2).astype(bool)  # a continuation ends at its first -1
+    first, cont, there = _continuations(window, tail, k, voters)
     alive = there[:, :, 0]
     lead = jnp.full(S, -1, jnp.int32)
     drafts = []
@@ -116,23 +113,33 @@ def lookup_drafts(
     return jnp.where(drafts >= 0, drafts, 0), length, start
 
 
-def accepted_tokens(
-    drafts: Int[Array, "S k"], draft_len: Int[Array, " S"], drawn: Int[Array, "S k1"]
-) -> Int[Array, " S"]:
-    """Tokens a verify step emits per slot: 1, plus the drafted tokens that, in order, equal the
-    token drawn at their index.
+def _continuations(window, tail, length: int, voters: int):
+    """The first ``voters`` occurrences of the longest suffix of ``tail`` in ``window`` (``m``
+    tokens down to 1; -1 entries of ``tail`` match nothing) and their continuations.
 
-    ``drawn[:, j]`` is the token drawn at index ``count + j`` with that index's key, given the
-    first ``j`` drafted tokens as context: the token decoding without speculation draws there
-    whenever those are the tokens it drew. A drafted token ``d`` is therefore accepted with
-    probability ``p(d)``, and on a rejection the emitted token is drawn from ``p`` without
-    ``d``, renormalised: the speculative-sampling rule for a deterministic draft, realised with
-    the same draws as decoding without speculation. ``draft_len`` (``<= k``): each slot's
-    drafted tokens; the rest of its row is ignored.
+    Returns:
+      ``(first, cont, there)``: each occurrence's window index ``[S, M]`` (in window order),
+      the ``length`` window tokens from there ``[S, M, length]``, and which of them the
+      continuation reaches (it ends at its first -1, at the window's end, or at once for a
+      missing occurrence).
     """
-    k = drafts.shape[1]
-    match = (drafts == drawn[:, :k]) & (jnp.arange(k) < draft_len[:, None])
-    return 1 + jnp.sum(jnp.cumprod(match, axis=1), axis=1)
+    S, D = window.shape
+    m = tail.shape[1]
+    at = jnp.arange(D)
+    ends = jnp.ones((S, D), bool)  # the suffix of n tokens ends just before index `at`
+    hits = jnp.zeros((S, D), bool)  # where the longest suffix found so far ends
+    for n in range(1, m + 1):  # one token more each round; the longest match found wins
+        before = jnp.pad(window, ((0, 0), (n, 0)), constant_values=-2)[:, :D]  # window[at - n]
+        token = tail[:, m - n, None]
+        ends &= (before == token) & (token >= 0)
+        hit = ends & (window >= 0)
+        hits = jnp.where(jnp.any(hit, axis=1, keepdims=True), hit, hits)
+    # The first `voters` occurrences, in window order (a score that falls along the window).
+    score, first = jax.lax.top_k(jnp.where(hits, D - at, 0), min(voters, D))
+    index = first[:, :, None] + jnp.arange(length)  # [S, M, length]
+    cont = jnp.take_along_axis(window[:, None, :], jnp.clip(index, 0, D - 1), axis=2)
+    there = (score[:, :, None] > 0) & (index < D) & (cont >= 0)
+    return first, cont, jnp.cumprod(there, axis=2).astype(bool)
 
 
 def next_tail(
@@ -145,40 +152,52 @@ def next_tail(
     return jnp.take_along_axis(joined, taken[:, None] + jnp.arange(m), axis=1)
 
 
+class Trie(NamedTuple):
+    """A verify step's drafts per slot: ``N`` nodes, each a drafted token after its parent's
+    (the root: the slot's fed token), parents before their children. Position ``0`` of a
+    verify step is the root, position ``i + 1`` node ``i``; a node at level ``l`` is scored at
+    the sequence's position ``pos + l`` with the key of token index ``count + l``.
+
+    Attributes:
+      tokens: each node's token (0 where not ``real``).
+      parent: its parent node (-1: the root).
+      level: its depth (1 for the root's children).
+      real: the node was drafted (the rest of the row is padding, scored and never kept).
+      where: the window index of its token (its draft source), -1 where not ``real``.
+    """
+
+    tokens: Int[Array, "S N"]
+    parent: Int[Array, "S N"]
+    level: Int[Array, "S N"]
+    real: Bool[Array, "S N"]
+    where: Int[Array, "S N"]
+
+
+def line_trie(drafts: Int[Array, "S k"], length: Int[Array, " S"], start: Int[Array, " S"]):
+    """:func:`lookup_drafts`' drafts as a :class:`Trie` of one branch."""
+    S, k = drafts.shape
+    j = jnp.broadcast_to(jnp.arange(k), (S, k))
+    real = j < length[:, None]
+    return Trie(drafts, j - 1, j + 1, real, jnp.where(real, start[:, None] + j, -1))
+
+
 def lookup_tree(
     window: Int[Array, "S D"],
     tail: Int[Array, "S m"],
     nodes: int,
     depth: int,
     voters: int = VOTERS,
-) -> tuple[Int[Array, "S N"], Int[Array, "S N"], Int[Array, "S N"], Int[Array, " S"]]:
-    """Each slot's trie of drafts: the ``nodes`` continuations (up to ``depth`` tokens) that most
-    of the first ``voters`` occurrences of the longest suffix of ``tail`` go on with (ties: the
-    shallower, then the earlier occurrence). A node is counted at least as often as its children
-    and ranks before them, so the first ``n`` nodes are a trie for every ``n``.
-
-    Returns:
-      ``(tokens, parent, level, count)``: each node's token, its parent's index (-1: the root,
-      the slot's fed token), its depth (1 for the root's children), in rank order (a parent
-      before its children; 0 / -1 / 0 past ``count``), and how many nodes each slot has.
+) -> Trie:
+    """Each slot's trie of drafts: the ``nodes`` continuations (up to ``depth`` tokens) that
+    most of the first ``voters`` occurrences of the longest suffix of ``tail`` go on with (ties:
+    the shallower, then the earlier occurrence). A node is counted at least as often as its
+    children and ranks before them, so the first ``n`` nodes are a trie for every ``n``; the
+    real nodes come first, in rank order. A node's ``where`` is its token in the earliest
+    occurrence through it.
     """
-    S, D = window.shape
-    m = tail.shape[1]
-    at = jnp.arange(D)
-    ends = jnp.ones((S, D), bool)
-    hits = jnp.zeros((S, D), bool)
-    for n in range(1, m + 1):
-        before = jnp.pad(window, ((0, 0), (n, 0)), constant_values=-2)[:, :D]
-        token = tail[:, m - n, None]
-        ends &= (before == token) & (token >= 0)
-        hit = ends & (window >= 0)
-        hits = jnp.where(jnp.any(hit, axis=1, keepdims=True), hit, hits)
-    M = min(voters, D)
-    score, first = jax.lax.top_k(jnp.where(hits, D - at, 0), M)
-    index = first[:, :, None] + jnp.arange(depth)  # [S, M, L]
-    cont = jnp.take_along_axis(window[:, None, :], jnp.clip(index, 0, D - 1), axis=2)
-    there = (score[:, :, None] > 0) & (index < D) & (cont >= 0)
-    there = jnp.cumprod(there, axis=2).astype(bool)
+    S = window.shape[0]
+    first, cont, there = _continuations(window, tail, depth, voters)
+    M = first.shape[1]
     # same[s, a, b, d]: continuations a and b agree on their first d + 1 tokens
     agree = (cont[:, :, None, :] == cont[:, None, :, :]) & there[:, :, None, :]
     same = jnp.cumprod(agree & there[:, None, :, :], axis=3).astype(bool)
@@ -190,50 +209,59 @@ def lookup_tree(
     rank = count * (depth * M) + (depth - 1 - d) * M + (M - 1 - a)  # larger first
     flat = jnp.where(own, rank, -1).reshape(S, M * depth)
     best, pick = jax.lax.top_k(flat, nodes)
-    ok = best >= 0
+    real = best >= 0
     pa, pd = pick // depth, pick % depth  # occurrence and depth of each picked node
     tokens = jnp.take_along_axis(cont.reshape(S, -1), pick, axis=1)
     # The parent: the node of the same prefix one token shorter, (canon[a, d - 1], d - 1).
     up = jnp.take_along_axis(canon.reshape(S, -1), pa * depth + jnp.maximum(pd - 1, 0), axis=1)
     key = jnp.where(pd > 0, up * depth + pd - 1, -1)  # [S, N] the parent's flat index
     parent = jnp.argmax(pick[:, None, :] == key[:, :, None], axis=2)
-    parent = jnp.where((pd > 0) & ok, parent, -1)
-    return (
-        jnp.where(ok, tokens, 0),
-        parent,
-        jnp.where(ok, pd + 1, 0),
-        jnp.sum(ok, axis=1),
+    where = jnp.take_along_axis(first, pa, axis=1) + pd
+    return Trie(
+        jnp.where(real, tokens, 0),
+        jnp.where((pd > 0) & real, parent, -1),
+        jnp.where(real, pd + 1, 0),
+        real,
+        jnp.where(real, where, -1),
     )
 
 
-def accepted_path(
-    tokens: Int[Array, "S N"],
-    parent: Int[Array, "S N"],
-    count: Int[Array, " S"],
-    drawn: Int[Array, "S N1"],
-) -> tuple[Int[Array, "S N1"], Int[Array, " S"]]:
-    """The path a verify step of a trie keeps: from the root (position 0, the fed token), the
-    child whose token is the one drawn at the current position, as long as there is one.
+def ancestors(trie: Trie, depth: int) -> Bool[Array, "S T T"]:
+    """``[S, N + 1, N + 1]``: whether position ``u`` is position ``t`` or one of its ancestors
+    (the positions a verify step's query ``t`` attends to among the step's own), for tries up
+    to ``depth`` deep; a line's is the causal mask."""
+    S, N = trie.parent.shape
+    up = jnp.concatenate([jnp.zeros((S, 1), jnp.int32), trie.parent + 1], axis=1)  # [S, T]
+    seen = jnp.broadcast_to(jnp.eye(N + 1, dtype=bool), (S, N + 1, N + 1))
+    for _ in range(depth):  # each round adds the ancestors one level further up
+        seen = seen | jnp.take_along_axis(seen, up[:, :, None], axis=1)
+    return seen
 
-    Position ``i + 1`` holds node ``i`` (:func:`lookup_tree`'s order); ``drawn[:, p]`` is the
-    token drawn at position ``p`` (with the key of its depth's index). Siblings hold distinct
-    tokens, so at most one child matches, and a node is kept exactly when decoding without
-    speculation would have drawn its token there.
+
+def accepted_path(
+    trie: Trie, drawn: Int[Array, "S T"], depth: int
+) -> tuple[Int[Array, "S L"], Int[Array, " S"]]:
+    """The path a verify step keeps: from the root (position 0, the fed token), the child
+    whose token is the one drawn at the current position, as long as there is one.
+
+    ``drawn[:, p]`` is the token drawn at position ``p`` (with the key of its level's index).
+    Siblings hold distinct tokens, so at most one child matches, and a node is kept exactly
+    when decoding without speculation would have drawn its token there.
 
     Returns:
-      ``(positions, taken)``: the positions whose drawn tokens are emitted, in order (the root,
-      then the kept nodes; 0 past ``taken``), and how many tokens are emitted (1 + kept nodes).
+      ``(path, taken)``: the positions whose drawn tokens are emitted, in order (``[S, depth +
+      1]``: the root, then the kept nodes; 0 past ``taken``), and how many tokens are emitted
+      (1 + kept nodes).
     """
-    S, N = tokens.shape
-    real = jnp.arange(N)[None, :] < count[:, None]
+    S = drawn.shape[0]
     at = jnp.zeros(S, jnp.int32)  # the current position
     going = jnp.ones(S, bool)
     kept = []
-    for _ in range(N):
+    for _ in range(depth):
         want = jnp.take_along_axis(drawn, at[:, None], axis=1)
-        child = real & (parent == at[:, None] - 1) & (tokens == want) & going[:, None]
-        going = jnp.any(child, axis=1)
+        child = trie.real & (trie.parent == at[:, None] - 1) & (trie.tokens == want)
+        going = going & jnp.any(child, axis=1)
         at = jnp.where(going, jnp.argmax(child, axis=1) + 1, at)
         kept.append(jnp.where(going, at, 0))
-    positions = jnp.stack([jnp.zeros(S, jnp.int32), *kept], axis=1)
-    return positions, 1 + jnp.sum(positions[:, 1:] > 0, axis=1)
+    path = jnp.stack([jnp.zeros(S, jnp.int32), *kept], axis=1)
+    return path, 1 + jnp.sum(path[:, 1:] > 0, axis=1)

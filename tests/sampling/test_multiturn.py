@@ -150,14 +150,14 @@ def reference(models, request):
 # chunk's end, and its observations are prefilled through page tables) and ``xla`` (GPU, and
 # the prefill of every accelerator path: flat page lists); and both with speculative verify
 # steps of 3 drafted tokens (turns end inside a step's accepted tokens, drafts continue after
-# observations).
+# observations), and with tries of 6 drafted tokens 3 deep.
 @pytest.mark.parametrize(
-    ("attention", "draft_tokens"),
-    [("dense", 0), ("xla", 0), ("dense", 3), ("xla", 3)],
-    ids=["dense", "xla", "dense-speculative", "xla-speculative"],
+    ("attention", "draft_tokens", "draft_depth"),
+    [(a, k, d) for k, d in ((0, 0), (3, 0), (6, 3)) for a in ("dense", "xla")],
+    ids=["dense", "xla", "dense-speculative", "xla-speculative", "dense-trie", "xla-trie"],
 )
 def test_multiturn_episodes_equal_reprefilling_the_history(
-    models, reference, attention, draft_tokens
+    models, reference, attention, draft_tokens, draft_depth
 ):
     _, model = models
     stop_ids, sequences, expected, expected_actions, expected_calls = reference
@@ -181,6 +181,7 @@ def test_multiturn_episodes_equal_reprefilling_the_history(
         decode_chunk=chunk,
         attention=attention,
         draft_tokens=draft_tokens,
+        draft_depth=draft_depth,
     )
     out = sampler.generate(
         PROMPTS,

@@ -43,16 +43,30 @@ def _same_outputs(a, b):
         )
 
 
-@pytest.mark.parametrize("attention", ["xla", "dense"])
-def test_same_tokens_log_probs_and_hidden_states_with_and_without_drafts(model, attention):
+# A line of 3 drafted tokens per verify step on the XLA and the dense path; tries of 3 nodes
+# up to 2 deep (on both) and of 6 nodes up to 3 deep.
+DRAFTS = {
+    "xla": ("xla", 3, 0),
+    "dense": ("dense", 3, 0),
+    "xla-trie": ("xla", 3, 2),
+    "dense-trie": ("dense", 3, 2),
+    "trie6": ("dense", 6, 3),
+}
+
+
+@pytest.mark.parametrize("drafts", ["xla", "dense", "xla-trie", "dense-trie"])
+def test_same_tokens_log_probs_and_hidden_states_with_and_without_drafts(model, drafts):
     """Sampled: 4 slots for 15 sequences (slots refilled) and a pool small enough to preempt:
     the same outputs as decoding one token per step, in fewer verify steps than tokens, on the
     XLA path and on the dense CPU path (whose views hold a verify step's rejected tokens in
-    columns no later query sees). (Greedy: ``test_drafts_come_from_siblings_and_earlier_requests``
-    and ``test_x64.py``; the TPU kernel: ``test_pallas_interpret.py``.)"""
+    columns no later query sees), with a line or a trie of drafts. (Greedy:
+    ``test_drafts_come_from_siblings_and_earlier_requests`` and ``test_x64.py``; the TPU
+    kernel: ``test_pallas_interpret.py``.)"""
+    attention, k, depth = DRAFTS[drafts]
     kw = dict(max_new_tokens=BUDGETS, n=3, temperature=0.5, seed=5, return_hidden=True)
     plain = engine(model).generate(PROMPTS, **kw)
-    tight = engine(model, num_pages=13, draft_tokens=3, attention=attention)
+    spec = dict(draft_tokens=k, draft_depth=depth, attention=attention)
+    tight = engine(model, num_pages=13, **spec)
     tight = tight.generate(PROMPTS, **kw)
     _same_outputs(plain, tight)
     stats = tight.engine_stats
@@ -62,7 +76,7 @@ def test_same_tokens_log_probs_and_hidden_states_with_and_without_drafts(model, 
     accepted, drafted = sum(stats.accepted.values()), sum(stats.drafted.values())
     assert 0 < accepted < drafted  # drafts were accepted and rejected
     assert stats.verify_steps < stats.useful_steps
-    roomy = engine(model, decode_slots=16, draft_tokens=3, attention=attention)
+    roomy = engine(model, decode_slots=16, **spec)
     roomy = roomy.generate(PROMPTS, **kw)
     _same_outputs(plain, roomy)
     s = roomy.engine_stats
@@ -98,15 +112,19 @@ def test_drafts_come_from_siblings_and_earlier_requests(model):
     assert again.engine_stats.tokens_per_verify_step > 3.0
 
 
-def test_drawn_tokens_at_drafted_positions_follow_the_models_law(model):
+@pytest.mark.parametrize("drafts", ["xla", "trie6"])
+def test_drawn_tokens_at_drafted_positions_follow_the_models_law(model, drafts):
     """Goodness of fit at drafted positions: 512 samples of one prompt, drafted from the
     history of an earlier request (another seed), so most positions after the first are
-    verified drafts. The second and third tokens after the modal prefix are tested against the
-    model's exact law given that prefix (chi-square, significance level 1e-3), and against a
-    wrong law (the first position's), which the test must reject."""
+    verified drafts (a line of them, or a trie: several drafted tokens at one index). The
+    second and third tokens after the modal prefix are tested against the model's exact law
+    given that prefix (chi-square, significance level 1e-3), and against a wrong law (the
+    first position's), which the test must reject."""
     prompt = [3, 1, 4, 1, 5]
     kw = dict(temperature=1.0, top_k=8)
-    sampler = engine(model, decode_slots=64, decode_chunk=3, draft_tokens=3)
+    attention, k, depth = DRAFTS[drafts]
+    spec = dict(draft_tokens=k, draft_depth=depth, attention=attention)
+    sampler = engine(model, decode_slots=64, decode_chunk=3, **spec)
     sampler.generate([prompt], max_new_tokens=3, n=64, seed=1, **kw)  # the history
     out = sampler.generate([prompt] * 8, max_new_tokens=3, n=64, seed=2, **kw)
     stats = out.engine_stats
@@ -134,6 +152,11 @@ def test_speculative_decoding_is_refused_where_it_cannot_run(model):
         Sampler(model, draft_tokens=2)
     with pytest.raises(ValueError, match="draft_tokens must be an int >= 0"):
         engine(model, draft_tokens=-1)
+    with pytest.raises(ValueError, match=r"draft_depth must be an int in \[0, draft_tokens=3\]"):
+        engine(model, draft_tokens=3, draft_depth=4)
+    # A trie's positions attend to their ancestors: a mask the TPU kernel does not take.
+    with pytest.raises(ValueError, match="the 'pallas' path verifies one line"):
+        engine(model, draft_tokens=3, draft_depth=2, attention="pallas")
 
 
 def test_auto_measures_both_ways_then_runs_the_faster_and_probes_the_other():

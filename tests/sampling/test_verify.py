@@ -12,11 +12,23 @@ import pytest
 
 from delta_jax.sampling.decode import SlotState, advance_by
 from delta_jax.sampling.paged import PageList
-from delta_jax.sampling.speculate import accepted_tokens, lookup_drafts, next_tail
+from delta_jax.sampling.speculate import (
+    accepted_path,
+    line_trie,
+    lookup_drafts,
+    lookup_tree,
+    next_tail,
+)
 from tests.sampling.test_paged import _flat
 
 
-def test_accepted_tokens_stop_at_the_first_draft_that_differs():
+def _accepted(drafts, length, drawn):
+    k = drafts.shape[1]
+    start = jnp.zeros(drafts.shape[0], jnp.int32)
+    return accepted_path(line_trie(drafts, length, start), drawn, k)[1]
+
+
+def test_a_line_of_drafts_is_kept_up_to_the_first_draft_that_differs():
     rng = np.random.default_rng(0)
     S, k = 64, 4
     drawn = rng.integers(0, 3, (S, k + 1)).astype(np.int32)
@@ -28,7 +40,7 @@ def test_accepted_tokens_stop_at_the_first_draft_that_differs():
         while n - 1 < draft_len[s] and drafts[s, n - 1] == drawn[s, n - 1]:
             n += 1
         want.append(n)
-    got = accepted_tokens(jnp.asarray(drafts, jnp.int32), jnp.asarray(draft_len), drawn)
+    got = _accepted(jnp.asarray(drafts, jnp.int32), jnp.asarray(draft_len), jnp.asarray(drawn))
     assert got.tolist() == want
     assert set(want) >= {1, 2, k + 1}  # rejections, partial and full acceptance all occur
 
@@ -191,21 +203,25 @@ def test_a_sequence_whose_window_holds_its_text_drafts_it_all():
         assert np.asarray(drafts[0]).tolist() == text[at : at + k].tolist() and int(length[0]) == k
         assert int(start[0]) == 7 + at
         drawn = jnp.asarray(text[None, at : at + k + 1], jnp.int32)
-        taken = accepted_tokens(drafts, length, drawn)
+        taken = _accepted(drafts, length, drawn)
         assert int(taken[0]) == k + 1
         tail = next_tail(tail, drawn, taken)
         at += k + 1
         assert np.asarray(tail[0]).tolist() == text[at - 3 : at].tolist()
 
 
-def _decode_all(model, backend, strategy, prompts, budgets, stops, windows=None, k=0, m=2):
+def _decode_all(
+    model, backend, strategy, prompts, budgets, stops, windows=None, k=0, m=2, depth=0, stats=None
+):
     """Every slot decoded to its end from its prompt's pages: verify steps with ``k`` drafts
-    from ``windows`` (k = 0: plain decode steps). Returns per slot its tokens, log-probs and
-    hidden states, and the number of steps."""
+    (a trie ``depth`` deep; 0: a line) from ``windows`` (k = 0: plain decode steps), in one
+    decode chunk. Returns per slot its tokens, log-probs and hidden states, and the number of
+    steps; ``stats`` (a dict) counts the steps whose kept path left the first branch."""
     from delta_jax.sampling.decode import speculative_step, token_sampler
     from delta_jax.sampling.paged import init_pool, paged_forward
 
-    S, page_size, per_seq = len(prompts), 4, 16
+    # Room for every verify step's k + 1 columns in the dense path's views.
+    S, page_size, per_seq = len(prompts), 4, 16 if backend.name != "dense" else 64
     tables = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(S)]
     flat = {k_: jnp.asarray(v) for k_, v in _flat(tables, S, S * per_seq).items()}
     pages = PageList(**flat)
@@ -240,20 +256,29 @@ def _decode_all(model, backend, strategy, prompts, budgets, stops, windows=None,
     draw = token_sampler(model, strategy, jnp.asarray(5), return_hidden=True, pad_id=0)
     window = jnp.full((S, 1), -1, jnp.int32) if windows is None else jnp.asarray(windows)
     tail = jnp.asarray([p[-m:] for p in prompts], jnp.int32)
+    K = model.config.num_kv_heads
+    state, _ = backend.begin_chunk(pool, s, dict(tokens=jnp.zeros((S, 1))), None, K, True)
 
     @jax.jit
-    def step(s, pool, tail):
-        return speculative_step(model, layers, backend, draw, s, pool, window, tail, k)
+    def step(s, state, tail):
+        return speculative_step(
+            model, layers, backend, draw, s, state, window, tail, k, depth=depth
+        )
 
     out = [dict(tokens=[], logprobs=[], hidden=[]) for _ in range(S)]
     steps = 0
     while bool(s.active.any()):
-        s, pool, v = step(s, pool, tail)
+        live = np.asarray(s.active)
+        s, state, v = step(s, state, tail)
         tail = v.tail
         steps += 1
+        path, taken = np.asarray(v.path), np.asarray(v.taken)
         for b in range(S):
             for name in out[b]:
-                out[b][name] += list(np.asarray(v.cols[name][b, : int(v.taken[b])]))
+                out[b][name] += list(np.asarray(v.cols[name][b, : taken[b]]))
+            if stats is not None and live[b]:
+                off = (path[b, : taken[b]] != np.arange(taken[b])).any()
+                stats["off_branch"] = stats.get("off_branch", 0) + int(off)
     return out, steps
 
 
@@ -293,6 +318,50 @@ def test_speculative_steps_emit_the_tokens_of_plain_decoding(temperature):
     assert spec_steps < plain_steps == max(len(o["tokens"]) for o in plain)
 
 
+@pytest.mark.parametrize("attention", ["xla", "dense"])
+def test_trie_verify_steps_emit_the_tokens_of_plain_decoding(attention):
+    """Verify steps of tries of 6 drafts 3 deep, from windows that hold the plain run's text
+    once after two corrupted copies of it: where they differ the copies outvote the text, so
+    the drawn token is often a second child, and the kept path leaves the first branch (its
+    K/V move to the positions after the root on the XLA path; on the dense path its columns
+    become the visible ones). Sampled: the same tokens, log-probs and hidden states as plain
+    decode steps, in fewer steps."""
+    from flax import nnx
+
+    from delta_jax.models import ModelConfig, Transformer
+    from delta_jax.sampling.backends import backend_for
+    from delta_jax.sampling.strategies import make_strategy
+
+    model = Transformer(ModelConfig.tiny("qwen3", vocab_size=24), rngs=nnx.Rngs(1))
+    strategy = make_strategy(1.0)
+    prompts = [np.array([3, 4, 5]), np.array([7, 1, 2, 9, 9]), np.array([5, 6])]
+    budgets, stops = [20, 25, 9], [-1, -1, 11]
+    backend = backend_for(attention)
+    plain, plain_steps = _decode_all(model, backend, strategy, prompts, budgets, stops)
+    rng = np.random.default_rng(2)
+    D, m = 128, 2
+    windows = np.full((len(prompts), D), -1, np.int32)
+    for b, p in enumerate(prompts):
+        text = np.array(plain[b]["tokens"], np.int32)
+        pieces = []
+        for _ in range(2):
+            noisy = np.where(rng.random(text.size) < 0.3, rng.integers(0, 24, text.size), text)
+            pieces += [p[-m:], noisy, [-1]]
+        piece = np.concatenate([*pieces, p[-m:], text])[: D - 1]
+        windows[b, : piece.size] = piece
+    stats = {}
+    spec, spec_steps = _decode_all(
+        model, backend, strategy, prompts, budgets, stops, windows, k=6, m=m, depth=3,
+        stats=stats,
+    )  # fmt: skip
+    for b in range(len(prompts)):
+        assert spec[b]["tokens"] == plain[b]["tokens"], b
+        np.testing.assert_allclose(spec[b]["logprobs"], plain[b]["logprobs"], atol=1e-5)
+        np.testing.assert_allclose(spec[b]["hidden"], plain[b]["hidden"], atol=1e-5)
+    assert stats["off_branch"] >= 3, stats
+    assert spec_steps < plain_steps
+
+
 def _trie_oracle(window, tail, nodes, depth, voters):
     """The paths of the ``nodes`` continuations most of the first ``voters`` occurrences of the
     longest suffix of ``tail`` go on with (ties: shallower, then the earlier occurrence)."""
@@ -316,17 +385,18 @@ def _trie_oracle(window, tail, nodes, depth, voters):
 
 @pytest.mark.parametrize(("nodes", "depth"), [(4, 4), (8, 3), (16, 6)])
 def test_lookup_tree_matches_a_scan(nodes, depth):
-    from delta_jax.sampling.speculate import lookup_tree
-
     rng = np.random.default_rng(nodes)
     S, D, m, voters = 200, 40, 3, 5
     window = rng.integers(0, 3, (S, D))
     window[rng.random((S, D)) < 0.1] = -1
     tail = rng.integers(0, 3, (S, m))
     j = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
-    tokens, parent, level, count = map(
-        np.asarray, lookup_tree(j(window), j(tail), nodes, depth, voters)
+    trie = lookup_tree(j(window), j(tail), nodes, depth, voters)
+    tokens, parent, level, where = map(
+        np.asarray, (trie.tokens, trie.parent, trie.level, trie.where)
     )
+    count = np.asarray(trie.real).sum(1)
+    assert (np.asarray(trie.real) == (np.arange(nodes) < count[:, None])).all()
     full = 0
     for s in range(S):
         want = _trie_oracle(window[s], tail[s], nodes, depth, voters)
@@ -336,6 +406,9 @@ def test_lookup_tree_matches_a_scan(nodes, depth):
             above = () if parent[s, i] < 0 else paths[parent[s, i]]
             paths.append((*above, int(tokens[s, i])))
             assert len(paths[-1]) == level[s, i]
+            # the token's place in the window: the path, after the tail's longest suffix
+            w = where[s, i]
+            assert window[s, w - level[s, i] + 1 : w + 1].tolist() == list(paths[-1])
         assert paths == want, s
         assert (parent[s, count[s] :] == -1).all() and (level[s, count[s] :] == 0).all()
         full += count[s] == nodes
@@ -343,17 +416,16 @@ def test_lookup_tree_matches_a_scan(nodes, depth):
 
 
 def test_accepted_path_keeps_the_drawn_tokens_down_the_trie():
-    from delta_jax.sampling.speculate import accepted_path, lookup_tree
-
     rng = np.random.default_rng(3)
     S, D, m, nodes, depth = 300, 40, 3, 8, 5
     window = rng.integers(0, 3, (S, D))
     tail = rng.integers(0, 3, (S, m))
     j = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
-    tokens, parent, level, count = lookup_tree(j(window), j(tail), nodes, depth, 6)
+    trie = lookup_tree(j(window), j(tail), nodes, depth, 6)
     drawn = rng.integers(0, 3, (S, nodes + 1))
-    positions, taken = map(np.asarray, accepted_path(tokens, parent, count, j(drawn)))
-    tokens, parent, count = map(np.asarray, (tokens, parent, count))
+    positions, taken = map(np.asarray, accepted_path(trie, j(drawn), depth))
+    tokens, parent = map(np.asarray, (trie.tokens, trie.parent))
+    count = np.asarray(trie.real).sum(1)
     lengths = set()
     for s in range(S):
         # The oracle: the emitted tokens are the drawn ones along the path; each kept node's

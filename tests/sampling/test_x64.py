@@ -35,20 +35,35 @@ def _peaked_float64_model():
     [
         dict(engine="static"),
         dict(engine="continuous", decode_slots=2, page_size=4, decode_chunk=4),
-        # verify steps of 3 drafted tokens (speculative decoding) on the XLA and the dense path
+        # verify steps of 3 drafted tokens (speculative decoding) on the XLA and the dense
+        # path, and of tries of 6 nodes 3 deep on both (each position attends to its
+        # ancestors, at the rotary position of its depth)
         *(
             dict(
                 engine="continuous",
                 decode_slots=2,
                 page_size=4,
                 decode_chunk=4,
-                draft_tokens=3,
+                draft_tokens=k,
+                draft_depth=depth,
                 attention=attention,
             )
-            for attention in ("xla", "dense")
+            for attention, k, depth in (
+                ("xla", 3, 0),
+                ("dense", 3, 0),
+                ("xla", 6, 3),
+                ("dense", 6, 3),
+            )
         ),
     ],
-    ids=["static", "continuous", "speculative-xla", "speculative-dense"],
+    ids=[
+        "static",
+        "continuous",
+        "speculative-xla",
+        "speculative-dense",
+        "trie-xla",
+        "trie-dense",
+    ],
 )
 def test_float64_greedy_cached_decode_equals_full_forward(engine):
     with jax.enable_x64(True):  # this test only: the model, the programs and their inputs
