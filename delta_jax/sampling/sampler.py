@@ -319,8 +319,9 @@ class Sampler:
             raise ValueError(tries_refusal(attention))
         if self.speculate not in ("always", "auto"):
             raise ValueError(f"speculate must be 'always' or 'auto', got {self.speculate!r}")
-        # Speculative decoding's drafts, with the history of this sampler's earlier requests.
-        object.__setattr__(self, "_drafter", Drafter(k) if k else None)
+        # Speculative decoding's drafts, with the history of this sampler's earlier requests
+        # (a verify step emits at most depth + 1 tokens: its windows are sized for that).
+        object.__setattr__(self, "_drafter", Drafter(depth or k) if k else None)
         auto = k and self.speculate == "auto"
         object.__setattr__(self, "_auto", AutoSpeculation(_platform(self.mesh)) if auto else None)
 
