@@ -177,8 +177,8 @@ class RolloutConfigSection:
     draft_tokens: int = ranged(4, 1)
     # 0: each verify step drafts one line of draft_tokens tokens. d > 0: a trie of up to
     # draft_tokens nodes, at most d deep (several ways the text may go on, each scored position
-    # attending to its ancestors), on the engine's CPU and GPU attention paths; the TPU kernel
-    # takes no such mask, so a run on TPU with draft_depth > 0 stops at setup.
+    # attending to its ancestors). The TPU kernel takes no such mask: on TPU the verify steps
+    # of tries run on the engine's XLA attention path (its plain decode steps on the kernel).
     draft_depth: int = ranged(0, 0)
     # python_tool's call format: "tool_call" (Qwen3's <tool_call> JSON, the tool declared in
     # the chat template), "fenced" (a ```python block, for base models), "auto": "tool_call"

@@ -229,7 +229,9 @@ def test_main_prints_table(capsys):
     assert "step-time roofline (v6e: 918 TFLOP/s bf16, 1640 GB/s HBM per chip" in out
     assert "model-FLOPs utilisation bound" in out and "100 steps >= " in out
     # With a measured tokens per verify step: the verify chunk compiled, its rollout bound beside.
-    assert "rollout with speculation >= " in out and "(k=4, 1.50 tokens per verify step" in out
+    # (Stand-in CPU devices: the verify chunk compiled on the dense CPU attention path.)
+    assert "rollout with speculation >= " in out
+    assert "(k=4, dense attention, 1.50 tokens per verify step" in out
 
 
 def test_without_libtpu_plan_says_it_used_the_cpu_estimate(monkeypatch):
@@ -577,8 +579,14 @@ def test_roofline_arithmetic_by_hand():
         "\n".join(spec.lines())
     )
     for bad in (0.5, 5.5):
-        with pytest.raises(ValueError, match=r"tokens per verify step must be in \[1, .* = 5\]"):
+        with pytest.raises(ValueError, match=r"tokens per verify step must be in \[1, 5\]"):
             roofline.estimate(**kw, verify=verify, tokens_per_step=bad, draft_tokens=4)
+    # A trie of 8 drafts up to 3 deep keeps at most 3 of them a step.
+    trie = dict(verify=verify, draft_tokens=8, draft_depth=3, verify_attention="xla")
+    with pytest.raises(ValueError, match=r"tokens per verify step must be in \[1, 4\]"):
+        roofline.estimate(**kw, tokens_per_step=4.5, **trie)
+    text = "\n".join(roofline.estimate(**kw, tokens_per_step=2.5, **trie).lines())
+    assert "(k=8 in a trie up to 3 deep, xla attention, 2.50 tokens per verify step" in text
     unknown = dataclasses.replace(one, loops_counted_once=1)
     st = roofline.estimate(**{**kw, "train_one": unknown})
     assert "counts 1 loop(s) once" in "\n".join(st.lines())

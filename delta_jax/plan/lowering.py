@@ -83,6 +83,7 @@ def lower_decode(
     gen_len: int | None = None,
     stop_sequences: tuple[int, int] = (0, 0),
     draft_tokens: int = 0,
+    draft_depth: int = 0,
     draft_window: int = 0,
     draft_tail: int = MAX_NGRAM,
 ) -> jax.stages.Lowered:
@@ -96,7 +97,8 @@ def lower_decode(
     ``rows`` (default ``slots``) x ``gen_len`` (default ``steps``) tokens; the chunk's length
     is a traced value (``steps`` is what a real call passes). ``stop_sequences``: the ``(Q, L)``
     shape of a multi-turn request's stop-sequence matrix (``L = 0``: none). ``draft_tokens``
-    (> 0): the speculative chunk, verify steps of that many drafted tokens looked up in per-slot
+    (> 0): the speculative chunk, verify steps of that many drafted tokens (a trie up to
+    ``draft_depth`` deep; 0: a line) looked up in per-slot
     windows of ``draft_window`` tokens by their last ``draft_tail`` tokens (the drafter's
     ``max_ngram``).
     """
@@ -127,7 +129,10 @@ def lower_decode(
     drafts = None
     if draft_tokens:
         fn = functools.partial(
-            fn, draft_tokens=draft_tokens, emitted_width=steps * (draft_tokens + 1)
+            fn,
+            draft_tokens=draft_tokens,
+            draft_depth=draft_depth,
+            emitted_width=steps * (draft_tokens + 1),
         )
         W = (slots, draft_window)
         drafts = Drafts(aval(W, i32, row), aval(W, i32, row), aval((slots, draft_tail), i32, row))

@@ -188,12 +188,15 @@ class Planner:
 
     # ---- the continuous engine (rollout.engine: continuous) -----------------------------------
 
-    def engine_spec(self, slots: int, draft_tokens: int = 0):
+    def engine_spec(self, slots: int, draft_tokens: int = 0, draft_depth: int = 0):
         """The engine's static configuration for the run's request, as the rollout builds it
         (multi-turn when ``rollout.max_turns`` > 1: the default pool also holds the pages of
-        every sequence waiting on the host; speculative with ``draft_tokens``)."""
+        every sequence waiting on the host; speculative with ``draft_tokens``, a trie of them
+        with ``draft_depth``)."""
         r = self.config.rollout
-        return self._engine_spec(slots, r.max_turns > 1, r.num_pages or None, draft_tokens)
+        return self._engine_spec(
+            slots, r.max_turns > 1, r.num_pages or None, draft_tokens, draft_depth
+        )
 
     def waiting_pages(self, slots: int) -> int:
         """Pages (every group's) that sequences waiting on the host hold with no decode slot:
@@ -204,7 +207,12 @@ class Planner:
         return multi.num_pages - single.num_pages
 
     def _engine_spec(
-        self, slots: int, multi_turn: bool, num_pages: int | None, draft_tokens: int = 0
+        self,
+        slots: int,
+        multi_turn: bool,
+        num_pages: int | None,
+        draft_tokens: int = 0,
+        draft_depth: int = 0,
     ):
         from delta_jax.sampling import Sampler
 
@@ -217,6 +225,7 @@ class Planner:
             page_size=c.rollout.page_size,
             num_pages=num_pages,
             draft_tokens=draft_tokens,
+            draft_depth=draft_depth,
         )
         request, *_ = self.request(c.rollout.prompts_per_step)
         return sampler.engine_spec(
@@ -260,6 +269,7 @@ class Planner:
                 cache_dtype=self.cache_dtype(),
                 attention=spec.attention,
                 draft_tokens=spec.draft_tokens,
+                draft_depth=spec.draft_depth,
                 draft_window=spec.draft_window,
             ),
             self.sample_mesh,

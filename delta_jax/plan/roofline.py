@@ -136,6 +136,8 @@ class StepTime:
     # Speculative rollouts (draft_tokens > 0): the verify chunk's per-step figures, and its
     # steps at the given tokens per verify step (a measured acceptance).
     draft_tokens: int = 0
+    draft_depth: int = 0  # a trie of the drafts up to this deep (0: a line)
+    verify_attention: str = ""  # the paged attention path the verify chunk compiled with
     tokens_per_step: float = 1.0
     verify_step_flops: float = 0.0
     verify_step_bytes: float = 0.0
@@ -200,9 +202,11 @@ class StepTime:
             return []
         spec, per_step = self.speculative_rollout_s, self.verify_s / max(self.verify_steps, 1)
         cost = per_step / (self.decode_s / max(self.decode_steps, 1))
+        trie = f" in a trie up to {self.draft_depth} deep" if self.draft_depth else ""
         return [
             f"  rollout with speculation >= {spec:,.1f} s, {self.rollout_s / spec:.2f}x lower "
-            f"(k={self.draft_tokens}, {self.tokens_per_step:.2f} tokens per verify step as "
+            f"(k={self.draft_tokens}{trie}, {self.verify_attention} attention, "
+            f"{self.tokens_per_step:.2f} tokens per verify step as "
             f"given: {self.verify_steps:,} verify steps x {per_step * 1e3:.2f} ms = "
             f"{self.verify_s:,.1f} s, a verify step {cost:.2f}x "
             f"a decode step; prefill {self.prefill_s:,.1f} s); step >= "
@@ -238,6 +242,8 @@ def estimate(
     verify=None,
     tokens_per_step: float = 1.0,
     draft_tokens: int = 0,
+    draft_depth: int = 0,
+    verify_attention: str = "",
 ) -> StepTime:
     """The step's bounds from compiled programs (per device figures, see the module).
 
@@ -249,8 +255,10 @@ def estimate(
     a train row's tokens the model FLOPs count; ``kv_heads``: KV heads a sampling device holds;
     ``weight_bytes``: the sampling weights one device reads per decode step. ``verify``: the
     speculative decode chunk of ``draft_tokens`` drafts (its loop counted once: one verify step,
-    reading the same K/V per slot as a decode step), bounded at ``tokens_per_step`` tokens per
-    verify step (``1 <= tokens_per_step <= draft_tokens + 1``).
+    reading the same K/V per slot as a decode step; a trie of them up to ``draft_depth`` deep,
+    compiled on the ``verify_attention`` path), bounded at ``tokens_per_step`` tokens per
+    verify step (``1 <= tokens_per_step <=`` the tokens one may emit: ``draft_tokens + 1``, a
+    trie's ``draft_depth + 1``).
     """
     gen, peak, bandwidth = chip(chip_name)
     share = chips / devices  # v4: two devices (TensorCores) per chip
@@ -273,9 +281,12 @@ def estimate(
     if verify is not None:
         rounds = -(-sequences_per_group // group_slots)
         speculative = _verify_bound(
-            verify, tokens_per_step, draft_tokens, rounds, mean_new, group_slots * kv, peak,
-            bandwidth,
+            verify, tokens_per_step, draft_depth or draft_tokens, rounds, mean_new,
+            group_slots * kv, peak, bandwidth,
         )  # fmt: skip
+        speculative.update(
+            draft_tokens=draft_tokens, draft_depth=draft_depth, verify_attention=verify_attention
+        )
     return StepTime(
         chip=gen,
         peak_flops=peak / share,
@@ -303,20 +314,20 @@ def estimate(
 
 
 def _verify_bound(
-    verify, tokens_per_step, draft_tokens, rounds, mean_new, kv_bytes, peak, bandwidth
+    verify, tokens_per_step, longest, rounds, mean_new, kv_bytes, peak, bandwidth
 ) -> dict:
     """The :class:`StepTime` fields of speculative rollouts: ``rounds`` rounds of ``mean_new``
-    tokens at ``tokens_per_step`` per verify step, each step bounded by the verify chunk's
-    figures plus the K/V its slots read (``kv_bytes``, as a decode step's)."""
-    if not 1 <= tokens_per_step <= draft_tokens + 1:
+    tokens at ``tokens_per_step`` per verify step (at most ``longest`` drafts kept), each step
+    bounded by the verify chunk's figures plus the K/V its slots read (``kv_bytes``, as a
+    decode step's)."""
+    if not 1 <= tokens_per_step <= longest + 1:
         raise ValueError(
-            f"tokens per verify step must be in [1, draft_tokens + 1 = {draft_tokens + 1}], "
-            f"got {tokens_per_step}"
+            f"tokens per verify step must be in [1, {longest + 1}] (the drafted tokens a "
+            f"verify step may keep, plus one), got {tokens_per_step}"
         )
     steps = rounds * math.ceil(mean_new / tokens_per_step)
     nbytes = verify.bytes_accessed + kv_bytes
     return dict(
-        draft_tokens=draft_tokens,
         tokens_per_step=tokens_per_step,
         verify_step_flops=verify.flops,
         verify_step_bytes=nbytes,

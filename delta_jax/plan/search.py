@@ -319,10 +319,18 @@ def _step_time(planner: Planner, report: PlanReport, slots: int, mean_new, per_s
     spec = planner.engine_spec(slots)
     speculative = {}
     if per_step is not None:
-        k = c.rollout.draft_tokens
-        log(f"compiling the speculative decode chunk ({k} drafted tokens per verify step)")
-        verify = planner.decode(planner.engine_spec(slots, draft_tokens=k))
-        speculative = dict(verify=verify, tokens_per_step=per_step, draft_tokens=k)
+        k, depth = c.rollout.draft_tokens, c.rollout.draft_depth
+        trie = f", a trie up to {depth} deep" if depth else ""
+        log(f"compiling the speculative decode chunk ({k} drafted tokens per verify step{trie})")
+        verify_spec = planner.engine_spec(slots, draft_tokens=k, draft_depth=depth)
+        verify = planner.decode(verify_spec)
+        speculative = dict(
+            verify=verify,
+            tokens_per_step=per_step,
+            draft_tokens=k,
+            draft_depth=depth,
+            verify_attention=verify_spec.attention,
+        )
     layers = {}
     for k in (1, 2):
         log(f"compiling the train step with {k} unrolled layer(s) for its cost analysis")

@@ -319,11 +319,13 @@ def tries_refusal(name: str) -> str:
     )
 
 
-def resolve_attention(attention: str, platform: str) -> str:
-    """The path ``attention`` names on ``platform``: ``"auto"`` is the TPU kernel on TPU, the
+def resolve_attention(attention: str, platform: str, tries: bool = False) -> str:
+    """The path ``attention`` names on ``platform``: ``"auto"`` is the TPU kernel on TPU (the
+    XLA path for verify steps of ``tries`` of drafts, a mask the kernel does not take), the
     dense path on CPU and the XLA path elsewhere; a named path is itself."""
     if attention == "auto":
-        return {"tpu": "pallas", "cpu": "dense"}.get(platform, "xla")
+        tpu = "xla" if tries else "pallas"
+        return {"tpu": tpu, "cpu": "dense"}.get(platform, "xla")
     return attention
 
 

@@ -148,7 +148,8 @@ class Sampler:
         0`` a trie of up to ``draft_tokens`` nodes at most ``d`` deep (the continuations most
         of the occurrences go on with; each scored position attends to its ancestors), so a
         verify step may keep one of several ways the text goes on. The ``"xla"`` and
-        ``"dense"`` attention paths (not the TPU kernel's, which takes no such mask).
+        ``"dense"`` attention paths (not the TPU kernel's, which takes no such mask: on TPU
+        ``"auto"`` runs verify steps of tries on the XLA path, plain ones on the kernel).
       speculate: with ``draft_tokens > 0``, ``"always"`` (every request) or ``"auto"``
         (:class:`~delta_jax.sampling.auto_speculation.AutoSpeculation`: never on CPU; on
         accelerators the faster way as measured on this sampler's requests).
@@ -314,7 +315,7 @@ class Sampler:
         depth = self.draft_depth
         if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= max(k, 0):
             raise ValueError(f"draft_depth must be an int in [0, draft_tokens={k}], got {depth!r}")
-        attention = resolve_attention(self.attention, _platform(self.mesh))
+        attention = resolve_attention(self.attention, _platform(self.mesh), tries=depth > 0)
         if depth and not backend_for(attention).tries:
             raise ValueError(tries_refusal(attention))
         if self.speculate not in ("always", "auto"):
@@ -395,7 +396,8 @@ class Sampler:
         # A new prompt needs a free slot: about slots / n prompts join a group at a time.
         at_once = 1 << (-(-group_slots // n) - 1).bit_length()
         k = self.draft_tokens if speculative else 0
-        attention = resolve_attention(self.attention, _platform(self.mesh))
+        tries = bool(k and self.draft_depth)
+        attention = resolve_attention(self.attention, _platform(self.mesh), tries)
         window = self._drafter.window_size(self.decode_chunk) if k else 0
         return EngineSpec(
             slots=groups * group_slots,

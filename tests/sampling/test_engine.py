@@ -242,10 +242,16 @@ def test_bad_input_raises_before_compiling(model, kwargs, generate, match):
     assert counter.count == 0 and sampler.num_compilations == 0
 
 
-@pytest.mark.parametrize("draft_tokens", [0, 3], ids=["decode", "speculative"])
-def test_decode_compiles_for_tpu_with_ragged_paged_attention(draft_tokens):
+@pytest.mark.parametrize(
+    ("draft_tokens", "draft_depth", "attention"),
+    [(0, 0, "pallas"), (3, 0, "pallas"), (6, 3, "xla")],
+    ids=["decode", "speculative", "trie"],
+)
+def test_decode_compiles_for_tpu_with_ragged_paged_attention(draft_tokens, draft_depth, attention):
     """The decode program with JAX's Pallas kernel, compiled for a v5p 2x2x1 slice (no TPU);
-    also the speculative chunk (verify steps of 3 drafted tokens: 4 queries per slot)."""
+    also the speculative chunk (verify steps of 3 drafted tokens: 4 queries per slot), and
+    verify steps of tries of 6 drafts 3 deep on the XLA path (what a TPU runs them on: the
+    kernel takes no mask)."""
     topologies = pytest.importorskip("jax.experimental.topologies")
     pytest.importorskip("libtpu")
     from delta_jax.plan.lowering import lower_decode
@@ -258,9 +264,11 @@ def test_decode_compiles_for_tpu_with_ragged_paged_attention(draft_tokens):
     )
     lowered = lower_decode(
         cfg, mesh, SAMPLING_RULES, slots=8, steps=4, page_size=16, num_pages=64, table_pages=8,
-        draft_tokens=draft_tokens, draft_window=64,
+        list_pages=32 if attention == "xla" else 1, attention=attention,
+        draft_tokens=draft_tokens, draft_depth=draft_depth, draft_window=64,
     )  # fmt: skip
-    assert "tpu_custom_call" in lowered.as_text()  # the Mosaic kernel, not an XLA fallback
+    # The Mosaic kernel, not an XLA fallback (the XLA path: none)
+    assert ("tpu_custom_call" in lowered.as_text()) == (attention == "pallas")
     compiled = lowered.compile()
     # Each chip holds its data group's half of the pages and its half of the K/V heads.
     pool = compiled.input_shardings[0][2].kv[0]
