@@ -175,10 +175,8 @@ class RolloutConfigSection:
     # measured in the run (delta_jax.sampling.auto_speculation).
     speculate: bool | Literal["auto"] = False
     draft_tokens: int = ranged(4, 1)
-    # 0: each verify step drafts one line of draft_tokens tokens. d > 0: a trie of up to
-    # draft_tokens nodes, at most d deep (several ways the text may go on, each scored position
-    # attending to its ancestors). The TPU kernel takes no such mask: on TPU the verify steps
-    # of tries run on the engine's XLA attention path (its plain decode steps on the kernel).
+    # 0: a line of draft_tokens drafts per verify step; d > 0: a trie of up to draft_tokens
+    # nodes at most d deep, each attending to its ancestors (on TPU on the XLA attention path).
     draft_depth: int = ranged(0, 0)
     # python_tool's call format: "tool_call" (Qwen3's <tool_call> JSON, the tool declared in
     # the chat template), "fenced" (a ```python block, for base models), "auto": "tool_call"
@@ -497,11 +495,6 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"rollout.samples_per_prompt={r.samples_per_prompt} exceeds "
             f"rollout.decode_slots={r.decode_slots}"
-        )
-    if r.draft_depth > r.draft_tokens:
-        raise ConfigError(
-            f"rollout.draft_depth={r.draft_depth} must be <= rollout.draft_tokens="
-            f"{r.draft_tokens} (a trie of draft_tokens nodes is at most that deep)"
         )
     if config.reward.overlong_buffer > r.max_new_tokens:
         raise ConfigError(

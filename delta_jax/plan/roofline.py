@@ -281,12 +281,9 @@ def estimate(
     if verify is not None:
         rounds = -(-sequences_per_group // group_slots)
         speculative = _verify_bound(
-            verify, tokens_per_step, draft_depth or draft_tokens, rounds, mean_new,
-            group_slots * kv, peak, bandwidth,
+            verify, tokens_per_step, rounds, mean_new, group_slots * kv, peak, bandwidth,
+            draft_tokens=draft_tokens, draft_depth=draft_depth, verify_attention=verify_attention,
         )  # fmt: skip
-        speculative.update(
-            draft_tokens=draft_tokens, draft_depth=draft_depth, verify_attention=verify_attention
-        )
     return StepTime(
         chip=gen,
         peak_flops=peak / share,
@@ -314,12 +311,13 @@ def estimate(
 
 
 def _verify_bound(
-    verify, tokens_per_step, longest, rounds, mean_new, kv_bytes, peak, bandwidth
+    verify, tokens_per_step, rounds, mean_new, kv_bytes, peak, bandwidth, **drafts
 ) -> dict:
     """The :class:`StepTime` fields of speculative rollouts: ``rounds`` rounds of ``mean_new``
-    tokens at ``tokens_per_step`` per verify step (at most ``longest`` drafts kept), each step
-    bounded by the verify chunk's figures plus the K/V its slots read (``kv_bytes``, as a
-    decode step's)."""
+    tokens at ``tokens_per_step`` per verify step, each step bounded by the verify chunk's
+    figures plus the K/V its slots read (``kv_bytes``, as a decode step's); ``drafts``: the
+    draft fields (``draft_tokens``, ``draft_depth``, ``verify_attention``)."""
+    longest = drafts["draft_depth"] or drafts["draft_tokens"]  # drafts a step may keep
     if not 1 <= tokens_per_step <= longest + 1:
         raise ValueError(
             f"tokens per verify step must be in [1, {longest + 1}] (the drafted tokens a "
@@ -328,6 +326,7 @@ def _verify_bound(
     steps = rounds * math.ceil(mean_new / tokens_per_step)
     nbytes = verify.bytes_accessed + kv_bytes
     return dict(
+        **drafts,
         tokens_per_step=tokens_per_step,
         verify_step_flops=verify.flops,
         verify_step_bytes=nbytes,
