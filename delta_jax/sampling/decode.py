@@ -344,9 +344,9 @@ def speculative_step(
         return draw(h_t, dataclasses.replace(s, count=s.count + lv))
 
     cols = jax.vmap(at, in_axes=(1, 1), out_axes=1)(level, h)
-    path, _ = accepted_path(trie, cols["tokens"], depth)
-    cols = {name: _along(col, path) for name, col in cols.items()}
-    emit = 1 + jnp.sum(path[:, 1:] > 0, axis=1)
+    path, emit = accepted_path(trie, cols["tokens"], depth)
+    if tree:  # the columns along the kept path (a line's are its first ones already)
+        cols = {name: _along(col, path) for name, col in cols.items()}
     new = advance_by(s, cols["tokens"], emit, stop_sequences)
     taken = new.count - s.count
     cols["drafted"] = _outcomes(trie, path, taken)

@@ -90,7 +90,7 @@ def lookup_drafts(
     S = window.shape[0]
     if k == 0:  # verify steps that score the fed token only
         return jnp.zeros((S, 0), jnp.int32), jnp.zeros(S, jnp.int32), jnp.full(S, -1, jnp.int32)
-    first, cont, there = _continuations(window, tail, k, voters)
+    first, cont, there, _ = _continuations(window, tail, k, voters)
     alive = there[:, :, 0]
     lead = jnp.full(S, -1, jnp.int32)
     drafts = []
@@ -113,33 +113,41 @@ def lookup_drafts(
     return jnp.where(drafts >= 0, drafts, 0), length, start
 
 
-def _continuations(window, tail, length: int, voters: int):
+def _continuations(window, tail, length: int, voters: int, backoff: bool = False):
     """The first ``voters`` occurrences of the longest suffix of ``tail`` in ``window`` (``m``
-    tokens down to 1; -1 entries of ``tail`` match nothing) and their continuations.
+    tokens down to 1; -1 entries of ``tail`` match nothing) and their continuations; with
+    ``backoff``, the first ``voters`` occurrences of any of its suffixes, the longest matches
+    first (then in window order).
 
     Returns:
-      ``(first, cont, there)``: each occurrence's window index ``[S, M]`` (in window order),
-      the ``length`` window tokens from there ``[S, M, length]``, and which of them the
-      continuation reaches (it ends at its first -1, at the window's end, or at once for a
-      missing occurrence).
+      ``(first, cont, there, matched)``: each occurrence's window index ``[S, M]``, the
+      ``length`` window tokens from there ``[S, M, length]``, which of them the continuation
+      reaches (it ends at its first -1, at the window's end, or at once for a missing
+      occurrence), and the tokens each occurrence matched ``[S, M]`` (0: missing).
     """
     S, D = window.shape
     m = tail.shape[1]
     at = jnp.arange(D)
     ends = jnp.ones((S, D), bool)  # the suffix of n tokens ends just before index `at`
     hits = jnp.zeros((S, D), bool)  # where the longest suffix found so far ends
+    longest = jnp.zeros((S, D), jnp.int32)  # the longest suffix that ends there
     for n in range(1, m + 1):  # one token more each round; the longest match found wins
         before = jnp.pad(window, ((0, 0), (n, 0)), constant_values=-2)[:, :D]  # window[at - n]
         token = tail[:, m - n, None]
         ends &= (before == token) & (token >= 0)
         hit = ends & (window >= 0)
         hits = jnp.where(jnp.any(hit, axis=1, keepdims=True), hit, hits)
+        longest = jnp.where(hit, n, longest)
     # The first `voters` occurrences, in window order (a score that falls along the window).
-    score, first = jax.lax.top_k(jnp.where(hits, D - at, 0), min(voters, D))
+    score = jnp.where(hits, D - at, 0)
+    if backoff:  # any suffix's, the longest first
+        score = jnp.where(longest > 0, longest * D + D - at, 0)
+    score, first = jax.lax.top_k(score, min(voters, D))
+    matched = jnp.where(score > 0, jnp.take_along_axis(longest, first, axis=1), 0)
     index = first[:, :, None] + jnp.arange(length)  # [S, M, length]
     cont = jnp.take_along_axis(window[:, None, :], jnp.clip(index, 0, D - 1), axis=2)
     there = (score[:, :, None] > 0) & (index < D) & (cont >= 0)
-    return first, cont, jnp.cumprod(there, axis=2).astype(bool)
+    return first, cont, jnp.cumprod(there, axis=2).astype(bool), matched
 
 
 def next_tail(
@@ -187,16 +195,21 @@ def lookup_tree(
     nodes: int,
     depth: int,
     voters: int = VOTERS,
+    backoff: bool = True,
 ) -> Trie:
     """Each slot's trie of drafts: the ``nodes`` continuations (up to ``depth`` tokens) that
     most of the first ``voters`` occurrences of the longest suffix of ``tail`` go on with (ties:
-    the shallower, then the earlier occurrence). A node is counted at least as often as its
-    children and ranks before them, so the first ``n`` nodes are a trie for every ``n``; the
-    real nodes come first, in rank order. A node's ``where`` is its token in the earliest
-    occurrence through it.
+    the shallower, then the earlier occurrence). With ``backoff``, the occurrences of shorter
+    suffixes too (the first ``voters`` occurrences, the longest matches first): a node's rank
+    is the longest match through it, then its count, so where the longest suffix occurs only
+    a few times the nodes it leaves go to the ways its shorter suffixes go on.
+
+    A node ranks before its children (its match is as long, its count as large), so the first
+    ``n`` nodes are a trie for every ``n``; the real nodes come first, in rank order. A node's
+    ``where`` is its token in the first occurrence through it.
     """
     S = window.shape[0]
-    first, cont, there = _continuations(window, tail, depth, voters)
+    first, cont, there, matched = _continuations(window, tail, depth, voters, backoff)
     M = first.shape[1]
     # same[s, a, b, d]: continuations a and b agree on their first d + 1 tokens
     agree = (cont[:, :, None, :] == cont[:, None, :, :]) & there[:, :, None, :]
@@ -206,7 +219,8 @@ def lookup_tree(
     own = there & (canon == jnp.arange(M)[None, :, None])  # one candidate per distinct node
     d = jnp.arange(depth)[None, None, :]
     a = jnp.arange(M)[None, :, None]
-    rank = count * (depth * M) + (depth - 1 - d) * M + (M - 1 - a)  # larger first
+    # larger first: the match, the count, the shallower, the first occurrence
+    rank = (matched[:, :, None] * (M + 1) + count) * (depth * M) + (depth - 1 - d) * M + M - 1 - a
     flat = jnp.where(own, rank, -1).reshape(S, M * depth)
     best, pick = jax.lax.top_k(flat, nodes)
     real = best >= 0

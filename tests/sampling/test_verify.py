@@ -362,36 +362,43 @@ def test_trie_verify_steps_emit_the_tokens_of_plain_decoding(attention):
     assert spec_steps < plain_steps
 
 
-def _trie_oracle(window, tail, nodes, depth, voters):
+def _trie_oracle(window, tail, nodes, depth, voters, backoff):
     """The paths of the ``nodes`` continuations most of the first ``voters`` occurrences of the
-    longest suffix of ``tail`` go on with (ties: shallower, then the earlier occurrence)."""
+    longest suffix of ``tail`` go on with (ties: shallower, then the earlier occurrence); with
+    ``backoff``, of the first ``voters`` occurrences of its suffixes, the longest matches first,
+    a path ranked by its longest match, then as before."""
     D, m = len(window), len(tail)
-    starts = []
-    for n in range(m, 0, -1):
+    matched = {}  # occurrence -> the longest suffix that ends before it
+    for n in range(1, m + 1):
         key = list(tail[m - n :])
-        starts = [i for i in range(n, D) if window[i] >= 0 and list(window[i - n : i]) == key]
-        if starts:
-            break
-    seen = {}  # path -> [count, first occurrence]
+        for i in range(n, D):
+            if window[i] >= 0 and min(key) >= 0 and list(window[i - n : i]) == key:
+                matched[i] = n
+    starts = sorted(matched, key=lambda i: (-matched[i], i))
+    if not backoff:
+        starts = [i for i in starts if matched[i] == max(matched.values())]
+    seen = {}  # path -> [count, longest match, first occurrence]
     for o, i in enumerate(starts[:voters]):
         path = ()
         for t in window[i : i + depth]:
             if t < 0:
                 break
             path += (int(t),)
-            seen.setdefault(path, [0, o])[0] += 1
-    return sorted(seen, key=lambda p: (-seen[p][0], len(p), seen[p][1]))[:nodes]
+            seen.setdefault(path, [0, matched[i], o])[0] += 1
+    rank = lambda p: (-seen[p][1], -seen[p][0], len(p), seen[p][2])  # noqa: E731
+    return sorted(seen, key=rank)[:nodes]
 
 
+@pytest.mark.parametrize("backoff", [False, True])
 @pytest.mark.parametrize(("nodes", "depth"), [(4, 4), (8, 3), (16, 6)])
-def test_lookup_tree_matches_a_scan(nodes, depth):
+def test_lookup_tree_matches_a_scan(nodes, depth, backoff):
     rng = np.random.default_rng(nodes)
     S, D, m, voters = 200, 40, 3, 5
     window = rng.integers(0, 3, (S, D))
     window[rng.random((S, D)) < 0.1] = -1
     tail = rng.integers(0, 3, (S, m))
     j = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
-    trie = lookup_tree(j(window), j(tail), nodes, depth, voters)
+    trie = lookup_tree(j(window), j(tail), nodes, depth, voters, backoff)
     tokens, parent, level, where = map(
         np.asarray, (trie.tokens, trie.parent, trie.level, trie.where)
     )
@@ -399,7 +406,7 @@ def test_lookup_tree_matches_a_scan(nodes, depth):
     assert (np.asarray(trie.real) == (np.arange(nodes) < count[:, None])).all()
     full = 0
     for s in range(S):
-        want = _trie_oracle(window[s], tail[s], nodes, depth, voters)
+        want = _trie_oracle(window[s], tail[s], nodes, depth, voters, backoff)
         paths = []
         for i in range(count[s]):
             assert parent[s, i] < i  # a parent comes before its children
@@ -412,7 +419,10 @@ def test_lookup_tree_matches_a_scan(nodes, depth):
         assert paths == want, s
         assert (parent[s, count[s] :] == -1).all() and (level[s, count[s] :] == 0).all()
         full += count[s] == nodes
-    assert 0 < full < S  # full tries and smaller ones
+    assert 0 < full and (full < S or backoff)  # full tries, and smaller ones without backoff
+    if backoff:  # the shorter suffixes' occurrences changed tries
+        plain = lookup_tree(j(window), j(tail), nodes, depth, voters, backoff=False)
+        assert (np.asarray(plain.tokens) != tokens).any(axis=1).sum() > S // 10
 
 
 def test_accepted_path_keeps_the_drawn_tokens_down_the_trie():
