@@ -82,14 +82,8 @@ def run_batch(model, prompts, pad_id, stops, args, slots: int, digits) -> None:
     samplers = _samplers(model, pad_id, stops, slots, args)
     walls = {name: [] for name in samplers}
     tokens = {name: 0 for name in samplers}
-    drafted = dict.fromkeys(SOURCES, 0)
-    accepted = dict.fromkeys(SOURCES, 0)
-    verify_steps = dict.fromkeys(samplers, 0)
-    useful = dict.fromkeys(samplers, 0)
-    differ = 0
-    speculative, changed = [], dict.fromkeys(samplers, 0)
-    # The acceptance by source and by kind of token: the first speculative path's.
-    draft_path = next((name for name in samplers if "+" in name and "auto" not in name), None)
+    speculative = {name: [] for name in samplers}  # the measured calls that speculated
+    changed, differ = dict.fromkeys(samplers, 0), 0
     for epoch in range(args.epochs):
         outs = {}
         for name, sampler in samplers.items():
@@ -104,15 +98,8 @@ def run_batch(model, prompts, pad_id, stops, args, slots: int, digits) -> None:
                 continue  # compiles, and fills the history
             walls[name].append(wall)
             tokens[name] += sum(out.lengths)
-            stats = out.engine_stats
-            if stats.verify_steps:
-                verify_steps[name] += stats.verify_steps
-                useful[name] += stats.useful_steps
-            if stats.verify_steps and name == draft_path:
-                speculative.append(out)
-                for s in SOURCES:
-                    drafted[s] += stats.drafted.get(s, 0)
-                    accepted[s] += stats.accepted.get(s, 0)
+            if out.engine_stats.verify_steps:
+                speculative[name].append(out)
         # Speculation changes no token in exact arithmetic (tested in float64); in float32 a
         # verify step's attention sums in another order than a decode step's, and a sampled
         # draw that falls within that rounding of a boundary between two tokens goes the other
@@ -141,24 +128,33 @@ def run_batch(model, prompts, pad_id, stops, args, slots: int, digits) -> None:
         if "+" in name and name.partition("+")[0] in samplers:
             print(f"rows whose {name} tokens differ from the plain path's (float32): "
                   f"{changed[name]} of {rows * (args.epochs - 1)}")  # fmt: skip
-    if not speculative:
+    if not any(speculative.values()):
         print("no call speculated")
         return
-    per_row = statistics.mean(len(t) for out in speculative for t in out.tokens)
+    lengths = [len(t) for outs in speculative.values() for out in outs for t in out.tokens]
+    per_row = statistics.mean(lengths)
     print(f"response length: {per_row:.1f} tokens on average")
-    for name in samplers:
-        if verify_steps[name]:
-            per_step = useful[name] / verify_steps[name]
-            print(f"{name}: tokens per verify step {per_step:.2f} ({useful[name]} tokens, "
-                  f"{verify_steps[name]} verify steps)")  # fmt: skip
-    print(f"{draft_path}: drafts by source")
-    for s in SOURCES:
-        rate = accepted[s] / drafted[s] if drafted[s] else float("nan")
-        print(f"  {s:>8}: {drafted[s]:6d} drafted, {accepted[s]:6d} accepted ({rate:.2f})")
-    print(f"{draft_path}: acceptance by the kind of token at the drafted index:")
-    for kind, (d, a) in _by_kind(speculative, digits).items():
-        rate = a / d if d else float("nan")
-        print(f"  {kind:>8}: {d:6d} drafted, {a:6d} accepted ({rate:.2f})")
+    for name, outs in speculative.items():
+        if outs:
+            _report(name, outs, digits)
+
+
+def _report(name: str, outs, digits) -> None:
+    """One speculative path's tokens per verify step, drafts by source and acceptance by kind
+    of token, over its measured calls ``outs``."""
+    stats = [out.engine_stats for out in outs]
+    useful, steps = sum(s.useful_steps for s in stats), sum(s.verify_steps for s in stats)
+    print(f"{name}: tokens per verify step {useful / steps:.2f} ({useful} tokens, "
+          f"{steps} verify steps); drafts by source:")  # fmt: skip
+    for source in SOURCES:
+        d = sum(s.drafted.get(source, 0) for s in stats)
+        a = sum(s.accepted.get(source, 0) for s in stats)
+        print(
+            f"  {source:>8}: {d:6d} drafted, {a:6d} accepted ({a / d if d else float('nan'):.2f})"
+        )
+    print(f"{name}: acceptance by the kind of token at the drafted index:")
+    for kind, (d, a) in _by_kind(outs, digits).items():
+        print(f"  {kind:>8}: {d:6d} drafted, {a:6d} accepted ({a / d if d else float('nan'):.2f})")
 
 
 def main() -> None:
