@@ -274,9 +274,6 @@ class DenseCpuBackend(PagedBackend):
         # Every sequence's tokens at the same columns; which of them later queries see is
         # settled by :meth:`kept` (the views' K/V of the others are never read).
         pool, views, shift, columns = state
-        T = ids.shape[1]
-        if inside is None:  # a line: each position attends to the ones before it
-            inside = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (ids.shape[0], T, T))
         positions = slots.pos[:, None] + level
         hidden, views = dense_cpu.verify_forward(
             model, layers, ids, positions, inside, views, columns, mesh

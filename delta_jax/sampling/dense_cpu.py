@@ -222,7 +222,7 @@ def verify_forward(
     layers,
     ids: Int[Array, "B T"],
     positions: Int[Array, "B T"],
-    inside: Bool[Array, "B T T"],
+    inside: Bool[Array, "B T T"] | None,
     views: Views,
     columns: Columns,
     mesh: Mesh | None,
@@ -230,11 +230,14 @@ def verify_forward(
     """A speculative verify step on the views: every sequence's ``T`` tokens (at ``positions``,
     for the rotary embedding) written at columns ``[at, at + T)``, token ``t`` seeing its
     sequence's kept columns and the step's columns ``at + u`` where ``inside[b, t, u]`` (its
-    ancestors in a trie of drafts; the tokens before it in a line)."""
+    ancestors in a trie of drafts; None, a line: ``u <= t``)."""
     W, T = views[0][0].shape[-1], ids.shape[1]
-    u = jnp.arange(W) - columns.at  # [W]: the step's position a column holds
-    step = jnp.take_along_axis(inside, jnp.clip(u, 0, T - 1)[None, None, :], axis=2)
-    visible = columns.seen[:, None, :] | (step & ((u >= 0) & (u < T))[None, None, :])
+    u = jnp.arange(W)[None, None, :] - columns.at  # the step's position a column holds
+    if inside is None:
+        step = (u >= 0) & (u <= jnp.arange(T)[None, :, None])
+    else:
+        step = jnp.take_along_axis(inside, jnp.clip(u, 0, T - 1), axis=2) & (u >= 0) & (u < T)
+    visible = columns.seen[:, None, :] | step
     return _forward_on_views(model, layers, ids, positions, views, visible, columns.at, mesh)
 
 
