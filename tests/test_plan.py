@@ -582,11 +582,11 @@ def test_roofline_arithmetic_by_hand():
         with pytest.raises(ValueError, match=r"tokens per verify step must be in \[1, 5\]"):
             roofline.estimate(**kw, verify=verify, tokens_per_step=bad, draft_tokens=4)
     # A trie of 8 drafts up to 3 deep keeps at most 3 of them a step.
-    trie = dict(verify=verify, draft_tokens=8, draft_depth=3, verify_attention="xla")
+    trie = dict(verify=verify, draft_tokens=8, draft_depth=3, verify_attention="pallas")
     with pytest.raises(ValueError, match=r"tokens per verify step must be in \[1, 4\]"):
         roofline.estimate(**kw, tokens_per_step=4.5, **trie)
     text = "\n".join(roofline.estimate(**kw, tokens_per_step=2.5, **trie).lines())
-    assert "(k=8 in a trie up to 3 deep, xla attention, 2.50 tokens per verify step" in text
+    assert "(k=8 in a trie up to 3 deep, pallas attention, 2.50 tokens per verify step" in text
     unknown = dataclasses.replace(one, loops_counted_once=1)
     st = roofline.estimate(**{**kw, "train_one": unknown})
     assert "counts 1 loop(s) once" in "\n".join(st.lines())

@@ -43,7 +43,6 @@ __all__ = [
     "XlaBackend",
     "backend_for",
     "resolve_attention",
-    "tries_refusal",
 ]
 
 
@@ -54,9 +53,6 @@ class PagedBackend:
     """
 
     name: ClassVar[str] = "xla"
-    # Whether a verify step may score a trie of drafts (each position attending to its
-    # ancestors), or a line only (the causal mask).
-    tries: ClassVar[bool] = False
     # The prefill's and the decode's paged attention (one signature, ``PagedAttention``).
     prefill_attention: ClassVar[PagedAttention] = staticmethod(xla_attention)
     decode_attention: ClassVar[PagedAttention] = staticmethod(xla_attention)
@@ -65,8 +61,6 @@ class PagedBackend:
 
     def refusal(self, spec: EngineSpec) -> str | None:
         """Why this path cannot run ``spec`` whatever the request (one line), or None."""
-        if spec.draft_depth and not self.tries:
-            return tries_refusal(self.name)
         return None
 
     def decode_list_pages(self, spec: EngineSpec) -> int:
@@ -185,8 +179,6 @@ class PagedBackend:
 class XlaBackend(PagedBackend):
     """Flat page lists, :func:`~delta_jax.sampling.paged.xla_attention` (GPU)."""
 
-    tries = True
-
 
 class PallasBackend(PagedBackend):
     """Page tables and the ragged paged attention TPU kernel for decode; the prefill (several
@@ -216,7 +208,6 @@ class DenseCpuBackend(PagedBackend):
     per chunk; a prefill gathers each row's table once per layer."""
 
     name = "dense"
-    tries = True
     prefill_attention = staticmethod(dense_cpu.dense_attention)
 
     def _width(self, spec, pages):
@@ -308,21 +299,11 @@ _BACKENDS: dict[str, Any] = {
 NAMES = ("auto", *_BACKENDS)
 
 
-def tries_refusal(name: str) -> str:
-    """Why the ``name`` attention path refuses a trie of drafts."""
-    return (
-        f"draft_depth > 0 (a trie of drafts per verify step) runs on the 'xla' and 'dense' "
-        f"attention paths; the {name!r} path verifies one line of drafts (draft_depth=0)"
-    )
-
-
-def resolve_attention(attention: str, platform: str, tries: bool = False) -> str:
-    """The path ``attention`` names on ``platform``: ``"auto"`` is the TPU kernel on TPU (the
-    XLA path for verify steps of ``tries`` of drafts, a mask the kernel does not take), the
+def resolve_attention(attention: str, platform: str) -> str:
+    """The path ``attention`` names on ``platform``: ``"auto"`` is the TPU kernel on TPU, the
     dense path on CPU and the XLA path elsewhere; a named path is itself."""
     if attention == "auto":
-        tpu = "xla" if tries else "pallas"
-        return {"tpu": tpu, "cpu": "dense"}.get(platform, "xla")
+        return {"tpu": "pallas", "cpu": "dense"}.get(platform, "xla")
     return attention
 
 

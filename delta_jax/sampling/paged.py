@@ -15,7 +15,8 @@ with a paged attention, all of one signature (:data:`PagedAttention`):
   rescaling, so the work grows with the sum of the actual lengths, not with the longest one or
   the pool; used on GPU, and for prefill on accelerators;
 * :func:`pallas_attention`: JAX's ``ragged_paged_attention`` TPU kernel (decode: one query
-  per sequence, or a few at consecutive positions);
+  per sequence, or a few at consecutive positions); a verify step of a trie of drafts, whose
+  mask that kernel does not take, on :mod:`delta_jax.sampling.trie_kernel`'s;
 * :func:`~delta_jax.sampling.dense_cpu.dense_attention`: the CPU path (XLA:CPU, where per-op
   overheads dominate small steps): every sequence's page-table pages gathered into one
   contiguous view and attended to at once with the static sampler's attention; its decode runs
@@ -246,7 +247,7 @@ def _segment_sum(x, segments, num):
     return jax.ops.segment_sum(x, segments, num_segments=num, indices_are_sorted=True)
 
 
-def pallas_attention(q, kv, positions, valid, page_table):
+def pallas_attention(q, kv, positions, valid, page_table, inside=None):
     """Paged attention with JAX's ragged paged attention TPU kernel (one group): ``T`` queries
     per row at consecutive positions, the row's last ``T`` (a decode step: 1; a speculative
     verify step: the fed token and its drafts), each attending to the positions up to its own.
@@ -254,7 +255,15 @@ def pallas_attention(q, kv, positions, valid, page_table):
     A row's queries past its valid ones may read stale K/V at the positions after them (their
     own writes went to the scratch page); their outputs are the caller's to discard, as an idle
     row's are.
+
+    ``inside [B, T, T]`` (a verify step of a trie of drafts): each query attends to the step's
+    positions it marks (its ancestors), with this package's kernel
+    (:func:`~delta_jax.sampling.trie_kernel.trie_attention`).
     """
+    if inside is not None:
+        from delta_jax.sampling.trie_kernel import trie_attention
+
+        return trie_attention(q, kv, positions, valid, page_table, inside)
     B, T, N, D = q.shape
     # The kernel copies every sequence's pages up to its length: an idle slot gets length T
     # (its scratch page) instead of the stale position it stopped at.
@@ -398,16 +407,20 @@ def paged_forward(
 def move_kv(pool: PagePool, src, dst, moved, pages, mesh: Mesh | None, kv_heads: int):
     """Every layer's K/V at positions ``src [B, T]`` copied to positions ``dst`` of the same
     sequence, where ``moved`` (the kept path of a verify step of a trie, to the consecutive
-    positions after its root); ``pages``: the sequences' flat :class:`PageList`."""
+    positions after its root); ``pages``: the sequences' flat :class:`PageList` or page
+    tables."""
     page_size = pool.page_size
+    listed = isinstance(pages, PageList)
 
     def move(kv, src, dst, moved, pages):
-        sp, so = write_slots(src, moved, page_size, pages=pages)
-        dp, do = write_slots(dst, moved, page_size, pages=pages)
+        at = dict(pages=pages) if listed else dict(page_table=pages)
+        sp, so = write_slots(src, moved, page_size, **at)
+        dp, do = write_slots(dst, moved, page_size, **at)
         dp = jnp.where(moved, dp, kv.shape[0])  # out of range: dropped
         return kv.at[dp, do].set(kv[sp, so], mode="drop")
 
-    move = per_group(move, mesh, kv_heads, ("R-H-", "R-", "R-", "R-", "R"), "R-H-")
+    specs = ("R-H-", "R-", "R-", "R-", "R" if listed else "R-")
+    move = per_group(move, mesh, kv_heads, specs, "R-H-")
     return PagePool(kv=tuple(move(kv, src, dst, moved, pages) for kv in pool.kv))
 
 

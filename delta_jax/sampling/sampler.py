@@ -50,7 +50,7 @@ from delta_jax.models import Transformer
 from delta_jax.models.axes import logical_to_mesh
 from delta_jax.sampling import dense_cpu, engine
 from delta_jax.sampling.auto_speculation import AutoSpeculation
-from delta_jax.sampling.backends import NAMES, backend_for, resolve_attention, tries_refusal
+from delta_jax.sampling.backends import NAMES, resolve_attention
 from delta_jax.sampling.buckets import Buckets, RequestArrays, prepare_request
 from delta_jax.sampling.drafts import Drafter
 from delta_jax.sampling.output import SamplerOutput
@@ -147,9 +147,8 @@ class Sampler:
       draft_depth: 0 drafts one line of up to ``draft_tokens`` tokens per verify step; ``d >
         0`` a trie of up to ``draft_tokens`` nodes at most ``d`` deep (the continuations most
         of the occurrences go on with; each scored position attends to its ancestors), so a
-        verify step may keep one of several ways the text goes on. The ``"xla"`` and
-        ``"dense"`` attention paths (not the TPU kernel's, which takes no such mask: on TPU
-        ``"auto"`` runs verify steps of tries on the XLA path, plain ones on the kernel).
+        verify step may keep one of several ways the text goes on (every attention path; on
+        the TPU kernel's, :mod:`delta_jax.sampling.trie_kernel`).
       speculate: with ``draft_tokens > 0``, ``"always"`` (every request) or ``"auto"``
         (:class:`~delta_jax.sampling.auto_speculation.AutoSpeculation`: never on CPU; on
         accelerators the faster way as measured on this sampler's requests).
@@ -315,9 +314,6 @@ class Sampler:
         depth = self.draft_depth
         if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= max(k, 0):
             raise ValueError(f"draft_depth must be an int in [0, draft_tokens={k}], got {depth!r}")
-        attention = resolve_attention(self.attention, _platform(self.mesh), tries=depth > 0)
-        if depth and not backend_for(attention).tries:
-            raise ValueError(tries_refusal(attention))
         if self.speculate not in ("always", "auto"):
             raise ValueError(f"speculate must be 'always' or 'auto', got {self.speculate!r}")
         # Speculative decoding's drafts, with the history of this sampler's earlier requests
@@ -396,8 +392,7 @@ class Sampler:
         # A new prompt needs a free slot: about slots / n prompts join a group at a time.
         at_once = 1 << (-(-group_slots // n) - 1).bit_length()
         k = self.draft_tokens if speculative else 0
-        tries = bool(k and self.draft_depth)
-        attention = resolve_attention(self.attention, _platform(self.mesh), tries)
+        attention = resolve_attention(self.attention, _platform(self.mesh))
         window = self._drafter.window_size(self.decode_chunk) if k else 0
         return EngineSpec(
             slots=groups * group_slots,

@@ -244,14 +244,14 @@ def test_bad_input_raises_before_compiling(model, kwargs, generate, match):
 
 @pytest.mark.parametrize(
     ("draft_tokens", "draft_depth", "attention"),
-    [(0, 0, "pallas"), (3, 0, "pallas"), (6, 3, "xla")],
+    [(0, 0, "pallas"), (3, 0, "pallas"), (6, 3, "pallas")],
     ids=["decode", "speculative", "trie"],
 )
 def test_decode_compiles_for_tpu_with_ragged_paged_attention(draft_tokens, draft_depth, attention):
     """The decode program with JAX's Pallas kernel, compiled for a v5p 2x2x1 slice (no TPU);
     also the speculative chunk (verify steps of 3 drafted tokens: 4 queries per slot), and
-    verify steps of tries of 6 drafts 3 deep on the XLA path (what a TPU runs them on: the
-    kernel takes no mask)."""
+    verify steps of tries of 6 drafts 3 deep (this package's trie kernel, beside JAX's for the
+    chunk's plain steps)."""
     topologies = pytest.importorskip("jax.experimental.topologies")
     pytest.importorskip("libtpu")
     from delta_jax.plan.lowering import lower_decode
@@ -264,11 +264,13 @@ def test_decode_compiles_for_tpu_with_ragged_paged_attention(draft_tokens, draft
     )
     lowered = lower_decode(
         cfg, mesh, SAMPLING_RULES, slots=8, steps=4, page_size=16, num_pages=64, table_pages=8,
-        list_pages=32 if attention == "xla" else 1, attention=attention,
+        list_pages=1, attention=attention,
         draft_tokens=draft_tokens, draft_depth=draft_depth, draft_window=64,
     )  # fmt: skip
-    # The Mosaic kernel, not an XLA fallback (the XLA path: none)
-    assert ("tpu_custom_call" in lowered.as_text()) == (attention == "pallas")
+    # The Mosaic kernels, not an XLA fallback
+    text = lowered.as_text()
+    assert "tpu_custom_call" in text
+    assert ("trie_attention" in text) == (draft_depth > 0)
     compiled = lowered.compile()
     # Each chip holds its data group's half of the pages and its half of the K/V heads.
     pool = compiled.input_shardings[0][2].kv[0]

@@ -7,15 +7,24 @@ import numpy as np
 from delta_jax.sampling import dense_cpu, paged
 
 
-def _oracle(q, kv, positions, tables, page_size):
-    """Each query over its sequence's keys at positions <= its own (GQA), in float64."""
+def _oracle(q, kv, positions, tables, page_size, inside=None, valid=None):
+    """Each query over its sequence's keys at positions <= its own (GQA), in float64; with
+    ``inside [B, T, T]`` (a trie: the call's positions consecutive from ``positions[:, 0]``),
+    over the positions before the call and the call's ``valid`` ones it marks."""
     B, T, N, D = q.shape
     K = kv.shape[2] // 2
     out = np.zeros((B, T, N, D))
     for b, table in enumerate(tables):
         keys = np.concatenate([kv[p] for p in table]) if table else np.zeros((0, 2 * K, D))
+        keys = np.asarray(keys, np.float64)
         for t in range(T):
-            seen = keys[: positions[b, t] + 1]
+            keep = np.arange(len(keys)) <= positions[b, t]
+            if inside is not None:
+                rel = np.arange(len(keys)) - positions[b, 0]
+                own = (rel >= 0) & (rel < T)
+                u = np.clip(rel, 0, T - 1)
+                keep = (rel < 0) | (own & inside[b, t, u] & valid[b, u])
+            seen = keys[keep]
             for n in range(N):
                 k, v = seen[:, 2 * (n // (N // K))], seen[:, 2 * (n // (N // K)) + 1]
                 if len(k) == 0:

@@ -91,6 +91,69 @@ def test_kernel_in_slot_chunks_matches_the_xla_path_and_the_oracle(interpret, T)
     assert np.isfinite(got[~live]).all()
 
 
+def _trie_masks(rng, B, T):
+    """``[B, T, T]``: each position and its ancestors in a random trie (a parent before its
+    children, position 0 the root)."""
+    inside = np.zeros((B, T, T), bool)
+    for b in range(B):
+        parent = [0] + [int(rng.integers(0, t)) for t in range(1, T)]
+        for t in range(T):
+            u = t
+            inside[b, t, u] = True
+            while u:
+                u = parent[u]
+                inside[b, t, u] = True
+    return inside
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_trie_kernel_matches_the_xla_path_and_the_oracle(interpret, monkeypatch, dtype):
+    """The trie kernel (``trie_kernel.trie_attention``), blocks of 2 pages so that slots span
+    several blocks and hand the next slot's first block over: 12 slots in 2 calls, 6 positions
+    of a random trie per slot at the end of ragged lengths (an empty prefix, a page boundary,
+    several blocks), a slot with only some nodes real and an idle one. Against the XLA path
+    with the same mask and a float64 oracle; the 16-bit pool packs each key with its value (the
+    kernel splits the words)."""
+    from delta_jax.sampling import trie_kernel
+
+    monkeypatch.setattr(trie_kernel, "KV_PAGES_PER_BLOCK", 2)
+    rng = np.random.default_rng(3)
+    B, T, N, K, D, page_size, num_pages, width = 12, 6, 4, 2, 128, 16, 80, 6
+    kv = jnp.asarray(rng.standard_normal((num_pages, page_size, 2 * K, D)), dtype)
+    q = jnp.asarray(rng.standard_normal((B, T, N, D)), dtype)
+    lengths = np.concatenate([[T, 16 + T, 17, 96, 32], rng.integers(T, 97, B - 5)])
+    pages = rng.permutation(np.arange(1, num_pages))
+    tables, at = [], 0
+    for n in -(-lengths // page_size):
+        tables.append(pages[at : at + n].tolist())
+        at += n
+    table = np.zeros((B, width), np.int32)
+    for b, t in enumerate(tables):
+        table[b, : len(t)] = t
+    positions = (lengths[:, None] - T + np.arange(T)).astype(np.int32)
+    valid = np.ones((B, T), bool)
+    valid[2, 3:] = False  # a trie of 2 real nodes: the rest write to the scratch page
+    valid[7] = False  # idle
+    inside = _trie_masks(rng, B, T)
+    args = (q, kv, positions, valid)
+
+    got = np.asarray(jax.jit(trie_kernel.trie_attention)(*args, table, inside), np.float64)
+    assert interpret[-1] == [(0, 8), (8, 4)]
+    flat = paged.PageList(**{k: jnp.asarray(v) for k, v in _flat(tables, B, size=64).items()})
+    xla = np.asarray(jax.jit(paged.xla_attention)(*args, flat, inside), np.float64)
+    f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731
+    want = _oracle(f64(q), f64(kv), positions, tables, page_size, inside, valid)
+    # float32: summation order only; bfloat16: the outputs' rounding (2**-8 relative) and the
+    # XLA path's bfloat16 weights (the kernel keeps them in float32).
+    tol = ATOL if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(got[valid], want[valid], atol=tol, rtol=tol)
+    np.testing.assert_allclose(got[valid], xla[valid], atol=tol, rtol=tol)
+    assert np.isfinite(got).all()
+    # The mask matters: the causal mask's outputs differ at nodes off the first branch.
+    causal = _oracle(f64(q), f64(kv), positions, tables, page_size)
+    assert np.abs(causal - want)[valid].max() > 0.1
+
+
 def test_engine_decodes_on_the_kernel_as_on_the_xla_path(interpret):
     """The continuous engine with ``attention="pallas"`` (prefill on the XLA path, every decode
     step through the kernel) draws the XLA engine's tokens with its log-probs: 9 prompts of
@@ -178,4 +241,31 @@ def test_speculative_steps_on_the_kernel_emit_the_xla_paths_plain_tokens(interpr
     for b in range(3):
         assert spec[b]["tokens"] == plain[b]["tokens"], b
         np.testing.assert_allclose(spec[b]["logprobs"], plain[b]["logprobs"], atol=ATOL)
+    assert spec_steps < plain_steps
+
+
+def test_trie_verify_steps_on_the_kernel_emit_the_xla_paths_plain_tokens(interpret):
+    """Verify steps of tries of 6 drafts 3 deep through the trie kernel (from windows where the
+    kept path often leaves the first branch: its K/V move along the page tables): the tokens,
+    log-probs and hidden states of plain decode steps on the XLA path, in fewer steps."""
+    from delta_jax.sampling.backends import PallasBackend, XlaBackend
+    from delta_jax.sampling.strategies import make_strategy
+    from tests.sampling.test_verify import _decode_all, trie_windows
+
+    cfg = ModelConfig.tiny("qwen3", vocab_size=24, head_dim=128, num_layers=1)
+    model = Transformer(cfg, rngs=nnx.Rngs(1))
+    prompts = [np.array([3, 4, 5]), np.array([7, 1, 2, 9, 9]), np.array([5, 6])]
+    budgets, stops, strategy = [20, 25, 9], [-1, -1, 11], make_strategy(1.0)
+    plain, plain_steps = _decode_all(model, XlaBackend(), strategy, prompts, budgets, stops)
+    windows = trie_windows(plain, prompts, np.random.default_rng(2), vocab=24, m=2)
+    stats = {}
+    spec, spec_steps = _decode_all(
+        model, PallasBackend(), strategy, prompts, budgets, stops, windows, k=6, m=2, depth=3,
+        stats=stats,
+    )  # fmt: skip
+    for b in range(3):
+        assert spec[b]["tokens"] == plain[b]["tokens"], b
+        np.testing.assert_allclose(spec[b]["logprobs"], plain[b]["logprobs"], atol=ATOL)
+        np.testing.assert_allclose(spec[b]["hidden"], plain[b]["hidden"], atol=ATOL)
+    assert stats["off_branch"] >= 3, stats
     assert spec_steps < plain_steps

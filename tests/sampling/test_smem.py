@@ -61,9 +61,6 @@ def test_the_attention_path_is_named_once():
     auto = {p: resolve_attention("auto", p) for p in ("tpu", "cpu", "gpu")}
     assert auto == {"tpu": "pallas", "cpu": "dense", "gpu": "xla"}
     assert [resolve_attention(n, "tpu") for n in ("xla", "dense")] == ["xla", "dense"]
-    # Verify steps of tries of drafts: a mask the TPU kernel does not take.
-    tries = {p: resolve_attention("auto", p, tries=True) for p in ("tpu", "cpu", "gpu")}
-    assert tries == {"tpu": "xla", "cpu": "dense", "gpu": "xla"}
     # A flat page list for every slot at the longest sequence, or none for the table paths.
     lists = {p: backend_for(p).decode_list_pages(_spec(p, 12)) for p in ("xla", "pallas", "dense")}
     assert lists == {"xla": 32 * 12, "pallas": 1, "dense": 1}

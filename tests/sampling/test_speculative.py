@@ -154,9 +154,6 @@ def test_speculative_decoding_is_refused_where_it_cannot_run(model):
         engine(model, draft_tokens=-1)
     with pytest.raises(ValueError, match=r"draft_depth must be an int in \[0, draft_tokens=3\]"):
         engine(model, draft_tokens=3, draft_depth=4)
-    # A trie's positions attend to their ancestors: a mask the TPU kernel does not take.
-    with pytest.raises(ValueError, match="the 'pallas' path verifies one line"):
-        engine(model, draft_tokens=3, draft_depth=2, attention="pallas")
 
 
 def test_auto_measures_both_ways_then_runs_the_faster_and_probes_the_other():

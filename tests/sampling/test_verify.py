@@ -338,20 +338,10 @@ def test_trie_verify_steps_emit_the_tokens_of_plain_decoding(attention):
     budgets, stops = [20, 25, 9], [-1, -1, 11]
     backend = backend_for(attention)
     plain, plain_steps = _decode_all(model, backend, strategy, prompts, budgets, stops)
-    rng = np.random.default_rng(2)
-    D, m = 128, 2
-    windows = np.full((len(prompts), D), -1, np.int32)
-    for b, p in enumerate(prompts):
-        text = np.array(plain[b]["tokens"], np.int32)
-        pieces = []
-        for _ in range(2):
-            noisy = np.where(rng.random(text.size) < 0.3, rng.integers(0, 24, text.size), text)
-            pieces += [p[-m:], noisy, [-1]]
-        piece = np.concatenate([*pieces, p[-m:], text])[: D - 1]
-        windows[b, : piece.size] = piece
+    windows = trie_windows(plain, prompts, np.random.default_rng(2), vocab=24, m=2)
     stats = {}
     spec, spec_steps = _decode_all(
-        model, backend, strategy, prompts, budgets, stops, windows, k=6, m=m, depth=3,
+        model, backend, strategy, prompts, budgets, stops, windows, k=6, m=2, depth=3,
         stats=stats,
     )  # fmt: skip
     for b in range(len(prompts)):
@@ -360,6 +350,22 @@ def test_trie_verify_steps_emit_the_tokens_of_plain_decoding(attention):
         np.testing.assert_allclose(spec[b]["hidden"], plain[b]["hidden"], atol=1e-5)
     assert stats["off_branch"] >= 3, stats
     assert spec_steps < plain_steps
+
+
+def trie_windows(plain, prompts, rng, vocab: int, m: int, width: int = 128):
+    """Windows holding each sequence's plain text once, after two copies of it with 30% of the
+    tokens replaced (each copy and the text after the prompt's last ``m`` tokens): where they
+    differ the copies outvote the text, so a trie's drawn token is often a second child."""
+    windows = np.full((len(prompts), width), -1, np.int32)
+    for b, p in enumerate(prompts):
+        text = np.array(plain[b]["tokens"], np.int32)
+        pieces = []
+        for _ in range(2):
+            noisy = np.where(rng.random(text.size) < 0.3, rng.integers(0, vocab, text.size), text)
+            pieces += [p[-m:], noisy, [-1]]
+        piece = np.concatenate([*pieces, p[-m:], text])[: width - 1]
+        windows[b, : piece.size] = piece
+    return windows
 
 
 def _trie_oracle(window, tail, nodes, depth, voters, backoff):
