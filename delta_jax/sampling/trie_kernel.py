@@ -173,7 +173,7 @@ def _kernel(
             start(0, 0, 0)
 
     first, n = parity[0], blocks(s)
-    queries = [q_ref[0, h].astype(jnp.float32) * scale for h in range(K)]
+    queries = [q_ref[0, h].astype(buf.dtype) for h in range(K)]
     init = [
         (jnp.full((Rp, 1), _MASKED, jnp.float32), jnp.zeros((Rp, 1), jnp.float32),
          jnp.zeros((Rp, D), jnp.float32))
@@ -197,7 +197,8 @@ def _kernel(
         col = jax.lax.broadcasted_iota(jnp.int32, (Rp, tokens), 1)
         seen = b * tokens + col < prefix_ref[s]
         return [
-            _fold(st, queries[h], *_head(flat, h, C, tokens), seen) for h, st in enumerate(state)
+            _fold(st, queries[h], *_head(flat, h, C, tokens), seen, scale)
+            for h, st in enumerate(state)
         ]
 
     state = jax.lax.fori_loop(0, n, block, init)
@@ -211,7 +212,7 @@ def _kernel(
     Tp = own.shape[0] // C
     for h in range(K):
         keys, values = _head(own, h, C, Tp)
-        _, total, acc = _fold(state[h], queries[h], keys, values, sees_ref[0] != 0)
+        _, total, acc = _fold(state[h], queries[h], keys, values, sees_ref[0] != 0, scale)
         o_ref[0, h] = (acc / jnp.where(total > 0, total, 1.0)).astype(o_ref.dtype)
 
 
@@ -219,24 +220,25 @@ def _head(flat, h: int, C: int, tokens: int):
     """KV head ``h``'s keys and values ``[tokens, D]`` from interleaved rows ``[tokens C, D]``."""
     if flat.dtype.itemsize == 4:
         return flat[pl.ds(2 * h, tokens, stride=C), :], flat[pl.ds(2 * h + 1, tokens, stride=C), :]
-    # 16-bit: rows 2h and 2h + 1 of a token share one 32-bit word (the key in the low half).
+    # 16-bit: rows 2h and 2h + 1 of a token share one 32-bit word (the key in the low half);
+    # each half shifted to the top of a word is that value as a float32, exactly.
     words = flat.bitcast(jnp.uint32)[pl.ds(h, tokens, stride=C // 2), :]
-    keys = pltpu.bitcast(words << 16, jnp.float32)
-    values = pltpu.bitcast(words & jnp.uint32(0xFFFF0000), jnp.float32)
+    keys = pltpu.bitcast(words << 16, jnp.float32).astype(flat.dtype)
+    values = pltpu.bitcast(words & jnp.uint32(0xFFFF0000), jnp.float32).astype(flat.dtype)
     return keys, values
 
 
-def _fold(state, q, keys, values, seen):
-    """One block of keys folded into a query block's running max, sum and output."""
+def _fold(state, q, keys, values, seen, scale: float):
+    """One block of keys folded into a query block's running max, sum and output (matmuls in
+    the pool's dtype, accumulated in float32, as the XLA path's)."""
     m, total, acc = state
     scores = jax.lax.dot_general(
-        q, keys.astype(jnp.float32), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
     )
-    scores = jnp.where(seen, scores, _MASKED)
+    scores = jnp.where(seen, scores * scale, _MASKED)
     new = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
     weights = jnp.where(seen, jnp.exp(scores - new), 0.0)
     alpha = jnp.exp(m - new)
     total = alpha * total + jnp.sum(weights, axis=1, keepdims=True)
-    acc = alpha * acc + jnp.dot(weights, values.astype(jnp.float32),
-                                preferred_element_type=jnp.float32)  # fmt: skip
-    return new, total, acc
+    pv = jnp.dot(weights.astype(values.dtype), values, preferred_element_type=jnp.float32)
+    return new, total, alpha * acc + pv

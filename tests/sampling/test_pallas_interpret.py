@@ -143,8 +143,8 @@ def test_trie_kernel_matches_the_xla_path_and_the_oracle(interpret, monkeypatch,
     xla = np.asarray(jax.jit(paged.xla_attention)(*args, flat, inside), np.float64)
     f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731
     want = _oracle(f64(q), f64(kv), positions, tables, page_size, inside, valid)
-    # float32: summation order only; bfloat16: the outputs' rounding (2**-8 relative) and the
-    # XLA path's bfloat16 weights (the kernel keeps them in float32).
+    # float32: summation order only; bfloat16: the weights and outputs rounded to bfloat16 (2**-8
+    # relative), in both paths (measured: 7.5e-3 from float64, 1.6e-2 from the XLA path).
     tol = ATOL if dtype == "float32" else 2e-2
     np.testing.assert_allclose(got[valid], want[valid], atol=tol, rtol=tol)
     np.testing.assert_allclose(got[valid], xla[valid], atol=tol, rtol=tol)
