@@ -162,6 +162,8 @@ class Scheduler:
             return True
         running = [(s.order, i) for i, s in enumerate(group.slots) if s not in (None, keep)]
         if running:
+            if keep in group.slots:  # a running sequence that grows: it may be the youngest
+                running.append((keep.order, group.slots.index(keep)))
             _, i = max(running)
             seq = group.slots[i]
             group.slots[i] = None
@@ -183,7 +185,9 @@ class Scheduler:
         return True
 
     def _grow(self, group: _Group, seq: Seq, pos: int, steps: int | None = None) -> bool:
-        """Pages for the next chunk of ``seq``, preempting younger sequences if needed."""
+        """Pages for the next chunk of ``seq``, preempting younger sequences if needed (``seq``
+        itself when it is the youngest running one: an older sequence is never preempted for a
+        younger one, so the oldest always runs and the call ends)."""
         need = self._chunk_pages(seq, pos, steps) - len(seq.table)
         while need > 0:
             got = group.alloc.alloc(need)
@@ -193,6 +197,8 @@ class Scheduler:
                 return True
             if not self._preempt_youngest(group, keep=seq):
                 return False
+            if seq not in group.slots:
+                return True  # preempted itself: back to its queue
         return True
 
     # ---- admission and prefill ---------------------------------------------------------------

@@ -147,6 +147,28 @@ def test_drawn_tokens_at_drafted_positions_follow_the_models_law(model, drafts):
     assert chisquare_pvalue(rows[:, 2], law([first, second])) > 1e-3
 
 
+def test_a_tight_pool_never_preempts_an_older_sequence_for_a_younger_one(model, monkeypatch):
+    """Two samples of a long answer on a pool that holds one of them and the chunks' pages
+    ahead (a verify step's 7 per step): the younger one, not the one growing, gives way, so the
+    oldest always runs and the call ends (before, the two preempted each other in turn and the
+    call never ended: bounded here by the chunks run), with plain decoding's tokens."""
+    from delta_jax.sampling import scheduler
+
+    chunks, decode = [0], scheduler.Scheduler._decode
+
+    def bounded(self, state, steps):
+        chunks[0] += 1
+        assert chunks[0] < 400, "the engine ran 400 chunks: sequences preempt each other"
+        return decode(self, state, steps)
+
+    monkeypatch.setattr(scheduler.Scheduler, "_decode", bounded)
+    kw = dict(max_new_tokens=[14, 9, 40, 12, 15], n=3, temperature=0.5, seed=5)
+    plain = engine(model).generate(PROMPTS, **kw)
+    tight = engine(model, num_pages=20, draft_tokens=6).generate(PROMPTS, **kw)
+    assert tight.tokens == plain.tokens
+    assert tight.engine_stats.preemptions > 0
+
+
 def test_speculative_decoding_is_refused_where_it_cannot_run(model):
     with pytest.raises(ValueError, match="needs engine='continuous'"):
         Sampler(model, draft_tokens=2)
