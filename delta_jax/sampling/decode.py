@@ -319,9 +319,9 @@ def speculative_step(
     The drafts: with ``depth = 0`` one line of up to ``k`` tokens
     (:func:`~delta_jax.sampling.speculate.lookup_drafts`); else a trie of up to ``k`` nodes at
     most ``depth`` deep (:func:`~delta_jax.sampling.speculate.lookup_tree`), each node
-    attending to its ancestors only (the XLA and the dense CPU paths). ``draw``:
-    :func:`token_sampler`'s ``draw(h [S, H], slots)``. A slot drafts no further than one
-    token short of its budget.
+    attending to its ancestors only. ``draw``: :func:`token_sampler`'s ``draw(h [S, H],
+    slots)``. A slot drafts no further than one token short of its budget, at positions its
+    pages hold.
 
     Returns:
       ``(slots, state, verified)``: the slots advanced by the tokens emitted, the attention
@@ -332,7 +332,11 @@ def speculative_step(
         trie = lookup_tree(window, tail, k, depth)
     else:
         trie, depth = line_trie(*lookup_drafts(window, tail, k)), k
-    trie = trie._replace(real=trie.real & (trie.level < (s.max_new - s.count)[:, None]))
+    # A slot drafts no further than one token short of its budget, and scores a node only at a
+    # position plain decoding writes (up to ``left - 1`` past the fed token's; the page tables
+    # hold no more). A node sits at its index, its level at most that (a line's: equal).
+    left = (s.max_new - s.count)[:, None]
+    trie = trie._replace(real=trie.real & (jnp.arange(1, k + 1) < left))
     S, T = s.last.shape[0], k + 1
     ids = jnp.concatenate([s.last[:, None], trie.tokens], axis=1)
     level = jnp.concatenate([jnp.zeros((S, 1), jnp.int32), trie.level], axis=1)
