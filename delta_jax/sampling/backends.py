@@ -34,6 +34,7 @@ from delta_jax.sampling.paged import (
 )
 from delta_jax.sampling.pages import page_lists, page_tables, pages_for, pow2
 from delta_jax.sampling.spec import EngineSpec
+from delta_jax.sampling.trie_kernel import trie_attention
 
 __all__ = [
     "NAMES",
@@ -53,9 +54,11 @@ class PagedBackend:
     """
 
     name: ClassVar[str] = "xla"
-    # The prefill's and the decode's paged attention (one signature, ``PagedAttention``).
+    # The prefill's and the decode's paged attention (one signature, ``PagedAttention``), and
+    # a verify step's of a trie of drafts (the same, with the ancestors' mask ``inside``).
     prefill_attention: ClassVar[PagedAttention] = staticmethod(xla_attention)
     decode_attention: ClassVar[PagedAttention] = staticmethod(xla_attention)
+    trie_attention: ClassVar[PagedAttention] = staticmethod(xla_attention)
 
     # ---- host ------------------------------------------------------------------------------
 
@@ -132,7 +135,7 @@ class PagedBackend:
             valid,
             state,
             self._decode_pages(slots),
-            attend=self.decode_attention,
+            attend=self.decode_attention if inside is None else self.trie_attention,
             mesh=mesh,
             rope=slots.pos[:, None] + level,
             inside=inside,
@@ -181,11 +184,13 @@ class XlaBackend(PagedBackend):
 
 
 class PallasBackend(PagedBackend):
-    """Page tables and the ragged paged attention TPU kernel for decode; the prefill (several
-    tokens per row) on the XLA path."""
+    """Page tables and the ragged paged attention TPU kernel for decode (verify steps of tries:
+    :mod:`~delta_jax.sampling.trie_kernel`); the prefill (several tokens per row) on the XLA
+    path."""
 
     name = "pallas"
     decode_attention = staticmethod(pallas_attention)
+    trie_attention = staticmethod(trie_attention)
 
     def refusal(self, spec):
         # The kernel's page table is a TPU scalar-memory operand (see :mod:`smem`).

@@ -16,7 +16,7 @@ with a paged attention, all of one signature (:data:`PagedAttention`):
   the pool; used on GPU, and for prefill on accelerators;
 * :func:`pallas_attention`: JAX's ``ragged_paged_attention`` TPU kernel (decode: one query
   per sequence, or a few at consecutive positions); a verify step of a trie of drafts, whose
-  mask that kernel does not take, on :mod:`delta_jax.sampling.trie_kernel`'s;
+  mask that kernel does not take, runs on :mod:`delta_jax.sampling.trie_kernel`'s;
 * :func:`~delta_jax.sampling.dense_cpu.dense_attention`: the CPU path (XLA:CPU, where per-op
   overheads dominate small steps): every sequence's page-table pages gathered into one
   contiguous view and attended to at once with the static sampler's attention; its decode runs
@@ -247,7 +247,7 @@ def _segment_sum(x, segments, num):
     return jax.ops.segment_sum(x, segments, num_segments=num, indices_are_sorted=True)
 
 
-def pallas_attention(q, kv, positions, valid, page_table, inside=None):
+def pallas_attention(q, kv, positions, valid, page_table):
     """Paged attention with JAX's ragged paged attention TPU kernel (one group): ``T`` queries
     per row at consecutive positions, the row's last ``T`` (a decode step: 1; a speculative
     verify step: the fed token and its drafts), each attending to the positions up to its own.
@@ -255,15 +255,7 @@ def pallas_attention(q, kv, positions, valid, page_table, inside=None):
     A row's queries past its valid ones may read stale K/V at the positions after them (their
     own writes went to the scratch page); their outputs are the caller's to discard, as an idle
     row's are.
-
-    ``inside [B, T, T]`` (a verify step of a trie of drafts): each query attends to the step's
-    positions it marks (its ancestors), with this package's kernel
-    (:func:`~delta_jax.sampling.trie_kernel.trie_attention`).
     """
-    if inside is not None:
-        from delta_jax.sampling.trie_kernel import trie_attention
-
-        return trie_attention(q, kv, positions, valid, page_table, inside)
     B, T, N, D = q.shape
     # The kernel copies every sequence's pages up to its length: an idle slot gets length T
     # (its scratch page) instead of the stale position it stopped at.

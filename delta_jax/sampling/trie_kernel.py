@@ -139,40 +139,23 @@ def _kernel(
     s, slots = pl.program_id(0), pl.num_programs(0)
     _, K, Rp, D = q_ref.shape
     C = 2 * K
-    width = table_ref.shape[1]
     tokens = per_block * page_size
-
-    def blocks(slot):
-        return (prefix_ref[slot] + tokens - 1) // tokens
-
-    def copies(slot, block, which):
-        return [
-            pltpu.make_async_copy(
-                kv_hbm.at[table_ref[slot, jnp.minimum(block * per_block + i, width - 1)]],
-                buf.at[which, i],
-                sem.at[which],
-            )
-            for i in range(per_block)
-        ]
-
-    def start(slot, block, which):
-        for c in copies(slot, block, which):
-            c.start()
+    blocks = _Blocks(prefix_ref, table_ref, kv_hbm, buf, sem, per_block, tokens)
 
     def start_next_slot(which):
-        @pl.when((s + 1 < slots) & (blocks(jnp.minimum(s + 1, slots - 1)) > 0))
+        @pl.when((s + 1 < slots) & (blocks.count(jnp.minimum(s + 1, slots - 1)) > 0))
         def _():
-            start(s + 1, 0, which)
+            blocks.start(s + 1, 0, which)
 
     @pl.when(s == 0)
     def _():
         parity[0] = 0
 
-        @pl.when(blocks(0) > 0)
+        @pl.when(blocks.count(0) > 0)
         def _():
-            start(0, 0, 0)
+            blocks.start(0, 0, 0)
 
-    first, n = parity[0], blocks(s)
+    first, n = parity[0], blocks.count(s)
     queries = [q_ref[0, h].astype(buf.dtype) for h in range(K)]
     init = [
         (jnp.full((Rp, 1), _MASKED, jnp.float32), jnp.zeros((Rp, 1), jnp.float32),
@@ -182,12 +165,11 @@ def _kernel(
 
     def block(b, state):
         which = (first + b) % 2
-        for c in copies(s, b, which):
-            c.wait()
+        blocks.wait(s, b, which)
 
         @pl.when(b + 1 < n)
         def _():
-            start(s, b + 1, 1 - which)
+            blocks.start(s, b + 1, 1 - which)
 
         @pl.when(b + 1 == n)
         def _():
@@ -214,6 +196,43 @@ def _kernel(
         keys, values = _head(own, h, C, Tp)
         _, total, acc = _fold(state[h], queries[h], keys, values, sees_ref[0] != 0, scale)
         o_ref[0, h] = (acc / jnp.where(total > 0, total, 1.0)).astype(o_ref.dtype)
+
+
+class _Blocks:
+    """A slot's prefix in blocks of ``per_block`` pages (``tokens`` positions), copied from the
+    pool in HBM into one of two VMEM buffers."""
+
+    def __init__(self, prefix_ref, table_ref, kv_hbm, buf, sem, per_block: int, tokens: int):
+        self.prefix, self.table, self.kv, self.buf, self.sem = (
+            prefix_ref,
+            table_ref,
+            kv_hbm,
+            buf,
+            sem,
+        )
+        self.per_block, self.tokens = per_block, tokens
+
+    def count(self, slot):
+        return (self.prefix[slot] + self.tokens - 1) // self.tokens
+
+    def _copies(self, slot, block, which):
+        last = self.table.shape[1] - 1
+        return [
+            pltpu.make_async_copy(
+                self.kv.at[self.table[slot, jnp.minimum(block * self.per_block + i, last)]],
+                self.buf.at[which, i],
+                self.sem.at[which],
+            )
+            for i in range(self.per_block)
+        ]
+
+    def start(self, slot, block, which):
+        for c in self._copies(slot, block, which):
+            c.start()
+
+    def wait(self, slot, block, which):
+        for c in self._copies(slot, block, which):
+            c.wait()
 
 
 def _head(flat, h: int, C: int, tokens: int):
