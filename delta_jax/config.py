@@ -176,7 +176,7 @@ class RolloutConfigSection:
     speculate: bool | Literal["auto"] = False
     draft_tokens: int = ranged(4, 1)
     # 0: a line of draft_tokens drafts per verify step; d > 0: a trie of up to draft_tokens
-    # nodes at most d deep, each attending to its ancestors (on TPU on the XLA attention path).
+    # nodes at most d deep, each attending to its ancestors (on TPU with the trie kernel).
     draft_depth: int = ranged(0, 0)
     # python_tool's call format: "tool_call" (Qwen3's <tool_call> JSON, the tool declared in
     # the chat template), "fenced" (a ```python block, for base models), "auto": "tool_call"
