@@ -260,14 +260,15 @@ def pallas_attention(q, kv, positions, valid, page_table):
     # The kernel copies every sequence's pages up to its length: an idle slot gets length T
     # (its scratch page) instead of the stale position it stopped at.
     kv_lens = jnp.where(valid[:, 0], positions[:, -1] + 1, T).astype(jnp.int32)
-    q = q.reshape(B * T, N, D)
     # The page table is a scalar-memory (SMEM) operand of 1 MiB at most: slots go through the
     # kernel in calls that each fit (``smem``); every call reads the same pool in HBM.
-    outs = [
-        _ragged_call(q[s * T : (s + n) * T], kv, kv_lens[s : s + n], page_table[s : s + n], T)
-        for s, n in smem.row_chunks(B, page_table.shape[1])
-    ]
-    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+    out = smem.in_row_chunks(
+        lambda q, lens, table: _ragged_call(q.reshape(-1, N, D), kv, lens, table, T),
+        page_table.shape[1],
+        q,
+        kv_lens,
+        page_table,
+    )
     return out.reshape(B, T, N, D)
 
 

@@ -21,6 +21,8 @@ compiles; only a page table too wide for even 8 slots cannot (the engine refuses
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 SMEM_BYTES = 1 << 20  # per TensorCore, v4 / v5e / v5p / v6e (the compiler's "size=1048576")
 SMEM_RESERVED = 1168  # spill slots (1,024) + the compiler's own (144): measured, see above
 SUBLANES, LANES, WORD = 8, 128, 4
@@ -62,6 +64,14 @@ def row_chunks(rows: int, width: int, budget: int = SMEM_BYTES) -> list[tuple[in
     calls = -(-rows // most)
     size = _up(-(-rows // calls), SUBLANES)
     return [(start, min(size, rows - start)) for start in range(0, rows, size)]
+
+
+def in_row_chunks(call, width: int, *per_row):
+    """``call`` on each range of :func:`row_chunks` of the arrays ``per_row`` (one leading entry
+    per slot, a ``width``-page table among them), its results joined along the slots."""
+    chunks = row_chunks(per_row[0].shape[0], width)
+    outs = [call(*(x[s : s + n] for x in per_row)) for s, n in chunks]
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
 
 
 def page_table_error(width: int) -> str:

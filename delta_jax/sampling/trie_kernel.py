@@ -73,13 +73,8 @@ def trie_attention(
     sees = sees.astype(jnp.int32)  # [B, Rp, Tp]: rows (t, g), own positions u
 
     # The page table is a scalar-memory operand: slots go through in calls that each fit it.
-    outs = []
-    for s, n in smem.row_chunks(B, page_table.shape[1]):
-        rows_, own_, sees_, prefix_, table_ = (
-            x[s : s + n] for x in (rows, own, sees, prefix, page_table)
-        )
-        outs.append(_call(rows_, own_, sees_, kv, prefix_, table_))
-    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)  # [B, K, Rp, D]
+    call = functools.partial(_call, kv)
+    out = smem.in_row_chunks(call, page_table.shape[1], rows, own, sees, prefix, page_table)
     out = out[:, :, :R].reshape(B, K, T, G, D).transpose(0, 2, 1, 3, 4)
     return out.reshape(B, T, N, D)
 
@@ -88,7 +83,7 @@ def _sublanes(dtype) -> int:
     return 8 * (4 // jnp.dtype(dtype).itemsize)
 
 
-def _call(rows, own, sees, kv, prefix, page_table):
+def _call(kv, rows, own, sees, prefix, page_table):
     B, K, Rp, D = rows.shape
     _, page_size, C, _ = kv.shape
     per_block = min(KV_PAGES_PER_BLOCK, page_table.shape[1])
