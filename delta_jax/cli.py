@@ -1,8 +1,8 @@
 """The ``delta-jax`` command: train, eval, sample, export, plot.
 
 Kept thin: each sub-command parses its arguments and calls the library. User mistakes (bad
-config keys or values, missing files, malformed data) end as one ``error:`` line and exit code 2,
-never a traceback.
+config keys or values, missing files, malformed data, an optional dependency the command needs
+and the install lacks) end as one ``error:`` line and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 from delta_jax.config import ConfigError, load_config
 from delta_jax.eval import add_eval_arguments, run_eval_cli
+from delta_jax.extras import MissingExtra
 
 
 def _cmd_train(args) -> int:
@@ -191,11 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("absl", "jax._src", "orbax", "httpx", "matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    if args.command != "plan":  # the planner works on fake devices, never a cluster
-        distributed.initialize()
     try:
+        if args.command != "plan":  # the planner works on fake devices, never a cluster
+            distributed.check_tpu_runtime()
+            distributed.initialize()
         return args.fn(args)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, ValueError, MissingExtra) as e:
         if args.verbose:
             raise
         print(f"error: {e}", file=sys.stderr)

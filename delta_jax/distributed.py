@@ -32,6 +32,8 @@ from typing import Any, TypeVar
 
 import jax
 
+from delta_jax import extras
+
 log = logging.getLogger(__name__)
 
 ENV_COORDINATOR = "DELTA_JAX_COORDINATOR"
@@ -95,6 +97,19 @@ def _tpu_attached() -> bool:
         except OSError:
             continue
     return _on_tpu_vm()
+
+
+def check_tpu_runtime() -> None:
+    """Refuses to run where a TPU is attached but libtpu is missing (JAX would quietly run on
+    the CPU); a user who chose other platforms (``JAX_PLATFORMS``) is left alone.
+
+    Raises:
+      extras.MissingExtra: naming the install of the ``tpu`` extra.
+    """
+    if "tpu" not in (os.environ.get("JAX_PLATFORMS") or "tpu"):
+        return
+    if _tpu_attached() and not extras.installed("tpu"):
+        raise extras.MissingExtra(extras.missing("tpu", "this machine has a TPU: running on it"))
 
 
 def leave_out_absent_tpu() -> bool:

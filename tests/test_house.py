@@ -22,7 +22,7 @@ MAX_FUNCTION_LINES = 80
 # the run's configuration sits above the stages it configures (it checks data's task names).
 LAYERS = [
     ["losses"],
-    ["distributed", "hub", "sharding", "models"],
+    ["extras", "distributed", "hub", "sharding", "models"],
     ["checkpoint", "data", "rewards", "envs", "sampling", "eval_sets", "demo"],
     ["config", "diagnostics"],
     ["rl", "eval"],

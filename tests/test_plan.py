@@ -10,6 +10,7 @@ from flax import nnx
 from delta_jax import plan as plan_lib
 from delta_jax import sharding as sh
 from delta_jax.config import load_config
+from delta_jax.extras import MissingExtra
 from delta_jax.models import Transformer
 from delta_jax.plan import compiler as plan_compiler
 from delta_jax.plan.compiler import chip_grid
@@ -238,7 +239,7 @@ def test_without_libtpu_plan_says_it_used_the_cpu_estimate(monkeypatch):
     monkeypatch.setattr(plan_compiler, "tpu_compiler_available", lambda: False)
     kind, why = plan_lib.resolve_compiler("auto")
     assert kind == "cpu" and why.startswith("libtpu not importable")
-    with pytest.raises(ValueError, match="--compiler tpu needs libtpu"):
+    with pytest.raises(MissingExtra, match="--compiler tpu needs libtpu"):
         plan_lib.resolve_compiler("tpu")
 
 

@@ -11,7 +11,7 @@ tasks, so seeds ``s`` and ``s + 1`` share all their entries but one. The held-ou
 generated from seed ``s + EVAL_SEED_OFFSET`` (1_000_003), and a training set holds at most
 ``MAX_SIZE`` (1_000_000) entries, so the two never draw from the same random stream.
 
-``reasoning_gym`` is an optional dependency (``pip install "delta_jax[gym]"``), imported on
+``reasoning_gym`` is an optional dependency (``pip install -e ".[gym]"``), imported on
 first use.
 """
 

@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from delta_jax import extras
+
 log = logging.getLogger(__name__)
 
 
@@ -71,14 +73,10 @@ class MetricsLog:
 
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
         if wandb:
-            try:
-                import wandb as wandb_lib
-            except ImportError:
-                log.warning("run.wandb=true but wandb is not installed; skipping W&B logging")
-            else:
-                self._wandb = wandb_lib.init(
-                    dir=str(run_dir), config=config, resume="allow", name=Path(run_dir).name
-                )
+            wandb_lib = extras.require("wandb", "run.wandb=true")
+            self._wandb = wandb_lib.init(
+                dir=str(run_dir), config=config, resume="allow", name=Path(run_dir).name
+            )
 
     def _truncate_after(self, step: int | None) -> None:
         if not self.path.exists():

@@ -5,7 +5,7 @@ abstractly (``nnx.eval_shape``, no weights allocated), lowers and compiles the r
 and its sampler program for the real shapes, and reads each program's per-device memory from the
 compiler's buffer assignment (``compiled.memory_analysis()``). Two compilers:
 
-* the TPU compiler (when ``libtpu`` is importable: ``pip install "delta-jax[tpu]"``): the programs
+* the TPU compiler (when ``libtpu`` is importable: ``pip install -e ".[tpu]"``): the programs
   are compiled, compile-only, for the slice's real topology
   (``jax.experimental.topologies.get_topology_desc``), no TPU attached; the figures are what the
   TPU program needs (Pallas kernels such as splash attention included);

@@ -4,7 +4,6 @@ devices for it, and compiling one program into its :class:`ProgramMemory`."""
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import math
 import os
 import re
@@ -13,13 +12,14 @@ from collections.abc import Callable
 
 import jax
 
+from delta_jax import extras
 from delta_jax import sharding as sh
 from delta_jax.plan.report import ProgramMemory
 
 
 def tpu_compiler_available() -> bool:
     """Whether the TPU compiler (``libtpu``, the ``tpu`` extra) can be loaded."""
-    return importlib.util.find_spec("libtpu") is not None
+    return extras.installed("tpu")
 
 
 def resolve_compiler(compiler: str) -> tuple[str, str]:
@@ -31,8 +31,8 @@ def resolve_compiler(compiler: str) -> tuple[str, str]:
     if tpu_compiler_available():
         return "tpu", f"libtpu {importlib.metadata.version('libtpu')}"
     if compiler == "tpu":
-        raise ValueError('--compiler tpu needs libtpu: pip install "delta-jax[tpu]"')
-    return "cpu", 'libtpu not importable (pip install "delta-jax[tpu]" for TPU figures)'
+        raise extras.MissingExtra(extras.missing("tpu", "--compiler tpu"))
+    return "cpu", f"libtpu not importable ({extras.install_command('tpu')} for TPU figures)"
 
 
 def chip_grid(chips: int, dims: int) -> tuple[int, ...]:

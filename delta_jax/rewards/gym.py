@@ -20,20 +20,17 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from delta_jax import extras
+
 GYM_ENTRY = "gym_entry"  # the item field (PromptRecord.extra key) holding the whole entry
-INSTALL_HINT = 'reasoning_gym is not installed: pip install "delta_jax[gym]"'
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def import_reasoning_gym() -> Any:
-    """The ``reasoning_gym`` module, imported on first use (an optional dependency)."""
-    try:
-        import reasoning_gym
-    except ImportError:
-        raise ImportError(INSTALL_HINT) from None
-    return reasoning_gym
+    """The ``reasoning_gym`` module, imported on first use (the ``gym`` extra)."""
+    return extras.require("gym", "a reasoning_gym task (data source or reward)")
 
 
 def extract_gym_answer(response: str, expected: str | None = None) -> str:

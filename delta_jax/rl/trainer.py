@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import yaml
 from flax import nnx
 
+from delta_jax import distributed, extras
 from delta_jax import sharding as sh
 from delta_jax.checkpoint import Checkpointer
 from delta_jax.config import Config, ConfigError, load_config
@@ -141,6 +142,18 @@ def as_config(config: Config | str | Path | Mapping[str, Any] | None) -> Config:
     )
 
 
+def require_extras(cfg: Config) -> None:
+    """What the run needs beyond the package's dependencies, checked before anything loads
+    (reasoning-gym sources and rewards are checked with the config itself).
+
+    Raises:
+      extras.MissingExtra: one line naming the install that adds the missing extra.
+    """
+    distributed.check_tpu_runtime()
+    if cfg.run.wandb and not extras.installed("wandb"):
+        raise extras.MissingExtra(extras.missing("wandb", "run.wandb=true"))
+
+
 class Trainer:
     """An RL run of a policy on prompts with verifiable rewards (DelTA by default).
 
@@ -192,6 +205,7 @@ class Trainer:
         environment: Any = None,
     ):
         self.config = cfg = as_config(config)
+        require_extras(cfg)
         self.mesh = sh.mesh_from_config(cfg.run.mesh)
         self.parts: RunParts = build_run_parts(
             cfg,
