@@ -9,8 +9,9 @@ placeholders such as ``C.yaml`` or ``RUN_DIR``: not run, list concrete instances
 Commands come from the fenced ``bash``/``text`` blocks (each line a command, after the block's
 ``cd`` / ``export`` lines) and from inline code spans that start a command (``python ...``,
 ``mkdocs ...``, ``pip install ...``, ``delta-jax`` with a config, a run or a model; a span that
-names a command in passing, ``delta-jax train``, is not run). Each runs from the repository root through ``bash`` in the environment
-this script runs in (its ``bin`` first on ``PATH``), one at a time, in page order.
+names a command in passing, ``delta-jax train``, is not run). Each runs from the repository
+root through ``bash`` in the environment this script runs in (its ``bin`` first on ``PATH``),
+one at a time, in page order.
 """
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-STARTS = ("delta-jax ", "python ", "python3 ", "mkdocs ", "pip install", "launch/", "cd ", "export ")
+STARTS = (
+    "delta-jax ",
+    "python ",
+    "python3 ",
+    "mkdocs ",
+    "pip install",
+    "launch/",
+    "cd ",
+    "export ",
+)
 PLACEHOLDER = re.compile(r"\b(C\.yaml|RUN_DIR|DIR|FILE|PNG|OUT|S)\b|\.\.\.|\[section")
 
 

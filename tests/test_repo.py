@@ -4,9 +4,10 @@ declares what it imports."""
 import ast
 import re
 import sys
-import tomllib
 from importlib import metadata
 from pathlib import Path
+
+import tomllib
 
 from delta_jax import extras
 
