@@ -236,16 +236,16 @@ class AlgoConfigSection:
     kl_coef: float = ranged(0.0, 0)  # 0: no KL term (and no reference pass)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = ranged(0.0, 0)  # 0: no entropy bonus
-    # Truncated importance sampling against the sampler's log-probs: weights capped at this
-    # value (> 0; None disables).
+    # Truncated importance weights against the sampler's log-probs, capped here (None: off).
     tis_cap: float | None = ranged(None, 0, bounds="(]")
-    # Optimiser updates per rollout batch (DELTA_SPEC §7: 4), and gradient-accumulation
-    # micro-batches per update.
+    # Optimiser updates per rollout batch (DELTA_SPEC §7: 4); accumulated micro-batches each.
     mini_batches: int = ranged(1, 1)
     micro_batches: int = ranged(1, 1)
     # Pack prompt+response sequences first-fit-decreasing into rows of `tokens_per_row` input
-    # positions for the update (false: one sequence per row, padded to the longest possible).
+    # positions for the update (false: one sequence per row, padded to the longest possible);
+    # share_prompts: a prompt once per row for its responses there, exact (rl.packing).
     packing: bool = True
+    share_prompts: bool = False
     # None: the longest possible sequence, data.max_prompt_length + rollout.max_new_tokens - 1.
     tokens_per_row: int | None = None
 
@@ -520,9 +520,9 @@ def validate(config: Config) -> None:
             "(a soft gate, no clip range)"
         )
     if a.lam_min > a.lam_max:
-        raise ConfigError(
-            f"algo.lam_min={a.lam_min} / algo.lam_max={a.lam_max}: need 0 <= min <= max"
-        )
+        raise ConfigError(f"algo.lam_min={a.lam_min} > algo.lam_max={a.lam_max}: need min <= max")
+    if a.share_prompts and not a.packing:
+        raise ConfigError("algo.share_prompts=true needs algo.packing=true (shared in packed rows)")
     longest = config.data.max_prompt_length + r.max_new_tokens - 1
     if a.tokens_per_row is not None and a.tokens_per_row < longest:
         raise ConfigError(

@@ -10,6 +10,13 @@ Every implementation computes the same thing: for queries ``q [B, T, N, D]`` and
 segment of its own, so every query sees at least itself and no row of the softmax is empty (the
 outputs at padded positions are finite and meaningless; losses mask them).
 
+A shared prompt (``parent_ids [B, T]``, optional): a row may hold a prompt once followed by
+several of its responses, each a segment of its own whose tokens name the prompt's segment as
+their parent (a token with no shared prompt is its own parent). Token t then also sees the
+tokens ``s <= t`` of its parent segment::
+
+    visible(t, s) = s <= t and seg[s] in (seg[t], parent[t])
+
 Implementations (``model.attention``):
 
 * ``dense``: the full ``[B, K, G, T, T]`` float32 score matrix (see
@@ -66,6 +73,7 @@ def attention(
     v: Float[Array, "B T K D"],
     segment_ids: Int[Array, "B T"],
     *,
+    parent_ids: Int[Array, "B T"] | None = None,
     impl: Impl = "auto",
     block: int = 512,
     name: str | None = None,
@@ -77,6 +85,8 @@ def attention(
       k: keys [B, T, K, D] (after RoPE).
       v: values [B, T, K, D].
       segment_ids: int[B, T], the sequence each token belongs to; 0 = padding.
+      parent_ids: int[B, T], the segment of the shared prompt each token continues (itself
+        where none), or None: no shared prompts.
       impl: one of :data:`IMPLS`.
       block: query / key block length of ``chunked`` and ``splash`` (``model.attention_block``).
       name: ``checkpoint_name`` of the splash kernel's residuals (its output and log-sum-exp),
@@ -87,13 +97,18 @@ def attention(
     """
     impl = resolve_impl(impl, q.shape[1], _platform())
     if impl == "dense":
-        return dense(q, k, v, segment_ids)
+        return dense(q, k, v, segment_ids, parent_ids)
     if impl == "chunked":
-        return chunked(q, k, v, segment_ids, block=block)
+        return chunked(q, k, v, segment_ids, parent_ids, block=block)
     if impl == "splash":
+        if parent_ids is not None:
+            raise ValueError(
+                "shared prompts (algo.share_prompts) do not run on the splash kernel yet: "
+                "model.attention=chunked, or algo.share_prompts=false"
+            )
         return splash(q, k, v, segment_ids, block=block, name=name)
     if impl == "cudnn":
-        return cudnn(q, k, v, segment_ids)
+        return cudnn(q, k, v, segment_ids, parent_ids)
     raise ValueError(f"model.attention={impl!r}; expected one of {IMPLS}")
 
 
@@ -131,21 +146,27 @@ def _platform() -> str:
     return jax.default_backend()
 
 
-def visible(segment_ids: Int[Array, "B T"]) -> jax.Array:
-    """bool[B, T, T]: query t may attend to key s (``s <= t`` and the same segment)."""
+def visible(segment_ids: Int[Array, "B T"], parent_ids: Int[Array, "B T"] | None = None):
+    """bool[B, T, T]: query t may attend to key s (``s <= t``, in t's segment or its parent's)."""
     T = segment_ids.shape[1]
     causal = jnp.tril(jnp.ones((T, T), bool))
-    return causal[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    return causal[None] & sees(segment_ids, parent_ids, segment_ids)
 
 
-def dense(q, k, v, segment_ids):
+def sees(seg_q, parent_q, seg_k) -> jax.Array:
+    """bool[B, Tq, Tk]: key segment in the query's segment or its parent's (causality aside)."""
+    same = seg_q[:, :, None] == seg_k[:, None, :]
+    return same if parent_q is None else same | (parent_q[:, :, None] == seg_k[:, None, :])
+
+
+def dense(q, k, v, segment_ids, parent_ids=None):
     """Attention with the whole score matrix materialised (float32 scores and softmax)."""
     B, T, N, D = q.shape
     K = k.shape[2]
     q = q.reshape(B, T, K, N // K, D)
     acc_dtype = accumulation_dtype(q.dtype)
     scores = jnp.einsum("BTKGD,BSKD->BKGTS", q, k, preferred_element_type=acc_dtype)
-    scores = jnp.where(visible(segment_ids)[:, None, None], scores * D**-0.5, _NEG)
+    scores = jnp.where(visible(segment_ids, parent_ids)[:, None, None], scores * D**-0.5, _NEG)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("BKGTS,BSKD->BTKGD", probs, v).reshape(B, T, N, D)
 
@@ -156,7 +177,7 @@ def _pad_length(x, length: int, value=0):
     return jnp.pad(x, pad, constant_values=value)
 
 
-def chunked(q, k, v, segment_ids, *, block: int = 512):
+def chunked(q, k, v, segment_ids, parent_ids=None, *, block: int = 512):
     """Blockwise attention with an online softmax; memory ``O(T x block)`` forward and backward.
 
     Queries are split into blocks of ``block``; each query block runs a scan over the key blocks
@@ -173,16 +194,18 @@ def chunked(q, k, v, segment_ids, *, block: int = 512):
     n = Tp // block
     # Appended tokens (segment 0, after every real token) are invisible to the real queries.
     q, k, v, seg = (_pad_length(x, Tp) for x in (q, k, v, segment_ids))
+    par = seg if parent_ids is None else _pad_length(parent_ids, Tp)
     qb = q.reshape(B, n, block, K, G, D).swapaxes(0, 1)  # [n, B, bq, K, G, D]
     kb = k.reshape(B, n, block, K, D).swapaxes(0, 1)  # [n, B, bk, K, D]
     vb = v.reshape(B, n, block, K, D).swapaxes(0, 1)
     sb = seg.reshape(B, n, block).swapaxes(0, 1)  # [n, B, block]
+    pb = par.reshape(B, n, block).swapaxes(0, 1)
     scale = D**-0.5
     acc_dtype = accumulation_dtype(q.dtype)
 
     @jax.checkpoint
     def query_block(args):
-        i, q_i, seg_q = args
+        i, q_i, seg_q, par_q = args
         pos_q = i * block + jnp.arange(block)
 
         def key_block(carry, xs):
@@ -192,7 +215,7 @@ def chunked(q, k, v, segment_ids, *, block: int = 512):
             def update(carry):
                 m, norm, acc = carry
                 s = jnp.einsum("BTKGD,BSKD->BKGTS", q_i, k_j, preferred_element_type=acc_dtype)
-                see = (pos_q[:, None] >= pos_k[None, :]) & (seg_q[:, :, None] == seg_k[:, None, :])
+                see = (pos_q[:, None] >= pos_k[None, :]) & sees(seg_q, par_q, seg_k)
                 see = see[:, None, None]  # [B, 1, 1, bq, bk]
                 s = jnp.where(see, s * scale, _NEG)
                 # The max only stabilises the exponentials; the result does not depend on it.
@@ -217,7 +240,7 @@ def chunked(q, k, v, segment_ids, *, block: int = 512):
         out = acc / norm[..., None]  # every query sees itself: norm > 0
         return jnp.einsum("BKGTD->BTKGD", out).astype(q_i.dtype)
 
-    out = jax.lax.map(query_block, (jnp.arange(n), qb, sb))  # [n, B, bq, K, G, D]
+    out = jax.lax.map(query_block, (jnp.arange(n), qb, sb, pb))  # [n, B, bq, K, G, D]
     return out.swapaxes(0, 1).reshape(B, Tp, N, D)[:, :T]
 
 
@@ -324,7 +347,7 @@ def slot_attention(
     return jnp.swapaxes(out.reshape(B, K, T, G, D), 1, 2).reshape(B, T, N, D)
 
 
-def cudnn(q, k, v, segment_ids):
+def cudnn(q, k, v, segment_ids, parent_ids=None):
     """``jax.nn.dot_product_attention`` with cuDNN's fused kernel (CUDA GPUs only).
 
     The segment mask is passed as a boolean ``[B, 1, T, T]`` mask (cuDNN has no segment ids).
@@ -334,7 +357,7 @@ def cudnn(q, k, v, segment_ids):
             f"model.attention='cudnn' needs a CUDA GPU (this backend: {_platform()}); use "
             "'auto', 'chunked' or 'dense' here, 'splash' on TPU"
         )
-    mask = visible(segment_ids)[:, None]
+    mask = visible(segment_ids, parent_ids)[:, None]
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
 
 
@@ -349,6 +372,7 @@ __all__ = [
     "dense",
     "resolve_impl",
     "slot_attention",
+    "sees",
     "splash",
     "visible",
 ]

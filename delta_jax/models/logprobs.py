@@ -43,6 +43,7 @@ def token_logprobs(
     attention_mask: Bool[Array, "B T"] | Int[Array, "B T"] | None = None,
     positions: Int[Array, "B T"] | None = None,
     segment_ids: Int[Array, "B T"] | None = None,
+    parent_ids: Int[Array, "B T"] | None = None,
     temperature: float | Float[Array, ""] = 1.0,
     return_entropy: bool = False,
     return_hidden: bool = False,
@@ -60,10 +61,13 @@ def token_logprobs(
     Args:
       model: the :class:`Transformer`.
       input_ids: int[B, T] tokens fed to the model.
-      targets: int[B, T] tokens to score (usually ``input_ids`` shifted left by one).
+      targets: int[B, T] tokens to score (usually ``input_ids`` shifted left by one); with
+        ``score_positions``, int[B, W]: each slot's target (a position shared by several
+        sequences, a shared prompt's last, predicts the first token of each).
       attention_mask: [B, T] real-token mask, as for the model.
       positions: int[B, T] positions, as for the model.
       segment_ids: int[B, T] packed-row segment ids (0 = padding), as for the model.
+      parent_ids: int[B, T] shared-prompt segments, as for the model.
       temperature: positive scalar dividing the logits.
       return_entropy: also return the entropy of each position's distribution.
       return_hidden: also return the final hidden state [B, T, H].
@@ -85,8 +89,9 @@ def token_logprobs(
       >>> token_logprobs(model, ids[:, :-1], ids[:, 1:]).logprobs.shape
       (1, 3)
     """
-    if targets.shape != input_ids.shape:
-        raise ValueError(f"targets shape {targets.shape} != input_ids shape {input_ids.shape}")
+    want = input_ids.shape if score_positions is None else score_positions.shape
+    if targets.shape != want:
+        raise ValueError(f"targets shape {targets.shape} != {want} (one per scored position)")
     if isinstance(temperature, (int, float)) and temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     if not 0 <= score_from < input_ids.shape[1]:
@@ -98,13 +103,14 @@ def token_logprobs(
         attention_mask=attention_mask,
         positions=positions,
         segment_ids=segment_ids,
+        parent_ids=parent_ids,
         return_logits=False,
     )
-    hidden, targets = out.hidden[:, score_from:], targets[:, score_from:]
-    if score_positions is not None:
+    if score_positions is None:
+        hidden, targets = out.hidden[:, score_from:], targets[:, score_from:]
+    else:
         at = jnp.maximum(score_positions, 0)
-        hidden = jnp.take_along_axis(hidden, at[..., None], axis=1)
-        targets = jnp.take_along_axis(targets, at, axis=1)
+        hidden = jnp.take_along_axis(out.hidden, at[..., None], axis=1)
     B, T, H = hidden.shape
     w = lm_head_weight(model).astype(model.dtype)
     lp, ent = chunked_logprobs(

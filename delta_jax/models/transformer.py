@@ -219,6 +219,7 @@ class Transformer(nnx.Module):
         attention_mask: Bool[Array, "B T"] | Int[Array, "B T"] | None = None,
         positions: Int[Array, "B T"] | None = None,
         segment_ids: Int[Array, "B T"] | None = None,
+        parent_ids: Int[Array, "B T"] | None = None,
         cache: KVCache | None = None,
         return_logits: bool = True,
         layers: Sequence[dict[str, jax.Array]] | None = None,
@@ -234,7 +235,9 @@ class Transformer(nnx.Module):
         Packed rows: ``segment_ids`` numbers the sequences sharing a row (1, 2, ...; 0 marks
         padding). Token t then attends to tokens s <= t of its own segment only, positions
         default to the index within the segment, and ``attention_mask`` defaults to
-        ``segment_ids > 0``.
+        ``segment_ids > 0``. Shared prompts: ``parent_ids`` names, for each token, the segment
+        of the prompt it continues (itself where none), which it sees too
+        (:mod:`delta_jax.models.attention`); its ``positions`` are then given.
 
         Args:
           input_ids: int[B, T] token ids.
@@ -242,6 +245,8 @@ class Transformer(nnx.Module):
           positions: int[B, T] RoPE positions (default: see above).
           segment_ids: int[B, T] sequence number of each token in a packed row, 0 = padding
             (without a cache only).
+          parent_ids: int[B, T] segment of the shared prompt each token continues, with
+            ``segment_ids`` and ``positions``.
           cache: optional :class:`KVCache` with at least ``index + T`` slots.
           return_logits: False skips the LM head (``logits`` is None).
           layers: optional per-layer parameters from :meth:`layer_params` (computed once outside
@@ -251,16 +256,21 @@ class Transformer(nnx.Module):
           :class:`ModelOutput` (logits [B, T, V], hidden [B, T, H], cache).
         """
         cfg = self.config
-        mask, positions = _check_inputs(input_ids, attention_mask, positions, segment_ids, cache)
+        mask, positions = _check_inputs(
+            input_ids, attention_mask, positions, segment_ids, parent_ids, cache
+        )
         B, T = input_ids.shape
         if cache is None:
             # Padding (mask 0) becomes segment 0, a segment of its own (see models.attention).
             segments = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids
             segments = jnp.where(mask, segments, 0).astype(jnp.int32)
+            parents = None if parent_ids is None else jnp.where(mask, parent_ids, 0)
 
             def attend(q, k, v, state):
                 impl, block = cfg.attention, cfg.attention_block
-                out = attention(q, k, v, segments, impl=impl, block=block, name=_ATTENTION)
+                out = attention(
+                    q, k, v, segments, parent_ids=parents, impl=impl, block=block, name=_ATTENTION
+                )
                 return checkpoint_name(out, _ATTENTION), state
 
             states = None
@@ -339,11 +349,15 @@ class Transformer(nnx.Module):
         return ax.constrain(hidden, (ax.BATCH, ax.LENGTH, ax.EMBED)), new
 
 
-def _check_inputs(input_ids, attention_mask, positions, segment_ids, cache):
+def _check_inputs(input_ids, attention_mask, positions, segment_ids, parent_ids, cache):
     """The forward pass's inputs checked, and its mask and positions (see ``__call__``)."""
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [B, T], got shape {input_ids.shape}")
     B, T = input_ids.shape
+    if parent_ids is not None and (segment_ids is None or positions is None):
+        raise ValueError("parent_ids (shared prompts) need segment_ids and positions")
+    if parent_ids is not None and parent_ids.shape != (B, T):
+        raise ValueError(f"parent_ids shape {parent_ids.shape} != input_ids shape {(B, T)}")
     if segment_ids is not None:
         if cache is not None:
             raise ValueError("segment_ids (packed rows) cannot be combined with a KV cache")

@@ -24,6 +24,16 @@ the row's last ``W`` positions, as the prompt ends at the same place in every ro
 micro-batch is a token budget (:func:`micro_batch_shape`): packed rows need fewer
 micro-batches, and both counts are bucketed and shared by the mini-batches of a step, so a run
 compiles a bounded number of update programs.
+
+Shared prompts (``algo.share_prompts``, packed rows): the responses of one prompt go into a row
+as one *chunk*: the prompt's ``p`` tokens once, then each response's ``g - 1`` (as many as fit
+a row; a larger group is several chunks, each with the prompt). The prompt is a segment, each
+response a segment whose ``parent_ids`` name the prompt's (it sees the prompt and its own
+earlier tokens, :mod:`delta_jax.models.attention`), at positions continuing from the prompt's
+end. The prompt's last position predicts the first token of every response: it fills one slot
+per response, each with that response's target (``Layout.score_source`` / ``score_column``).
+Every response token sees what it sees in a row of its own, at the same position, so the
+log-probs, hidden states and gradients are the unshared update's.
 """
 
 from __future__ import annotations
@@ -43,13 +53,19 @@ from delta_jax.rl.update_plan import UpdatePlan
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where each input position of some rows comes from (int32 ``[..., rows, T]``)."""
+    """Where each input position of some rows comes from (int32 ``[..., rows, T]``), and in
+    packed rows what each scored slot predicts (int32 ``[..., rows, W]``)."""
 
     source: np.ndarray  # rollout sequence of the position (0 on padding)
     column: np.ndarray  # its column in the padded sequence prompt (P) ++ response (G)
-    segment_ids: np.ndarray  # 1, 2, ... per sequence in the row; 0 = padding
+    segment_ids: np.ndarray  # 1, 2, ... per sequence (or shared prompt) in the row; 0 = padding
     score: np.ndarray | None = None  # packed: [..., rows, W] positions predicting a response
     # token, in order; -1 = an empty slot. None: the padded layout's last W positions.
+    score_source: np.ndarray | None = None  # packed: the sequence whose token a slot predicts
+    score_column: np.ndarray | None = None  # ... the column of its input (target: the next)
+    score_segment: np.ndarray | None = None  # ... the segment of that sequence's response
+    positions: np.ndarray | None = None  # shared prompts: the rotary position of each input
+    parent_ids: np.ndarray | None = None  # ... the segment of the prompt it continues
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -81,13 +97,45 @@ def bucket_rows(rows: int, unit: int, limit: int) -> int:
     return min(unit * size, limit)
 
 
-def row_groups(plan: UpdatePlan, seqs: np.ndarray, prompt_lens, resp_lens) -> list[list[int]]:
-    """Sequences of each row of one mini-batch (``seqs``: its rollout sequences, in order)."""
+Chunk = tuple[int, ...]  # sequences laid out together: one, or several sharing their prompt
+
+
+def chunks(plan: UpdatePlan, seqs: np.ndarray, prompt_lens, resp_lens) -> list[Chunk]:
+    """The chunks of one mini-batch's sequences (in order): each sequence alone, or with shared
+    prompts the responses of each prompt (``plan.group_size`` consecutive sequences) in chunks
+    that fit a row, longest first."""
+    kept = [int(s) for s in seqs if resp_lens[s] > 0 or not plan.packing]
+    if not plan.share_prompts:
+        return [(s,) for s in kept]
+    groups: dict[int, list[int]] = {}
+    for s in kept:
+        groups.setdefault(s // plan.group_size, []).append(s)
+    out = []
+    for group in groups.values():
+        group.sort(key=lambda s: (-int(resp_lens[s]), s))
+        chunk, size = [], int(prompt_lens[group[0]])
+        for s in group:
+            if chunk and size + int(resp_lens[s]) - 1 > plan.row_len:
+                out.append(tuple(chunk))
+                chunk, size = [], int(prompt_lens[s])
+            chunk.append(s)
+            size += int(resp_lens[s]) - 1
+        out.append(tuple(chunk))
+    return out
+
+
+def chunk_span(chunk: Chunk, prompt_lens, resp_lens) -> int:
+    """Positions a chunk fills: its prompt once, each response's tokens but its last."""
+    return int(prompt_lens[chunk[0]]) + sum(int(resp_lens[s]) - 1 for s in chunk)
+
+
+def row_groups(plan: UpdatePlan, seqs: np.ndarray, prompt_lens, resp_lens) -> list[list[Chunk]]:
+    """Chunks of each row of one mini-batch (``seqs``: its rollout sequences, in order)."""
+    found = chunks(plan, seqs, prompt_lens, resp_lens)
     if not plan.packing:
-        return [[int(s)] for s in seqs]
-    kept = [int(s) for s in seqs if resp_lens[s] > 0]
-    spans = [int(prompt_lens[s] + resp_lens[s] - 1) for s in kept]
-    return [[kept[i] for i in row] for row in first_fit_decreasing(spans, plan.row_len)]
+        return [[c] for c in found]
+    spans = [chunk_span(c, prompt_lens, resp_lens) for c in found]
+    return [[found[i] for i in row] for row in first_fit_decreasing(spans, plan.row_len)]
 
 
 def score_width(plan: UpdatePlan, responses: int) -> int:
@@ -101,32 +149,46 @@ def score_width(plan: UpdatePlan, responses: int) -> int:
 
 
 def layout(
-    plan: UpdatePlan, groups: list[list[int]], rows: int, prompt_lens, resp_lens, width: int = 0
+    plan: UpdatePlan, groups: list[list[Chunk]], rows: int, prompt_lens, resp_lens, width: int = 0
 ) -> Layout:
-    """Index arrays ``[rows, T]`` of rows holding ``groups`` (padding rows after them); packed
-    rows also list their response positions in ``width`` slots."""
+    """Index arrays ``[rows, T]`` of rows holding ``groups`` of chunks (padding rows after
+    them); packed rows also list what their ``width`` slots predict."""
     P, T = plan.prompt_len, plan.row_len
-    source = np.zeros((rows, T), np.int32)
-    column = np.zeros((rows, T), np.int32)
-    segment_ids = np.zeros((rows, T), np.int32)
-    score = np.full((rows, width), -1, np.int32) if plan.packing else None
-    for r, group in enumerate(groups):
+    ints = lambda n, fill=0: np.full((rows, n), fill, np.int32)
+    source, column, segment_ids, positions, parent_ids = (ints(T) for _ in range(5))
+    score = ints(width, -1)
+    score_source, score_column, score_segment = (ints(width) for _ in range(3))
+    for r, row in enumerate(groups):
+
+        def place(at, s, first, n, seg, prompt, pos, r=r):
+            cut = slice(at, at + n)
+            source[r, cut], segment_ids[r, cut], parent_ids[r, cut] = s, seg, prompt
+            column[r, cut], positions[r, cut] = first + np.arange(n), pos + np.arange(n)
+
         # The padded layout keeps each sequence where it is (prompt ending at P); packed rows
-        # place them one after another from position 0.
-        at, slots = 0, []
-        for k, s in enumerate(group, start=1):
-            first = P - int(prompt_lens[s])
-            span = int(prompt_lens[s] + resp_lens[s]) - 1
-            start = first if not plan.packing else at
-            source[r, start : start + span] = s
-            column[r, start : start + span] = np.arange(first, first + span)
-            segment_ids[r, start : start + span] = k
-            # From the prompt's last token on, each position predicts a response token.
-            slots.extend(range(start + int(prompt_lens[s]) - 1, start + span))
-            at += span
-        if score is not None:
-            score[r, : len(slots)] = slots
-    return Layout(source, column, segment_ids, score)
+        # place the chunks one after another from position 0.
+        at, seg, k = 0, 0, 0
+        for chunk in row:
+            p = int(prompt_lens[chunk[0]])
+            at = at if plan.packing else P - p
+            prompt = seg = seg + 1
+            place(at, chunk[0], P - p, p, seg, prompt, 0)
+            last, at = at + p - 1, at + p
+            for s in chunk:
+                # A chunk of one is one segment; shared, each response is a segment of its own.
+                seg += len(chunk) > 1
+                n = int(resp_lens[s]) - 1
+                place(at, s, P, n, seg, prompt, p)
+                if plan.packing:  # its first token from the prompt's last position, then its own
+                    slots = slice(k, k + n + 1)
+                    score[r, slots] = [last, *range(at, at + n)]
+                    score_source[r, slots], score_segment[r, slots] = s, seg
+                    score_column[r, slots] = P - 1 + np.arange(n + 1)
+                    k += n + 1
+                at += n
+    packed = (score, score_source, score_column, score_segment) if plan.packing else [None] * 4
+    shared = (positions, parent_ids) if plan.share_prompts else (None, None)
+    return Layout(source, column, segment_ids, *packed, *shared)
 
 
 def micro_batch_shape(plan: UpdatePlan, rows: int, shards: int) -> tuple[int, int]:
@@ -160,21 +222,17 @@ def plan_rows(
     blocks = [order[m * per : (m + 1) * per] for m in range(plan.mini_batches)]
     groups = [row_groups(plan, b, prompt_lens, resp_lens) for b in blocks]
     micro, rows = micro_batch_shape(plan, max(map(len, groups)), shards)
-    fullest = max(int(sum(resp_lens[s] for s in row)) for g in groups for row in g or [[]])
+    responses = lambda row: sum(int(resp_lens[s]) for chunk in row for s in chunk)
+    fullest = max(responses(row) for g in groups for row in g or [[]])
     width = score_width(plan, fullest) if plan.packing else 0
     parts = [layout(plan, g, micro * rows, prompt_lens, resp_lens, width) for g in groups]
-    stack = lambda name: np.stack([getattr(p, name) for p in parts]).reshape(
-        plan.mini_batches, micro, rows, -1
-    )
-    out = Layout(
-        stack("source"), stack("column"), stack("segment_ids"),
-        stack("score") if plan.packing else None,
-    )  # fmt: skip
+    out = jax.tree.map(lambda *x: np.stack(x).reshape(plan.mini_batches, micro, rows, -1), *parts)
     real = float((out.segment_ids > 0).sum())
     stats = {
         "batch/packed_rows": micro * rows,
         "batch/micro_batches": micro,
         "batch/pad_fraction": 1.0 - real / out.segment_ids.size,
+        "batch/positions": real,
         "batch/scored_positions": (micro * rows) * (width or plan.window),
     }
     return out, stats
@@ -217,12 +275,14 @@ def assemble(
         else functools.partial(jax.lax.with_sharding_constraint, shardings=out_sharding)
     )
     tokens = sequences[src, col]
-    targets = sequences[src, jnp.minimum(col + 1, P + G - 1)]
     if index.score is None:  # padded: the window is each row's last W positions
         slot, src, col_w, seg_w = True, src[..., w:], col[..., w:], seg[..., w:]
-    else:  # packed: the positions the layout lists; -1 is an empty slot
-        pick = lambda x: jnp.take_along_axis(x, jnp.maximum(index.score, 0), axis=-1)
-        slot, src, col_w, seg_w = index.score >= 0, pick(src), pick(col), pick(seg)
+        targets = jnp.where(seg > 0, sequences[index.source, jnp.minimum(col + 1, P + G - 1)], 0)
+    else:  # packed: what the layout's slots predict; -1 is an empty slot
+        slot = index.score >= 0
+        src, col_w = index.score_source, index.score_column
+        seg_w = jnp.where(slot, index.score_segment, 0)
+        targets = jnp.where(slot, sequences[src, jnp.minimum(col_w + 1, P + G - 1)], 0)
     t = col_w + 1 - P
     at_target = lambda x: x[src, jnp.clip(t, 0, G - 1)]  # x [B, G] at the target's column
     # The target is one of the sequence's response tokens, and the policy drew it.
@@ -230,13 +290,17 @@ def assemble(
     if action_mask is not None:
         loss_mask = loss_mask & at_target(action_mask)
     per_token = lambda x: jnp.where(loss_mask, at_target(x), 0)
+    maybe = lambda x: None if x is None else put(x)
     return TrainBatch(
         tokens=put(jnp.where(seg > 0, tokens, 0)),
-        targets=put(jnp.where(seg > 0, targets, 0)),
+        targets=put(targets),
         segment_ids=put(seg),
         loss_mask=put(loss_mask),
         advantages=put(jnp.where(loss_mask, advantages[src], 0.0)),
         rollout_logprobs=put(per_token(rollout_logprobs)),
         coefficients=None if coefficients is None else put(per_token(coefficients)),
-        score_positions=None if index.score is None else put(index.score),
+        score_positions=maybe(index.score),
+        score_segments=None if index.score is None else put(seg_w),
+        positions=maybe(index.positions),
+        parent_ids=maybe(index.parent_ids),
     )

@@ -33,12 +33,11 @@ def forward_chunks(graphdef, plan: UpdatePlan, params, batch: TrainBatch, *, ent
     lead = batch.tokens.shape[:2]
     flat = lambda x: x.reshape(-1, *x.shape[2:])
 
-    def one(args):
+    def one(mb):
         model = nnx.merge(graphdef, params)
-        return window_logprobs(model, *args, plan, entropy=entropy, hidden=hidden)
+        return window_logprobs(model, mb, plan, entropy=entropy, hidden=hidden)
 
-    fields = (batch.tokens, batch.targets, batch.segment_ids, batch.score_positions)
-    out = jax.lax.map(one, tuple(None if x is None else flat(x) for x in fields))
+    out = jax.lax.map(one, jax.tree.map(flat, batch))
     return jax.tree.map(lambda x: x.reshape(*lead, *x.shape[1:]), out)
 
 

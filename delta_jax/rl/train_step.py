@@ -45,7 +45,7 @@ class TrainBatch:
     """
 
     tokens: jax.Array  # int32[M, b, T] input token of each position
-    targets: jax.Array  # int32[M, b, T] the token it predicts
+    targets: jax.Array  # int32[M, b, T] the token it predicts; packed: [M, b, W] each slot's
     segment_ids: jax.Array  # int32[M, b, T] sequence number in the row, 0 = padding
     loss_mask: jax.Array  # bool[M, b, W] the target is a response token the policy drew
     advantages: jax.Array  # f32[M, b, W] its response's advantage
@@ -56,6 +56,10 @@ class TrainBatch:
     ref_logprobs: jax.Array | None = None  # f32[M, b, W]  plan.reference
     score_positions: jax.Array | None = None  # int32[M, b, W]  plan.packing: each slot's
     # position in the row (one predicting a response token), -1 = empty slot
+    score_segments: jax.Array | None = None  # int32[M, b, W]  plan.packing: the segment of
+    # the response whose token a slot predicts, 0 = empty slot
+    positions: jax.Array | None = None  # int32[M, b, T]  plan.share_prompts: rotary positions
+    parent_ids: jax.Array | None = None  # int32[M, b, T]  ... the prompt segment continued
 
 
 def batch_fields(plan: UpdatePlan) -> dict[str, bool]:
@@ -66,6 +70,9 @@ def batch_fields(plan: UpdatePlan) -> dict[str, bool]:
         "token_mask": plan.fixed_token_mask,
         "ref_logprobs": plan.reference,
         "score_positions": plan.packing,
+        "score_segments": plan.packing,
+        "positions": plan.share_prompts,
+        "parent_ids": plan.share_prompts,
     }
 
 
@@ -82,14 +89,16 @@ def abstract_batch(plan: UpdatePlan, rows: int, sharding=None) -> TrainBatch:
     rows at their widest window, ``plan.window``)."""
     M, T, W = plan.micro_batches, plan.row_len, plan.window
     sds = lambda width, dtype: jax.ShapeDtypeStruct((M, rows, width), dtype, sharding=sharding)
-    dtypes = {"token_mask": jnp.bool_, "score_positions": jnp.int32}
+    ints = ("score_positions", "score_segments", "positions", "parent_ids")
+    dtypes = {"token_mask": jnp.bool_} | dict.fromkeys(ints, jnp.int32)
+    widths = {"positions": T, "parent_ids": T}
     optional = {
-        name: sds(W, dtypes.get(name, jnp.float32)) if wanted else None
+        name: sds(widths.get(name, W), dtypes.get(name, jnp.float32)) if wanted else None
         for name, wanted in batch_fields(plan).items()
     }
     return TrainBatch(
         tokens=sds(T, jnp.int32),
-        targets=sds(T, jnp.int32),
+        targets=sds(W if plan.packing else T, jnp.int32),
         segment_ids=sds(T, jnp.int32),
         loss_mask=sds(W, jnp.bool_),
         advantages=sds(W, jnp.float32),
@@ -98,34 +107,31 @@ def abstract_batch(plan: UpdatePlan, rows: int, sharding=None) -> TrainBatch:
     )
 
 
-def window_logprobs(
-    model, tokens, targets, segment_ids, score_positions, plan: UpdatePlan, *, entropy, hidden
-):
-    """Log-probs (entropy, hidden states) of the targets of each row's ``W`` window positions.
+def window_logprobs(model, mb: TrainBatch, plan: UpdatePlan, *, entropy, hidden):
+    """Log-probs (entropy, hidden states) of the targets of each row's ``W`` window slots.
 
     The hidden state at a position is the LM-head input that produced its prediction, the one
     DelTA's token-gradient proxy needs.
     """
     out = token_logprobs(
         model,
-        tokens,
-        targets,
-        segment_ids=segment_ids,
+        mb.tokens,
+        mb.targets,
+        segment_ids=mb.segment_ids,
+        parent_ids=mb.parent_ids,
+        positions=mb.positions,
         temperature=plan.temperature,
         return_entropy=entropy,
         return_hidden=hidden,
         score_from=plan.score_from,
-        score_positions=score_positions,
+        score_positions=mb.score_positions,
     )
     return out.logprobs, out.entropy, out.hidden
 
 
 def loss_segments(plan: UpdatePlan, mb: TrainBatch) -> jax.Array | None:
     """Segment ids of the window when rows hold several responses (packed), else None."""
-    if not plan.packing:
-        return None
-    at = mb.score_positions
-    return jnp.where(at >= 0, jnp.take_along_axis(mb.segment_ids, jnp.maximum(at, 0), -1), 0)
+    return mb.score_segments if plan.packing else None
 
 
 def delta_kwargs(plan: UpdatePlan, mesh) -> dict[str, Any]:
@@ -143,10 +149,7 @@ def delta_kwargs(plan: UpdatePlan, mesh) -> dict[str, Any]:
 def _micro_loss(graphdef, plan: UpdatePlan, mesh, params, frozen, mb: TrainBatch, normalizer):
     logp, entropy, hidden = window_logprobs(
         nnx.merge(graphdef, params, frozen),
-        mb.tokens,
-        mb.targets,
-        mb.segment_ids,
-        mb.score_positions,
+        mb,
         plan,
         entropy=plan.objective.needs_entropy,
         hidden=plan.coefficients == "in_loss",

@@ -48,6 +48,9 @@ class UpdatePlan:
         forward, stop-gradient; on-policy).
       reference: a reference-policy pass gives log-probs for the KL penalty.
       packing: sequences are packed into rows of ``tokens_per_row`` (else one padded per row).
+      share_prompts: packed rows hold a prompt once for several of its responses
+        (:mod:`delta_jax.rl.packing`).
+      group_size: responses per prompt (consecutive rollout sequences share their prompt).
       tokens_per_row: T of a packed row.
       delta_scope: ``"global"`` or ``"per_shard"`` DelTA statistics.
     """
@@ -63,6 +66,8 @@ class UpdatePlan:
     old_pass: bool
     reference: bool
     packing: bool
+    share_prompts: bool
+    group_size: int
     tokens_per_row: int
     delta_scope: str
 
@@ -107,6 +112,8 @@ class UpdatePlan:
             old_pass=mini > 1,
             reference=a.kl_coef > 0,
             packing=a.packing,
+            share_prompts=a.share_prompts,
+            group_size=r.samples_per_prompt,
             tokens_per_row=a.tokens_per_row or longest_sequence(P, G),
             delta_scope=a.delta_scope,
         )

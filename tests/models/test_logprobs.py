@@ -158,13 +158,16 @@ def test_score_positions_equal_gathering_the_full_result():
     ids = jax.random.randint(jax.random.key(1), (2, 12), 1, 256)
     full = token_logprobs(model, ids[:, :-1], ids[:, 1:], return_entropy=True, return_hidden=True)
     at = jnp.array([[1, 4, 5, 10], [0, 7, -1, -1]])
-    part = token_logprobs(
-        model, ids[:, :-1], ids[:, 1:], return_entropy=True, return_hidden=True, score_positions=at
-    )
     index = jnp.maximum(at, 0)
+    targets = jnp.take_along_axis(ids[:, 1:], index, 1)  # each slot's target
+    part = token_logprobs(
+        model, ids[:, :-1], targets, return_entropy=True, return_hidden=True, score_positions=at
+    )
     pick = lambda x: jnp.take_along_axis(x, index.reshape(*at.shape, *[1] * (x.ndim - 2)), 1)
     np.testing.assert_allclose(part.logprobs, pick(full.logprobs), atol=1e-6)
     np.testing.assert_allclose(part.entropy, pick(full.entropy), atol=1e-6)
     np.testing.assert_allclose(part.hidden, pick(full.hidden), atol=1e-6)
     with pytest.raises(ValueError, match="score_positions"):
-        token_logprobs(model, ids[:, :-1], ids[:, 1:], score_from=2, score_positions=at)
+        token_logprobs(model, ids[:, :-1], targets, score_from=2, score_positions=at)
+    with pytest.raises(ValueError, match="one per scored position"):
+        token_logprobs(model, ids[:, :-1], ids[:, 1:], score_positions=at)

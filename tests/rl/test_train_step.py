@@ -43,11 +43,14 @@ def _build_setup(dtype=jnp.float32):
     graphdef = nnx.split(nnx.eval_shape(make), nnx.Param)[0]
     params = jax.jit(lambda: nnx.split(make(), nnx.Param)[1])()
     rng = np.random.default_rng(0)
-    plens = rng.integers(2, P + 1, B).astype(np.int32)
+    plens = rng.integers(2, P + 1, PROMPTS).astype(np.int32).repeat(N)  # groups of N samples
     glens = rng.integers(1, G + 1, B).astype(np.int32)
     seqs = np.zeros((B, P + G), np.int32)
     for i in range(B):
-        seqs[i, P - plens[i] : P + glens[i]] = rng.integers(3, 256, plens[i] + glens[i])
+        if i % N == 0:
+            prompt = rng.integers(3, 256, plens[i])
+        seqs[i, P - plens[i] : P] = prompt
+        seqs[i, P : P + glens[i]] = rng.integers(3, 256, glens[i])
     # The sampler's view: log-probs and hidden states of the response tokens, padded layout.
     out = jax.jit(
         lambda params, seqs: token_logprobs(
@@ -198,14 +201,14 @@ def test_packed_rows_score_only_response_positions(setup):
     index, stats = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths, 1)
     logprobs, advantages = rollout.rollout_logprobs, jnp.asarray(rollout.advantages)
     batch = make_assemble(plan)(rollout.sequences, logprobs, advantages, None, None, index)
-    slots, src = np.asarray(batch.score_positions), np.asarray(index.source)
-    targets = np.asarray(batch.targets)
+    slots, src = np.asarray(batch.score_positions), np.asarray(index.score_source)
+    targets = np.asarray(batch.targets)  # each slot's
     width = slots.shape[-1]
     assert width < plan.row_len and stats["batch/scored_positions"] == slots[0].size
     scored = {}
     for row in np.ndindex(slots.shape[:-1]):
-        for position in slots[row][slots[row] >= 0]:
-            scored.setdefault(int(src[row][position]), []).append(int(targets[row][position]))
+        for k in np.flatnonzero(slots[row] >= 0):
+            scored.setdefault(int(src[row][k]), []).append(int(targets[row][k]))
     seqs = np.asarray(rollout.sequences)
     assert scored == {s: seqs[s, P : P + g].tolist() for s, g in enumerate(rollout.lengths)}
     assert int(np.asarray(batch.loss_mask).sum()) == int(rollout.lengths.sum())
@@ -224,16 +227,16 @@ def _assembled(rollout, plan, coefficients=None, action_mask=None):
 def _window_targets(plan, index, score_positions):
     """For each window slot: the rollout sequence, the response column ``t`` of its target, and
     whether that target is a response token (NumPy, from the layout alone)."""
-    if plan.packing:
+    if plan.packing:  # the layout lists what each slot predicts
         slot = np.asarray(score_positions) >= 0
-        positions = np.maximum(np.asarray(score_positions), 0)
-    else:
-        slot = True
-        window = plan.score_from + np.arange(plan.window)
-        positions = np.broadcast_to(window, (*index.source.shape[:-1], plan.window))
+        t = np.asarray(index.score_column) + 1 - P
+        response = slot & (np.asarray(index.score_segment) > 0) & (t >= 0)
+        return np.asarray(index.score_source), t, response
+    window = plan.score_from + np.arange(plan.window)
+    positions = np.broadcast_to(window, (*index.source.shape[:-1], plan.window))
     take = lambda x: np.take_along_axis(np.asarray(x), positions, -1)
     t = take(index.column) + 1 - P
-    return take(index.source), t, slot & (take(index.segment_ids) > 0) & (t >= 0)
+    return take(index.source), t, (take(index.segment_ids) > 0) & (t >= 0)
 
 
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
@@ -267,7 +270,7 @@ def test_loss_mask_is_the_tokens_the_policy_drew(setup_multi, packing):
     assert np.array_equal(mask, response & actions[source, np.clip(t, 0, G - 1)])
     assert mask.sum() == rollout.lengths.sum() - _observations(rollout.lengths).sum()
     if plan.packing:
-        targets = np.take_along_axis(np.asarray(batch.targets), index.score, -1)
+        targets = np.asarray(batch.targets)  # each slot's
     else:
         targets = np.asarray(batch.targets)[..., plan.score_from :]
     seqs = np.asarray(rollout.sequences)
@@ -304,8 +307,7 @@ def test_observations_get_no_gradient(setup_multi, name):
     mb = jax.tree.map(lambda x: x[0, 0], batch)  # the one mini- and micro-batch
     logp, entropy, hidden = jax.jit(
         lambda params, mb: window_logprobs(
-            nnx.merge(graphdef, params), mb.tokens, mb.targets, mb.segment_ids,
-            mb.score_positions, plan, entropy=plan.objective.needs_entropy,
+            nnx.merge(graphdef, params), mb, plan, entropy=plan.objective.needs_entropy,
             hidden=plan.coefficients == "in_loss",
         )
     )(params, mb)  # fmt: skip
