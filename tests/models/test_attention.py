@@ -9,6 +9,7 @@ implementation's output and gradients (q, k, v) against ``dense`` 1e-5; whole-mo
 import contextlib
 import functools
 import io
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +90,49 @@ def test_impl_matches_dense_output_and_gradients(impl, B, T, block):
     np.testing.assert_allclose(out, ref_out, atol=TOL, rtol=0)
     for name, got, ref in zip("qkv", grads, ref_grads, strict=True):
         np.testing.assert_allclose(got, ref, atol=TOL, rtol=0, err_msg=f"d{name}")
+
+
+def _shared_prompts(B, T, rng):
+    """Rows of a prompt and three of its responses (parents: the prompt's segment), then a
+    sequence of its own, then padding; ``(segment_ids, parent_ids)``."""
+    seg, parent = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
+    for b in range(B):
+        cuts = np.sort(rng.choice(np.arange(3, T - 3), 5, replace=False))
+        bounds = [0, *cuts]
+        for i, (lo, hi) in enumerate(itertools.pairwise(bounds), start=1):
+            seg[b, lo:hi] = i
+            parent[b, lo:hi] = 1 if i <= 4 else i  # segments 2-4 continue prompt 1
+    return seg, parent
+
+
+def _shared_oracle(q, k, v, seg, parent):
+    """NumPy float64: s <= t, and s in t's segment or t's parent's (the module's definition)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    T, D, G = q.shape[1], q.shape[3], q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
+    s = np.einsum("btnd,bsnd->bnts", q, k) / np.sqrt(D)
+    mine = (seg[:, :, None] == seg[:, None, :]) | (parent[:, :, None] == seg[:, None, :])
+    see = np.tril(np.ones((T, T), bool))[None] & mine
+    s = np.where(see[:, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bnts,bsnd->btnd", p / p.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("impl, T, block", [("dense", 61, 512), ("chunked", 300, 64)])
+def test_shared_prompts_match_the_oracle_and_dense_gradients(impl, T, block):
+    """A response sees its prompt and its own earlier tokens, not its siblings'."""
+    q, k, v, _, cot = _inputs(2, T, 4, 2, 16, seed=T)
+    seg, parent = _shared_prompts(2, T, np.random.default_rng(T))
+    kw = dict(parent_ids=jnp.asarray(parent), block=block)
+    out, grads = _value_and_grads(impl, q, k, v, jnp.asarray(seg), cot, **kw)
+    np.testing.assert_allclose(out, _shared_oracle(q, k, v, seg, parent), atol=TOL, rtol=0)
+    # Not the plain segment mask: the responses' prompt matters.
+    assert np.abs(np.asarray(out) - _oracle(q, k, v, seg)).max() > 0.1
+    _, ref = _value_and_grads("dense", q, k, v, jnp.asarray(seg), cot, parent_ids=kw["parent_ids"])
+    for name, got, want in zip("qkv", grads, ref, strict=True):
+        np.testing.assert_allclose(got, want, atol=TOL, rtol=0, err_msg=f"d{name}")
+    with pytest.raises(ValueError, match="splash kernel"):
+        attn.attention(q, k, v, jnp.asarray(seg), parent_ids=kw["parent_ids"], impl="splash")
 
 
 def test_splash_at_1000_tokens_matches_dense():

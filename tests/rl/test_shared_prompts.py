@@ -154,3 +154,11 @@ def test_a_group_split_over_rows_is_the_same_update(setup, update):
     index, _ = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths, 1)
     assert max(_prompt_copies(index).values()) > 1  # some prompt is laid out more than once
     _assert_same(update(True, **short), update(False, **short), atol=1e-5)
+
+
+def test_the_reference_pass_and_the_entropy_read_the_shared_rows(update):
+    """The KL penalty's reference pass and the entropy bonus run on the shared rows too."""
+    algo = {"kl_coef": 0.1, "entropy_coef": 0.01}
+    shared, unshared = (update(s, "dapo", **algo) for s in (True, False))
+    assert shared[2].ref_logprobs is not None
+    _assert_same(shared, unshared, atol=1e-5)
