@@ -15,6 +15,8 @@ import pytest
 from delta_jax import sharding as sh
 from delta_jax.models.attention import visible
 from delta_jax.rl.packing import plan_rows
+from delta_jax.rl.state import init_sharded_state
+from delta_jax.rl.update import Updater
 from tests.rl.test_train_step import (
     CASES,
     SGD,
@@ -162,3 +164,30 @@ def test_the_reference_pass_and_the_entropy_read_the_shared_rows(update):
     shared, unshared = (update(s, "dapo", **algo) for s in (True, False))
     assert shared[2].ref_logprobs is not None
     _assert_same(shared, unshared, atol=1e-5)
+
+
+def test_shared_rows_sharded_over_8_devices_are_the_single_device_update(setup, update):
+    """The trainer's placement: rows sharded over 2 x 4 devices (data x fsdp), parameters and
+    optimiser state over fsdp; the update is the unshared one on one device."""
+    graphdef, params, rollout = setup
+    cfg, plan = _plan("delta", True, share_prompts=True)
+    mesh = sh.make_mesh(2, 4, 1, devices=jax.devices()[:8])
+    state, _ = init_sharded_state(jax.tree.map(jnp.copy, params), SGD, mesh)
+    updater = Updater(graphdef, SGD, plan, mesh, seed=cfg.run.seed, placed_like=state)
+    batch, _ = updater.prepare(rollout, 1, state.params)
+    assert batch.tokens.shape[2] % 8 == 0 and len(batch.tokens.sharding.device_set) == 8
+    state, metrics = updater.update(state, batch)
+    single_state, single_metrics, _ = update(False)[:3]
+    assert _max_diff(jax.device_get(state.params), single_state.params) <= 1e-5
+    np.testing.assert_allclose(metrics["loss"], single_metrics["loss"], rtol=1e-5, atol=1e-6)
+
+
+def test_lora_adapters_get_the_unshared_update():
+    """LoRA (only the adapters differentiated and updated): the same adapters either way."""
+    setup = _build_setup(lora_rank=4)
+    shared, unshared = (
+        _rl_update(setup, *_plan("delta", True, share_prompts=s)) for s in (True, False)
+    )
+    moved = _max_diff(shared[0].params, setup[1])
+    assert moved > 1e-3  # the adapters moved
+    assert _max_diff(shared[0].params, unshared[0].params) <= 1e-5

@@ -17,7 +17,7 @@ from flax import nnx
 
 from delta_jax import sharding as sh
 from delta_jax.config import load_config
-from delta_jax.models import ModelConfig, Transformer, token_logprobs
+from delta_jax.models import ModelConfig, Transformer, lora, token_logprobs
 from delta_jax.rl.packing import first_fit_decreasing, make_assemble, plan_rows
 from delta_jax.rl.rollout import Rollout
 from delta_jax.rl.state import init_train_state, make_optimizer
@@ -33,12 +33,18 @@ B = PROMPTS * N
 SGD = optax.sgd(1.0)
 
 
-def _build_setup(dtype=jnp.float32):
-    """The tiny policy in ``dtype`` and one synthetic rollout sampled from it (its log-probs and
-    hidden states, as the sampler hands them over)."""
-    make = lambda: Transformer(
-        ModelConfig.tiny("qwen3"), dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)
-    )
+def _build_setup(dtype=jnp.float32, lora_rank=0):
+    """The tiny policy in ``dtype`` (with LoRA adapters of ``lora_rank``) and one synthetic
+    rollout sampled from it (its log-probs and hidden states, as the sampler hands them over)."""
+
+    def make():
+        model = Transformer(
+            ModelConfig.tiny("qwen3"), dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)
+        )
+        if lora_rank:
+            lora.add_adapters(model, rank=lora_rank, alpha=2.0 * lora_rank, seed=1)
+        return model
+
     # Initialisation and forward jitted: one compile each instead of one per eager op.
     graphdef = nnx.split(nnx.eval_shape(make), nnx.Param)[0]
     params = jax.jit(lambda: nnx.split(make(), nnx.Param)[1])()
