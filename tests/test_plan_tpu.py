@@ -158,3 +158,14 @@ def test_train_step_figures_equal_with_layers_scanned_or_unrolled():
     assert scanned.flops == pytest.approx(unrolled.flops, rel=5e-3)
     # 2 layers x 2 micro-batches (x 2 forwards), 1 row per chip ([heads, T, D] kernel shapes)
     assert scanned.splash == unrolled.splash == plan_lib.SplashCalls(8, 4, 4, (1, 8, 2048, 128), 4)
+
+
+@pytest.mark.slow  # one TPU compile
+def test_shared_prompt_train_step_compiles_for_v5p_with_two_splash_parts():
+    """Shared prompts on the splash kernel: each layer runs the kernel twice (a response's own
+    tokens, its prompt) forward and backward, and the program fits as the unshared one does."""
+    config = load_config("configs/demo.yaml", [*OVERRIDES, "algo.share_prompts=true"])
+    shared = plan_lib.compile_train_step(config, "v5p-8", model_config=MODEL)
+    assert not shared.out_of_memory
+    T, rows_per_chip = PROMPT + NEW, ROWS // 4
+    assert shared.splash == plan_lib.SplashCalls(4, 4, 4, (rows_per_chip, 8, T, 128), 4)

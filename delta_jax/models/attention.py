@@ -34,6 +34,7 @@ Implementations (``model.attention``):
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Literal
 
@@ -101,12 +102,7 @@ def attention(
     if impl == "chunked":
         return chunked(q, k, v, segment_ids, parent_ids, block=block)
     if impl == "splash":
-        if parent_ids is not None:
-            raise ValueError(
-                "shared prompts (algo.share_prompts) do not run on the splash kernel yet: "
-                "model.attention=chunked, or algo.share_prompts=false"
-            )
-        return splash(q, k, v, segment_ids, block=block, name=name)
+        return splash(q, k, v, segment_ids, parent_ids, block=block, name=name)
     if impl == "cudnn":
         return cudnn(q, k, v, segment_ids, parent_ids)
     raise ValueError(f"model.attention={impl!r}; expected one of {IMPLS}")
@@ -267,13 +263,14 @@ def _splash_kernel(heads: int, length: int, block: int, interpret: bool, name: s
     )
 
 
-def splash(q, k, v, segment_ids, *, block: int = 512, name: str | None = None):
+def splash(q, k, v, segment_ids, parent_ids=None, *, block: int = 512, name: str | None = None):
     """JAX's Pallas splash-attention kernel (causal mask + segment ids, GQA) per mesh shard.
 
     The sequence is padded to a multiple of the block (``min(block, T)`` rounded up to 128);
     queries are pre-scaled by ``1/sqrt(D)`` (the kernel does not scale). Under a mesh the kernel
     runs inside ``jax.shard_map`` with rows split as the ``batch`` rule and heads as the
-    ``heads`` / ``kv_heads`` rules say (the sequence is never split).
+    ``heads`` / ``kv_heads`` rules say (the sequence is never split). Shared prompts run the
+    kernel twice and merge the parts (:func:`_two_part_splash`).
     """
     check_block(block)
     B, T, N, D = q.shape
@@ -284,17 +281,23 @@ def splash(q, k, v, segment_ids, *, block: int = 512, name: str | None = None):
     k = jnp.einsum("BTKD->BKTD", _pad_length(k, Tp))
     v = jnp.einsum("BTKD->BKTD", _pad_length(v, Tp))
     seg = _pad_length(segment_ids.astype(jnp.int32), Tp)
+    # The second part's ids: queries by the prompt they continue, keys only where a token is its
+    # own parent (a prompt, a sequence of its own; padding appended as segment 0, parent 0).
+    par = seg if parent_ids is None else _pad_length(parent_ids.astype(jnp.int32), Tp)
     interpret = _platform() != "tpu"
 
-    def local(q, k, v, seg):
+    def local(q, k, v, seg, par):
         kernel = _splash_kernel(q.shape[1], Tp, size, interpret, name)
-        one = lambda q, k, v, s: kernel(q, k, v, segment_ids=splash_lib.SegmentIds(s, s))
-        return jax.vmap(one)(q, k, v, seg)
+        if parent_ids is None:
+            one = lambda q, k, v, s, p: kernel(q, k, v, segment_ids=splash_lib.SegmentIds(s, s))
+        else:
+            one = functools.partial(_two_part_splash, kernel)
+        return jax.vmap(one)(q, k, v, seg, par)
 
     mesh = jax.sharding.get_abstract_mesh()
     rules = spmd.get_logical_axis_rules()
     if mesh.empty:
-        out = local(q, k, v, seg)
+        out = local(q, k, v, seg, par)
     else:
         q_spec = ax.logical_to_mesh((ax.BATCH, ax.HEADS, None, None), rules, mesh, q.shape)
         kv_spec = ax.logical_to_mesh((ax.BATCH, ax.KV_HEADS, None, None), rules, mesh, k.shape)
@@ -307,11 +310,66 @@ def splash(q, k, v, segment_ids, *, block: int = 512, name: str | None = None):
         out = jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
+            in_specs=(q_spec, kv_spec, kv_spec, seg_spec, seg_spec),
             out_specs=q_spec,
             check_vma=False,
-        )(q, k, v, seg)
+        )(q, k, v, seg, par)
     return jnp.einsum("BNTD->BTND", out)[:, :T]
+
+
+def _two_part_splash(kernel, q, k, v, seg, par):
+    """Shared-prompt attention of one row from two splash calls, merged by log-sum-exp.
+
+    Part 1 sees each token's own segment (causal), part 2 a response's prompt: queries by
+    ``par``, keys only where a token is its own parent. A prompt token (or a sequence of its
+    own) sees its own segment in both parts: the merge gives its output unchanged and each part
+    half of its softmax. The backward runs the kernel's own backward for each part with the
+    merged output and log-sum-exp as residuals, which is exactly the gradient of the merged
+    softmax (each part's keys get ``exp(s - lse) (dP - rowsum(do * out))``). It calls the
+    kernel module's private forward and backward (JAX 0.10's); the interpret-mode tests
+    compare it with the dense path.
+    """
+    ids = lambda seg, par: (
+        splash_lib.SegmentIds(seg, seg),
+        splash_lib.SegmentIds(par, jnp.where(par == seg, seg, -1)),
+    )
+    kw = kernel.kwargs
+    fwd_kw = {k: kw[k] for k in ("mask_value", "is_mqa", "block_sizes", "mask_function",
+                                 "attn_logits_soft_cap", "interpret")}  # fmt: skip
+
+    # The mask tables are arrays of the trace: arguments, not closed over.
+    infos = (kernel.fwd_mask_info, kernel.dq_mask_info, kernel.dkv_mask_info)
+
+    @jax.custom_vjp
+    def merged(q, k, v, seg, par, infos):
+        return fwd(q, k, v, seg, par, infos)[0]
+
+    def fwd(q, k, v, seg, par, infos):
+        (o1, (l1,)), (o2, (l2,)) = (
+            splash_lib._splash_attention_forward(
+                infos[0], q, k, v, i, None, **fwd_kw, residual_checkpoint_name=None,
+                save_residuals=True,
+            )
+            for i in ids(seg, par)
+        )  # fmt: skip
+        lse = jnp.logaddexp(l1, l2)
+        w1, w2 = jnp.exp(l1 - lse)[..., None], jnp.exp(l2 - lse)[..., None]
+        out = (w1 * o1.astype(jnp.float32) + w2 * o2.astype(jnp.float32)).astype(q.dtype)
+        return out, (q, k, v, seg, par, infos, out, lse)
+
+    def bwd(res, do):
+        q, k, v, seg, par, infos, out, lse = res
+        grads = [
+            splash_lib._splash_attention_bwd(
+                False, res=(q, k, v, i, None, out, lse, *infos[1:]), do=do,
+                residual_checkpoint_name=None, **fwd_kw,
+            )[3:6]
+            for i in ids(seg, par)
+        ]  # fmt: skip
+        return (*(a + b for a, b in zip(*grads, strict=True)), None, None, None)
+
+    merged.defvjp(fwd, bwd)
+    return merged(q, k, v, seg, par, infos)
 
 
 def slot_attention(

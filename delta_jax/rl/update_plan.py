@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from delta_jax.config import Config, ConfigError, load_config
+from delta_jax.config import Config, load_config
 from delta_jax.rl.objectives import Objective, resolve_objective
 
 CoefficientSource = Literal["none", "in_loss", "sampler", "old_pass"]
@@ -100,10 +100,6 @@ class UpdatePlan:
         if objective.uses_delta:
             coefficients = "old_pass" if mini > 1 else "sampler" if micro > 1 else "in_loss"
         P, G = config.data.max_prompt_length, r.max_new_tokens
-        if a.share_prompts and config.model.attention == "splash":
-            raise ConfigError(
-                "algo.share_prompts=true does not run on model.attention=splash yet (chunked does)"
-            )
         return cls(
             objective=objective,
             prompt_len=P,

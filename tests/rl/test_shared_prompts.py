@@ -18,7 +18,6 @@ from delta_jax.models.attention import visible
 from delta_jax.rl.packing import plan_rows
 from delta_jax.rl.state import init_sharded_state
 from delta_jax.rl.update import Updater
-from delta_jax.rl.update_plan import UpdatePlan
 from tests.rl.test_train_step import (
     CASES,
     SGD,
@@ -195,9 +194,6 @@ def test_lora_adapters_get_the_unshared_update():
     assert _max_diff(shared[0].params, unshared[0].params) <= 1e-5
 
 
-def test_the_splash_kernel_is_refused_with_shared_prompts_in_one_line():
-    config = load_config(None, ["algo.share_prompts=true", "model.attention=splash"])
-    with pytest.raises(ConfigError, match=r"^algo.share_prompts=true does not run on .*splash"):
-        UpdatePlan.from_config(config)
+def test_shared_prompts_need_packed_rows():
     with pytest.raises(ConfigError, match=r"^algo.share_prompts=true needs algo.packing=true"):
         load_config(None, ["algo.share_prompts=true", "algo.packing=false"])
