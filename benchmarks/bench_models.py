@@ -55,3 +55,22 @@ def one_second_program(prompt: str, response: str, item) -> float:
     from delta_jax.rewards import run_code
 
     return float(run_code("import time\ntime.sleep(1.0)", "assert True", timeout_s=5).passed)
+
+
+def alternate(calls: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each ``name -> call()`` over ``repeats`` rounds, the calls alternating
+    within each round (a load change on a shared machine hits all of them); each timing is
+    printed as it comes."""
+    import statistics
+    import time
+
+    import jax
+
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(call())
+            times[name].append(time.perf_counter() - t0)
+            print(f"{name}: {times[name][-1]:.2f} s", flush=True)
+    return {name: statistics.median(ts) for name, ts in times.items()}

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
+import functools
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_models import bench_config
+from bench_models import alternate, bench_config
 from flax import nnx
 
 from delta_jax.config import load_config
@@ -113,16 +113,9 @@ def update_time(args) -> None:
             f"{time.perf_counter() - t0:.1f} s",
             flush=True,
         )
-        programs[packing] = (step, state, batch)
-    # Padded and packed calls alternate, so a load change on a shared machine hits both.
-    times = {False: [], True: []}
-    for _ in range(args.repeats):
-        for packing, (step, state, batch) in programs.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(step(state, batch))
-            times[packing].append(time.perf_counter() - t0)
-            print(f"{'packed' if packing else 'padded'}: {times[packing][-1]:.2f} s", flush=True)
-    padded, packed = (statistics.median(times[k]) for k in (False, True))
+        programs[name] = functools.partial(step, state, batch)
+    medians = alternate(programs, args.repeats)
+    padded, packed = medians["padded"], medians["packed"]
     print(f"update: padded {padded:.2f} s, packed {packed:.2f} s (median of {args.repeats})")
     print(f"packed / padded update time: {packed / padded:.3f}")
 

@@ -14,13 +14,13 @@ time printed apart), then calls alternate, the median of ``--repeats`` each.
 from __future__ import annotations
 
 import argparse
-import statistics
+import functools
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_models import bench_config
+from bench_models import alternate, bench_config
 from flax import nnx
 
 from delta_jax.config import load_config
@@ -83,15 +83,9 @@ def main() -> None:
             f"{time.perf_counter() - t0:.1f} s",
             flush=True,
         )
-        programs[share] = (step, state, batch)
-    times = {False: [], True: []}
-    for _ in range(args.repeats):  # alternating: a load change on a shared machine hits both
-        for share, (step, state, batch) in programs.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(step(state, batch))
-            times[share].append(time.perf_counter() - t0)
-            print(f"{'shared' if share else 'unshared'}: {times[share][-1]:.2f} s", flush=True)
-    unshared, shared = (statistics.median(times[k]) for k in (False, True))
+        programs[name] = functools.partial(step, state, batch)
+    medians = alternate(programs, args.repeats)
+    unshared, shared = medians["unshared"], medians["shared"]
     print(f"update: unshared {unshared:.2f} s, shared {shared:.2f} s (median of {args.repeats})")
     print(f"unshared / shared update time: {unshared / shared:.2f}x")
 
