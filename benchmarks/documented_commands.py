@@ -95,9 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", nargs="*", default=[], help="skip commands containing these")
     p.add_argument("--only", nargs="*", default=[], help="run only commands containing these")
     p.add_argument("--also", nargs="*", default=[], help="more commands (concrete templates)")
+    p.add_argument("--only-also", action="store_true", help="run the --also commands alone")
     p.add_argument("--out", default=None, help="also write the table to this file")
     args = p.parse_args(argv)
-    commands = documented() + [("--also", c) for c in args.also]
+    commands = [] if args.only_also else documented()
+    commands += [("--also", c) for c in args.also]
     if args.list:
         for page, command in commands:
             kind = "template" if PLACEHOLDER.search(command) else "command"
