@@ -334,8 +334,9 @@ def _two_part_splash(kernel, q, k, v, seg, par):
         splash_lib.SegmentIds(par, jnp.where(par == seg, seg, -1)),
     )
     kw = kernel.kwargs
-    fwd_kw = {k: kw[k] for k in ("mask_value", "is_mqa", "block_sizes", "mask_function",
-                                 "attn_logits_soft_cap", "interpret")}  # fmt: skip
+    names = ("mask_value", "is_mqa", "block_sizes", "mask_function", "attn_logits_soft_cap")
+    fwd_kw = {k: kw[k] for k in (*names, "interpret")}
+    fwd_kw["residual_checkpoint_name"] = None
 
     # The mask tables are arrays of the trace: arguments, not closed over.
     infos = (kernel.fwd_mask_info, kernel.dq_mask_info, kernel.dkv_mask_info)
@@ -345,13 +346,12 @@ def _two_part_splash(kernel, q, k, v, seg, par):
         return fwd(q, k, v, seg, par, infos)[0]
 
     def fwd(q, k, v, seg, par, infos):
-        (o1, (l1,)), (o2, (l2,)) = (
-            splash_lib._splash_attention_forward(
-                infos[0], q, k, v, i, None, **fwd_kw, residual_checkpoint_name=None,
-                save_residuals=True,
-            )
+        forward = splash_lib._splash_attention_forward
+        parts = [
+            forward(infos[0], q, k, v, i, None, **fwd_kw, save_residuals=True)
             for i in ids(seg, par)
-        )  # fmt: skip
+        ]
+        (o1, (l1,)), (o2, (l2,)) = parts
         lse = jnp.logaddexp(l1, l2)
         w1, w2 = jnp.exp(l1 - lse)[..., None], jnp.exp(l2 - lse)[..., None]
         out = (w1 * o1.astype(jnp.float32) + w2 * o2.astype(jnp.float32)).astype(q.dtype)
@@ -359,13 +359,9 @@ def _two_part_splash(kernel, q, k, v, seg, par):
 
     def bwd(res, do):
         q, k, v, seg, par, infos, out, lse = res
-        grads = [
-            splash_lib._splash_attention_bwd(
-                False, res=(q, k, v, i, None, out, lse, *infos[1:]), do=do,
-                residual_checkpoint_name=None, **fwd_kw,
-            )[3:6]
-            for i in ids(seg, par)
-        ]  # fmt: skip
+        backward = splash_lib._splash_attention_bwd
+        saved = lambda i: (q, k, v, i, None, out, lse, *infos[1:])
+        grads = [backward(False, res=saved(i), do=do, **fwd_kw)[3:6] for i in ids(seg, par)]
         return (*(a + b for a, b in zip(*grads, strict=True)), None, None, None)
 
     merged.defvjp(fwd, bwd)
