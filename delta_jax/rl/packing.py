@@ -112,6 +112,8 @@ def chunks(plan: UpdatePlan, seqs: np.ndarray, prompt_lens, resp_lens) -> list[C
         groups.setdefault(s // plan.group_size, []).append(s)
     out = []
     for group in groups.values():
+        if len({int(prompt_lens[s]) for s in group}) > 1:
+            raise ValueError(f"sequences {group} share a prompt but not its length")
         group.sort(key=lambda s: (-int(resp_lens[s]), s))
         chunk, size = [], int(prompt_lens[group[0]])
         for s in group:

@@ -197,3 +197,12 @@ def test_lora_adapters_get_the_unshared_update():
 def test_shared_prompts_need_packed_rows():
     with pytest.raises(ConfigError, match=r"^algo.share_prompts=true needs algo.packing=true"):
         load_config(None, ["algo.share_prompts=true", "algo.packing=false"])
+
+
+def test_a_group_whose_prompts_differ_in_length_is_refused(setup):
+    _, _, rollout = setup
+    _, plan = _plan("delta", True, share_prompts=True)
+    plens = rollout.prompt_lengths.copy()
+    plens[1] += 1
+    with pytest.raises(ValueError, match=r"share a prompt but not its length"):
+        plan_rows(plan, np.arange(B), plens, rollout.lengths, 1)
