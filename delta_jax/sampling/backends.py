@@ -304,11 +304,22 @@ _BACKENDS: dict[str, Any] = {
 NAMES = ("auto", *_BACKENDS)
 
 
-def resolve_attention(attention: str, platform: str) -> str:
-    """The path ``attention`` names on ``platform``: ``"auto"`` is the TPU kernel on TPU, the
-    dense path on CPU and the XLA path elsewhere; a named path is itself."""
+# JAX's ragged paged attention kernel lays a head out on the 128 lanes of a TPU vector register.
+KERNEL_HEAD_DIM_MULTIPLE = 128
+
+
+def resolve_attention(attention: str, platform: str, head_dim: int = 128) -> str:
+    """The path ``attention`` names on ``platform``: ``"auto"`` is the TPU kernel on TPU (the XLA
+    path for a head size the kernel does not tile), the dense path on CPU and the XLA path
+    elsewhere; a named path is itself (the kernel refuses such a head size in one line)."""
+    tiles = head_dim % KERNEL_HEAD_DIM_MULTIPLE == 0
     if attention == "auto":
-        return {"tpu": "pallas", "cpu": "dense"}.get(platform, "xla")
+        return {"tpu": "pallas" if tiles else "xla", "cpu": "dense"}.get(platform, "xla")
+    if attention == "pallas" and not tiles:
+        raise ValueError(
+            f"attention='pallas': the TPU kernel needs a head size that is a multiple of "
+            f"{KERNEL_HEAD_DIM_MULTIPLE} (this model's: {head_dim}); use 'auto' or 'xla'"
+        )
     return attention
 
 

@@ -392,7 +392,9 @@ class Sampler:
         # A new prompt needs a free slot: about slots / n prompts join a group at a time.
         at_once = 1 << (-(-group_slots // n) - 1).bit_length()
         k = self.draft_tokens if speculative else 0
-        attention = resolve_attention(self.attention, _platform(self.mesh))
+        attention = resolve_attention(
+            self.attention, _platform(self.mesh), self.model.config.head_dim
+        )
         window = self._drafter.window_size(self.decode_chunk) if k else 0
         return EngineSpec(
             slots=groups * group_slots,

@@ -61,6 +61,10 @@ def test_the_attention_path_is_named_once():
     auto = {p: resolve_attention("auto", p) for p in ("tpu", "cpu", "gpu")}
     assert auto == {"tpu": "pallas", "cpu": "dense", "gpu": "xla"}
     assert [resolve_attention(n, "tpu") for n in ("xla", "dense")] == ["xla", "dense"]
+    # A head size JAX's kernel does not tile (the demo model's): auto is the XLA path on TPU.
+    assert resolve_attention("auto", "tpu", head_dim=64) == "xla"
+    with pytest.raises(ValueError, match="attention='pallas': .* multiple of 128 .*: 64"):
+        resolve_attention("pallas", "tpu", head_dim=64)
     # A flat page list for every slot at the longest sequence, or none for the table paths.
     lists = {p: backend_for(p).decode_list_pages(_spec(p, 12)) for p in ("xla", "pallas", "dense")}
     assert lists == {"xla": 32 * 12, "pallas": 1, "dense": 1}
