@@ -16,6 +16,8 @@ from delta_jax.config import ConfigError, load_config
 from delta_jax.eval import add_eval_arguments, run_eval_cli
 from delta_jax.extras import MissingExtra
 
+SAMPLE_TOKENS = 256  # `delta-jax sample`'s default new tokens, where the model's context allows
+
 
 def _cmd_train(args) -> int:
     from delta_jax.rl import train
@@ -66,10 +68,11 @@ def _cmd_sample(args) -> int:
     text = args.prompt if args.raw else apply_chat_template(tokenizer, args.prompt)
     prompt = tokenizer.encode(text, add_special_tokens=False)
     pad_id, stop_ids = special_token_ids(tokenizer, model)
+    room = model.config.max_position_embeddings - len(prompt)
     out = Sampler(model, pad_token_id=pad_id).generate(
         [prompt],
         n=args.n,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=args.max_new_tokens or min(SAMPLE_TOKENS, max(room, 1)),
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -137,13 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     def sampling_args(p, *, temperature, top_p, max_new_tokens):
         p.add_argument("--model", required=True, help="Hugging Face model directory")
-        p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+        help = f"default: {max_new_tokens}, or what the model's context leaves after the prompt"
+        p.add_argument("--max-new-tokens", type=int, default=None, help=help)
         p.add_argument("--temperature", type=float, default=temperature)
         p.add_argument("--top-p", type=float, default=top_p)
         p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser("sample", help="generate from a model directory")
-    sampling_args(p, temperature=1.0, top_p=1.0, max_new_tokens=256)
+    sampling_args(p, temperature=1.0, top_p=1.0, max_new_tokens=SAMPLE_TOKENS)
     p.add_argument("--prompt", required=True)
     p.add_argument("--raw", action="store_true", help="no chat template")
     p.add_argument("--n", type=int, default=1)
