@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -63,6 +64,7 @@ import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -150,6 +152,25 @@ class _Job:
 
     def batch(self) -> RewardBatch:
         return RewardBatch(self.rewards, self.reasons, dict(collections.Counter(self.reasons)))
+
+
+@contextlib.contextmanager
+def _main_program_left_out():
+    """A spawned process runs the parent's main program first (as ``__mp_main__``), unless it
+    has neither a file nor a module spec: a user's script without an ``if __name__ ==
+    "__main__":`` guard would start its trainer again in every reward worker, which then never
+    becomes ready. The workers need nothing from it (functions of ``__main__`` run in this
+    process, :func:`~delta_jax.rewards.units.runs_in_process`), so it is hidden while one
+    starts."""
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 class RewardScorer:
@@ -257,7 +278,8 @@ class RewardScorer:
         process = self._ctx.Process(
             target=worker_main, args=(child_conn, self.kind, self._options), daemon=True
         )
-        process.start()
+        with _main_program_left_out():
+            process.start()
         child_conn.close()
         return _Worker(process, parent_conn, time.monotonic())
 

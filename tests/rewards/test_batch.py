@@ -2,6 +2,8 @@
 
 import glob
 import os
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -168,3 +170,27 @@ def test_killed_worker_takes_its_sandbox_down():
         time.sleep(0.05)
     assert sandbox_processes([worker_pid]) == []
     assert glob.glob(os.path.join(tempfile.gettempdir(), f"dj-sandbox-{worker_pid}-*")) == []
+
+
+SCRIPT_WITHOUT_MAIN_GUARD = """
+import sys
+from delta_jax.rewards import RewardScorer
+
+print("main program ran", flush=True)  # once: not again in each worker
+with RewardScorer("math", num_workers=1, timeout_s=60) as scorer:
+    batch = scorer.score(["p", "p"], ["\\\\boxed{2}", "\\\\boxed{3}"], [{"answer": "2"}] * 2)
+print(batch.rewards.tolist(), sys.modules["__main__"].__file__ == __file__)
+"""
+
+
+def test_a_script_without_a_main_guard_gets_its_reward_workers(tmp_path):
+    """Spawned workers do not run the user's main program (a README snippet saved as a file
+    would otherwise start its trainer again in each worker, which never became ready)."""
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT_WITHOUT_MAIN_GUARD)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("main program ran") == 1
+    assert done.stdout.splitlines()[-1] == "[1.0, 0.0] True"  # __main__ restored after the start
