@@ -227,12 +227,32 @@ def main_process_only(fn: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
-def barrier(name: str) -> None:
-    """Blocks until every process reaches the barrier called ``name`` (no-op for one process)."""
-    if jax.process_count() > 1:
+_BARRIER_TIMEOUT_S = 3600
+_barriers: dict[str, int] = {}
+
+
+def barrier(name: str, timeout_s: int = _BARRIER_TIMEOUT_S) -> None:
+    """Blocks until every process reaches the barrier called ``name`` (no-op for one process).
+
+    A wait on the coordination service (``jax.distributed``'s client), up to ``timeout_s``: a
+    barrier that one process reaches minutes before another (the demo model warmed up on
+    process 0) must not go through the CPU collectives, whose context setup gives up after 30
+    s. Each use gets its own id (``name`` and how often this process has passed it: every
+    process calls the same barriers in the same order). Without a client (JAX started its
+    processes itself), a synchronisation of the devices.
+    """
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    if client is None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+        return
+    _barriers[name] = _barriers.get(name, 0) + 1
+    client.wait_at_barrier(f"delta_jax:{name}:{_barriers[name]}", timeout_s * 1000)
 
 
 def broadcast_from_main(tree: Any) -> Any:

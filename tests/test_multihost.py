@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -137,6 +138,13 @@ def _worker(phase: str, out_dir: str) -> None:
     assert distributed.initialize(), "the launcher's DELTA_JAX_* environment is missing"
     import jax
 
+    if phase == "late":  # process 0 reaches the barriers 40 s after process 1 (a warm-up)
+        if distributed.is_main_process():
+            time.sleep(40)
+        distributed.barrier("late")
+        distributed.barrier("late")  # the same name again: a barrier of its own
+        Path(out_dir, f"late{jax.process_index()}").write_text("passed")
+        return
     ckpt_dir = os.path.join(out_dir, "checkpoints")
     if phase == "train":
         result = run_steps(1, STEPS, ckpt_dir, restore=False)
@@ -310,3 +318,10 @@ def test_cli_two_processes_match_one_process_and_resume(tmp_path):
                 )
             else:
                 assert g[key] == w[key], (w["step"], key)
+
+
+def test_a_process_may_reach_a_barrier_minutes_after_another(tmp_path):
+    """The CPU collectives give up on a peer after 30 s; a barrier waits on the coordination
+    service instead (the demo's warm-up keeps process 0 from the others' barrier that long)."""
+    _launch("late", tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("late*")) == ["late0", "late1"]
