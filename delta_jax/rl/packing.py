@@ -174,12 +174,14 @@ def layout(
             p = int(prompt_lens[chunk[0]])
             at = at if plan.packing else P - p
             prompt = seg = seg + 1
-            place(at, chunk[0], P - p, p, seg, prompt, 0)
+            # The prompt's last token is an input when it predicts a response token (padded
+            # rows keep sequences whose response is empty: their prompt but its last token).
+            place(at, chunk[0], P - p, p - (int(resp_lens[chunk[0]]) == 0), seg, prompt, 0)
             last, at = at + p - 1, at + p
             for s in chunk:
                 # A chunk of one is one segment; shared, each response is a segment of its own.
                 seg += len(chunk) > 1
-                n = int(resp_lens[s]) - 1
+                n = max(int(resp_lens[s]) - 1, 0)
                 place(at, s, P, n, seg, prompt, p)
                 if plan.packing:  # its first token from the prompt's last position, then its own
                     slots = slice(k, k + n + 1)

@@ -488,3 +488,20 @@ def test_first_fit_decreasing_fills_rows_longest_first():
     assert all(sum(lengths[i] for i in b) <= 10 for b in bins)
     with pytest.raises(ValueError, match="> row of 10"):
         first_fit_decreasing([11], capacity=10)
+
+
+def test_an_empty_response_carries_no_loss_in_padded_rows(setup):
+    """Padded rows keep a sequence whose response is empty: its prompt but the last token, so
+    no position predicts a (padding) response token."""
+    _, _, rollout = setup
+    lengths = rollout.lengths.copy()
+    lengths[3] = 0
+    empty = dataclasses.replace(rollout, lengths=lengths)
+    _, plan = _plan("dapo", packing=False)
+    batch, index = _assembled(empty, plan)
+    source, _, _ = _window_targets(plan, index, batch.score_positions)
+    mask = np.asarray(batch.loss_mask)
+    assert not mask[source == 3].any()
+    assert mask.sum() == lengths.sum()
+    real = (np.asarray(index.source) == 3) & (np.asarray(index.segment_ids) > 0)
+    assert real.sum() == rollout.prompt_lengths[3] - 1
