@@ -241,11 +241,11 @@ class AlgoConfigSection:
     # Optimiser updates per rollout batch (DELTA_SPEC §7: 4); accumulated micro-batches each.
     mini_batches: int = ranged(1, 1)
     micro_batches: int = ranged(1, 1)
-    # Pack prompt+response sequences first-fit-decreasing into rows of `tokens_per_row` input
-    # positions for the update (false: one sequence per row, padded to the longest possible);
-    # share_prompts: a prompt once per row for its responses there, exact (rl.packing).
+    # Pack sequences first-fit-decreasing into rows of `tokens_per_row` positions (false: one
+    # padded per row); share_prompts: a prompt once per row for its responses there, exact
+    # (rl.packing); auto: on unless splash attention would run twice for less (rl.update_plan).
     packing: bool = True
-    share_prompts: bool = False
+    share_prompts: bool | Literal["auto"] = "auto"
     # None: the longest possible sequence, data.max_prompt_length + rollout.max_new_tokens - 1.
     tokens_per_row: int | None = None
 
@@ -521,7 +521,7 @@ def validate(config: Config) -> None:
         )
     if a.lam_min > a.lam_max:
         raise ConfigError(f"algo.lam_min={a.lam_min} > algo.lam_max={a.lam_max}: need min <= max")
-    if a.share_prompts and not a.packing:
+    if a.share_prompts is True and not a.packing:
         raise ConfigError("algo.share_prompts=true needs algo.packing=true (shared in packed rows)")
     longest = config.data.max_prompt_length + r.max_new_tokens - 1
     if a.tokens_per_row is not None and a.tokens_per_row < longest:

@@ -68,7 +68,7 @@ class Planner:
         self.sample_dtypes = [
             sh.sampling_dtype(x.dtype, dtype) for x in jax.tree.leaves(self.params)
         ]
-        self.update_plan = UpdatePlan.from_config(config)
+        self.update_plan = UpdatePlan.from_config(config, mesh.devices.flat[0].platform)
 
     def params_bytes(self) -> int:
         return _sharded_bytes(self.params, self.param_shardings)

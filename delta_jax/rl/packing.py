@@ -25,7 +25,8 @@ micro-batch is a token budget (:func:`micro_batch_shape`): packed rows need fewe
 micro-batches, and both counts are bucketed and shared by the mini-batches of a step, so a run
 compiles a bounded number of update programs.
 
-Shared prompts (``algo.share_prompts``, packed rows): the responses of one prompt go into a row
+Shared prompts (``algo.share_prompts``, packed rows; ``auto``: in the steps where it takes
+fewer rows, :attr:`UpdatePlan.share_if_fewer_rows`): the responses of one prompt go into a row
 as one *chunk*: the prompt's ``p`` tokens once, then each response's ``g - 1`` (as many as fit
 a row; a larger group is several chunks, each with the prompt). The prompt is a segment, each
 response a segment whose ``parent_ids`` name the prompt's (it sees the prompt and its own
@@ -100,12 +101,12 @@ def bucket_rows(rows: int, unit: int, limit: int) -> int:
 Chunk = tuple[int, ...]  # sequences laid out together: one, or several sharing their prompt
 
 
-def chunks(plan: UpdatePlan, seqs: np.ndarray, prompt_lens, resp_lens) -> list[Chunk]:
-    """The chunks of one mini-batch's sequences (in order): each sequence alone, or with shared
-    prompts the responses of each prompt (``plan.group_size`` consecutive sequences) in chunks
+def chunks(plan: UpdatePlan, seqs: np.ndarray, prompt_lens, resp_lens, share: bool) -> list[Chunk]:
+    """The chunks of one mini-batch's sequences (in order): each sequence alone, or when
+    ``share`` the responses of each prompt (``plan.group_size`` consecutive sequences) in chunks
     that fit a row, longest first."""
     kept = [int(s) for s in seqs if resp_lens[s] > 0 or not plan.packing]
-    if not plan.share_prompts:
+    if not share:
         return [(s,) for s in kept]
     groups: dict[int, list[int]] = {}
     for s in kept:
@@ -131,9 +132,11 @@ def chunk_span(chunk: Chunk, prompt_lens, resp_lens) -> int:
     return int(prompt_lens[chunk[0]]) + sum(int(resp_lens[s]) - 1 for s in chunk)
 
 
-def row_groups(plan: UpdatePlan, seqs: np.ndarray, prompt_lens, resp_lens) -> list[list[Chunk]]:
+def row_groups(
+    plan: UpdatePlan, seqs: np.ndarray, prompt_lens, resp_lens, share: bool
+) -> list[list[Chunk]]:
     """Chunks of each row of one mini-batch (``seqs``: its rollout sequences, in order)."""
-    found = chunks(plan, seqs, prompt_lens, resp_lens)
+    found = chunks(plan, seqs, prompt_lens, resp_lens, share)
     if not plan.packing:
         return [[c] for c in found]
     spans = [chunk_span(c, prompt_lens, resp_lens) for c in found]
@@ -224,8 +227,15 @@ def plan_rows(
     """
     per = plan.rows_per_update
     blocks = [order[m * per : (m + 1) * per] for m in range(plan.mini_batches)]
-    groups = [row_groups(plan, b, prompt_lens, resp_lens) for b in blocks]
-    micro, rows = micro_batch_shape(plan, max(map(len, groups)), shards)
+
+    def rows_of(share: bool):
+        groups = [row_groups(plan, b, prompt_lens, resp_lens, share) for b in blocks]
+        return share, groups, micro_batch_shape(plan, max(map(len, groups)), shards)
+
+    # auto: a step shares its prompts only where that takes fewer rows (ties: not shared, whose
+    # fullest row holds fewer responses, so a narrower window).
+    options = (False, True) if plan.share_if_fewer_rows else (plan.share_prompts,)
+    shared, groups, (micro, rows) = min(map(rows_of, options), key=lambda o: o[2][0] * o[2][1])
     responses = lambda row: sum(int(resp_lens[s]) for chunk in row for s in chunk)
     fullest = max(responses(row) for g in groups for row in g or [[]])
     width = score_width(plan, fullest) if plan.packing else 0
@@ -237,6 +247,7 @@ def plan_rows(
         "batch/micro_batches": micro,
         "batch/pad_fraction": 1.0 - real / out.segment_ids.size,
         "batch/positions": real,
+        "batch/shared_prompts": float(shared),
         "batch/scored_positions": (micro * rows) * (width or plan.window),
     }
     return out, stats

@@ -26,7 +26,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import jax
+
 from delta_jax.config import Config, load_config
+from delta_jax.models.attention import resolve_impl
 from delta_jax.rl.objectives import Objective, resolve_objective
 
 CoefficientSource = Literal["none", "in_loss", "sampler", "old_pass"]
@@ -48,8 +51,10 @@ class UpdatePlan:
         forward, stop-gradient; on-policy).
       reference: a reference-policy pass gives log-probs for the KL penalty.
       packing: sequences are packed into rows of ``tokens_per_row`` (else one padded per row).
-      share_prompts: packed rows hold a prompt once for several of its responses
-        (:mod:`delta_jax.rl.packing`).
+      share_prompts: packed rows may hold a prompt once for several of its responses (the
+        train step takes rotary positions and parent segments; :mod:`delta_jax.rl.packing`).
+      share_if_fewer_rows: ``algo.share_prompts=auto``: a step shares only when that packs it
+        into fewer rows (:func:`shares_prompts` decides whether it may).
       group_size: responses per prompt (consecutive rollout sequences share their prompt).
       tokens_per_row: T of a packed row.
       delta_scope: ``"global"`` or ``"per_shard"`` DelTA statistics.
@@ -67,6 +72,7 @@ class UpdatePlan:
     reference: bool
     packing: bool
     share_prompts: bool
+    share_if_fewer_rows: bool
     group_size: int
     tokens_per_row: int
     delta_scope: str
@@ -92,7 +98,8 @@ class UpdatePlan:
         )
 
     @classmethod
-    def from_config(cls, config: Config) -> UpdatePlan:
+    def from_config(cls, config: Config, platform: str | None = None) -> UpdatePlan:
+        """The plan of ``config`` on ``platform`` (default: JAX's default backend)."""
         r, a = config.rollout, config.algo
         objective = resolve_objective(a, max_response_length=r.max_new_tokens)
         mini, micro = a.mini_batches, a.micro_batches
@@ -100,6 +107,7 @@ class UpdatePlan:
         if objective.uses_delta:
             coefficients = "old_pass" if mini > 1 else "sampler" if micro > 1 else "in_loss"
         P, G = config.data.max_prompt_length, r.max_new_tokens
+        T = a.tokens_per_row or longest_sequence(P, G)
         return cls(
             objective=objective,
             prompt_len=P,
@@ -112,9 +120,10 @@ class UpdatePlan:
             old_pass=mini > 1,
             reference=a.kl_coef > 0,
             packing=a.packing,
-            share_prompts=a.share_prompts,
+            share_prompts=shares_prompts(config, T, platform or jax.default_backend()),
+            share_if_fewer_rows=a.share_prompts == "auto",
             group_size=r.samples_per_prompt,
-            tokens_per_row=a.tokens_per_row or longest_sequence(P, G),
+            tokens_per_row=T,
             delta_scope=a.delta_scope,
         )
 
@@ -150,6 +159,28 @@ class UpdatePlan:
     @property
     def rows_per_update(self) -> int:
         return self.rows // self.mini_batches
+
+
+def shares_prompts(config: Config, row_len: int, platform: str) -> bool:
+    """Whether the update's packed rows hold each prompt once for its responses.
+
+    ``algo.share_prompts: auto`` may share in packed rows, and then each step shares where
+    that takes fewer rows (:func:`delta_jax.rl.packing.plan_rows`). Sharing never adds a
+    position (a chunk is its sequences less the repeated prompts) and on the XLA attention paths
+    (dense, chunked, cuDNN) costs one more comparison in the mask; but a row of shared prompts
+    holds more responses, so its scored window can be wider: a step that saves no row is not
+    shared. The splash kernel
+    (TPU) takes no second mask, so a program with shared rows runs it twice per layer
+    (:func:`delta_jax.models.attention.splash`): there auto may share only when a row can hold
+    the longest prompt with two of the longest responses.
+    """
+    a, P, G = config.algo, config.data.max_prompt_length, config.rollout.max_new_tokens
+    if a.share_prompts != "auto":
+        return a.share_prompts
+    if not a.packing:  # (groups: every advantage needs two samples or more per prompt)
+        return False
+    impl = resolve_impl(config.model.attention, row_len, platform)
+    return impl != "splash" or row_len >= P + 2 * (G - 1)
 
 
 def longest_sequence(prompt_len: int, gen_len: int) -> int:

@@ -78,7 +78,7 @@ def test_the_layout_mask_and_positions_are_the_unshared_ones(setup):
     unshared = col - (P - rollout.prompt_lengths[src])
     assert np.array_equal(np.where(real, flat(index.positions), 0), np.where(real, unshared, 0))
     # Fewer positions than the unshared rows: each group's prompt once per row it is in.
-    _, unshared_plan = _plan("delta", True)
+    _, unshared_plan = _plan("delta", True, share_prompts=False)
     _, before = plan_rows(unshared_plan, np.arange(B), rollout.prompt_lengths, rollout.lengths, 1)
     assert stats["batch/positions"] < before["batch/positions"]
     copies = _prompt_copies(index)
@@ -206,3 +206,45 @@ def test_a_group_whose_prompts_differ_in_length_is_refused(setup):
     plens[1] += 1
     with pytest.raises(ValueError, match=r"share a prompt but not its length"):
         plan_rows(plan, np.arange(B), plens, rollout.lengths, 1)
+
+
+def test_auto_may_share_unless_splash_would_run_twice_for_rows_that_save_no_prompt():
+    """``auto`` is decided once per plan: packed rows, and on TPU (splash, which runs
+    twice for shared rows) only rows that hold a longest prompt and two longest responses."""
+    from delta_jax.rl.update_plan import UpdatePlan
+
+    def plan(platform="cpu", *overrides):
+        shape = ["data.max_prompt_length=16", "rollout.max_new_tokens=24"]
+        return UpdatePlan.from_config(load_config(None, [*shape, *overrides]), platform)
+
+    assert plan().share_prompts and plan().share_if_fewer_rows
+    assert not plan("cpu", "algo.packing=false").share_prompts
+    assert not plan("tpu").share_prompts  # rows of 39: one longest sequence
+    assert plan("tpu", "algo.tokens_per_row=62").share_prompts  # 16 + 2 x 23
+    assert not plan("tpu", "algo.tokens_per_row=61").share_prompts
+    assert plan("tpu", "algo.share_prompts=true").share_prompts  # asked for: always
+    forced = plan("cpu", "algo.share_prompts=true")
+    assert forced.share_prompts and not forced.share_if_fewer_rows
+    assert not plan("cpu", "algo.share_prompts=false").share_prompts
+
+
+@pytest.mark.parametrize(
+    ("response", "shared", "rows"),
+    [(3, True, 4), (20, False, 16)],  # short: groups share 4 rows; long: one sequence per row
+)
+def test_auto_shares_a_step_only_where_it_takes_fewer_rows(response, shared, rows):
+    """Per step, ``auto`` lays out the rows both ways and keeps sharing only when it needs fewer
+    rows: with one sequence per row either way, the unshared rows (narrower window) stay."""
+    from delta_jax.rl.update_plan import UpdatePlan
+
+    config = load_config(
+        None,
+        ["data.max_prompt_length=16", "rollout.max_new_tokens=24", "rollout.prompts_per_step=4",
+         "rollout.samples_per_prompt=4"],
+    )  # fmt: skip
+    plan = UpdatePlan.from_config(config, "cpu")
+    plens, glens = np.full(16, 12), np.full(16, response)
+    _, stats = plan_rows(plan, np.arange(16), plens, glens, 1)
+    assert stats["batch/shared_prompts"] == shared and stats["batch/packed_rows"] == rows
+    unshared = 12 * 16 + (response - 1) * 16
+    assert stats["batch/positions"] == (12 * 4 + 2 * 16 if shared else unshared)

@@ -199,18 +199,21 @@ def _max_diff(a, b):
 CASES = [(1, 1), (1, 4), (4, 1)]
 
 
-def test_packed_rows_score_only_response_positions(setup):
+@pytest.mark.parametrize("share", [False, True])
+def test_packed_rows_score_only_response_positions(setup, share):
     """Packed rows run the LM head on exactly the positions that predict a response token: the
-    targets there are every sequence's response tokens, in order, and nothing else."""
+    targets there are every sequence's response tokens, in order, and nothing else (unshared,
+    the window is narrower than a row; shared, a row can hold that many response tokens)."""
     _, _, rollout = setup
-    _, plan = _plan("dapo", packing=True)
+    _, plan = _plan("dapo", packing=True, share_prompts=str(share).lower())
     index, stats = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths, 1)
     logprobs, advantages = rollout.rollout_logprobs, jnp.asarray(rollout.advantages)
     batch = make_assemble(plan)(rollout.sequences, logprobs, advantages, None, None, index)
     slots, src = np.asarray(batch.score_positions), np.asarray(index.score_source)
     targets = np.asarray(batch.targets)  # each slot's
     width = slots.shape[-1]
-    assert width < plan.row_len and stats["batch/scored_positions"] == slots[0].size
+    assert (share or width < plan.row_len) and stats["batch/scored_positions"] == slots[0].size
+    assert stats["batch/shared_prompts"] == share
     scored = {}
     for row in np.ndindex(slots.shape[:-1]):
         for k in np.flatnonzero(slots[row] >= 0):
