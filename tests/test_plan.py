@@ -229,6 +229,11 @@ def test_main_prints_table(capsys):
     # The step-time roofline (on by default in the CLI) with v6e's constants, to the run's hours.
     assert "step-time roofline (v6e: 918 TFLOP/s bf16, 1640 GB/s HBM per chip" in out
     assert "model-FLOPs utilisation bound" in out and "100 steps >= " in out
+    # The longest responses (the default): one sequence of 16 + 24 - 1 positions per row.
+    assert (
+        "update runs 4 of the compiled 4 rows per mini-batch at these lengths (156 positions)"
+        in out
+    )
     # With a measured tokens per verify step: the verify chunk compiled, its rollout bound beside.
     # (Stand-in CPU devices: the verify chunk compiled on the dense CPU attention path.)
     assert "rollout with speculation >= " in out
@@ -560,6 +565,17 @@ def test_roofline_arithmetic_by_hand():
     train_s = max(flops / peak, nbytes / bw, model / peak)
     assert st.update_mfu == pytest.approx(model / peak / train_s)
     assert st.update_limit == ("HBM" if nbytes / bw > flops / peak else "FLOP/s")
+    assert "update runs 24 of the compiled 24 rows per mini-batch" in "\n".join(st.lines())
+    # Packed rows at the mean lengths: 12 of the 24 compiled rows run, the bound halves.
+    half = roofline.estimate(**kw, update_rows=12, shared_prompts=True)
+    model_half = 12 * (6 * mm * 48 + 6 * L * N * D * 48**2) / 4
+    half_s = max(flops / 2 / peak, nbytes / 2 / bw, model_half / peak)
+    assert half.update_s == pytest.approx(2 * half_s)
+    assert half.mfu_bound == pytest.approx(model_half / (flops / 2))
+    assert (
+        "update runs 12 of the compiled 24 rows per mini-batch at these lengths (576 positions; "
+        "each prompt once per row for its responses)" in "\n".join(half.lines())
+    )
     assert st.bytes_per_token == pytest.approx(step_bytes / 8)
     assert st.min_bytes_per_token == pytest.approx(1_000_000 / 8 + kv)
     assert st.run_hours == pytest.approx(10 * (st.decode_s + st.prefill_s + st.update_s) / 3600)

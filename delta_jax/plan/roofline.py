@@ -124,7 +124,11 @@ class StepTime:
     prefill_s: float
     train_flops: float  # one mini-batch (every micro-batch), per device
     train_bytes: float
-    train_model_flops: float  # per device
+    train_model_flops: float  # per device, of the rows the update runs
+    compiled_rows: int  # rows per mini-batch of the compiled train step (its micro-batches)
+    update_rows: int  # ... the update runs at the mean lengths (packed; the rest skipped)
+    update_positions: float  # input positions of those rows, all devices
+    shared_prompts: bool  # the rows hold each prompt once for its responses
     update_s: float  # every mini-batch
     update_mfu: float  # the model's FLOPs at peak over update_s
     update_limit: str  # what bounds the train step: "HBM" or "FLOP/s"
@@ -158,7 +162,8 @@ class StepTime:
 
     @property
     def mfu_bound(self) -> float:
-        return self.train_model_flops / self.train_flops if self.train_flops else math.nan
+        run = self.train_flops * self.update_rows / self.compiled_rows
+        return self.train_model_flops / run if self.train_flops else math.nan
 
     @property
     def run_hours(self) -> float:
@@ -177,8 +182,12 @@ class StepTime:
             f"  decode HBM bytes per useful token {self.bytes_per_token / 2**20:,.2f} MiB per "
             f"device; minimum {self.min_bytes_per_token / 2**20:,.2f} MiB "
             f"({self.bytes_per_token / self.min_bytes_per_token:.2f}x)",
+            f"  update runs {self.update_rows:,} of the compiled {self.compiled_rows:,} rows per "
+            f"mini-batch at these lengths ({self.update_positions:,.0f} positions"
+            + ("; each prompt once per row for its responses)" if self.shared_prompts else ")"),
             f"  update >= {self.update_s:,.1f} s ({self.train_flops / 1e12:,.1f} TFLOP per device "
-            f"per mini-batch compiled, {self.train_model_flops / 1e12:,.1f} the model's; "
+            f"per mini-batch compiled, {self.train_model_flops / 1e12:,.1f} the model's in the "
+            "rows run; "
             + (
                 f"model-FLOPs utilisation bound {self.mfu_bound:.0%}; "
                 f"{self.update_mfu:.0%} at the update's bound, {self.update_limit}-bound)"
@@ -230,6 +239,8 @@ def estimate(
     mini_batches: int,
     micro_rows: int,
     useful_tokens: float,
+    update_rows: int | None = None,
+    shared_prompts: bool = False,
     sequences_per_group: int,
     group_slots: int,
     prompts_per_group: int,
@@ -252,7 +263,11 @@ def estimate(
     train step of ``micro_batches`` micro-batches with 1 and 2 unrolled layers; their splash
     kernels' cost, ``splash_cost`` with ``attention_block``, is added); ``prefill_tokens``:
     tokens one device's prefill program takes (its group's rows x chunk length); ``useful_tokens``:
-    a train row's tokens the model FLOPs count; ``kv_heads``: KV heads a sampling device holds;
+    the input positions per row the update runs, which the model FLOPs count (as one causal
+    sequence per row); ``update_rows``: rows per mini-batch the update runs at the workload's
+    mean lengths (packed, prompts shared when ``shared_prompts``: ``rl.packing.uniform_rows``;
+    the compiled ``micro_batches x micro_rows`` when None), which scales the compiled train
+    step's bound (its cost is linear in rows); ``kv_heads``: KV heads a sampling device holds;
     ``weight_bytes``: the sampling weights one device reads per decode step. ``verify``: the
     speculative decode chunk of ``draft_tokens`` drafts (its loop counted once: one verify step,
     reading the same K/V per slot as a decode step; a trie of them up to ``draft_depth`` deep,
@@ -275,8 +290,11 @@ def estimate(
     train_bytes = layers_extrapolated(
         train_one.bytes_accessed + b1, train_two.bytes_accessed + b2, L
     )
-    model = train_model_flops(mc, micro_batches * micro_rows, round(useful_tokens)) / devices
-    train_s = max(bound(train_flops, train_bytes, peak, bandwidth), model / peak)
+    compiled_rows = micro_batches * micro_rows
+    rows = compiled_rows if update_rows is None else update_rows
+    model = train_model_flops(mc, rows, round(useful_tokens)) / devices
+    run = rows / compiled_rows
+    train_s = max(bound(train_flops * run, train_bytes * run, peak, bandwidth), model / peak)
     speculative = {}
     if verify is not None:
         rounds = -(-sequences_per_group // group_slots)
@@ -297,6 +315,10 @@ def estimate(
         train_flops=train_flops,
         train_bytes=train_bytes,
         train_model_flops=model,
+        compiled_rows=compiled_rows,
+        update_rows=rows,
+        update_positions=rows * useful_tokens,
+        shared_prompts=shared_prompts,
         # Never below the model's own FLOPs at peak (the cost analysis can miss a kernel's).
         update_s=mini_batches * train_s,
         update_mfu=model / peak / train_s,

@@ -14,6 +14,7 @@ from delta_jax.plan.compiler import plan_mesh
 from delta_jax.plan.models import describe, resolve_model_config
 from delta_jax.plan.programs import Planner
 from delta_jax.plan.report import GiB, PlanReport, ProgramMemory
+from delta_jax.rl.packing import uniform_rows
 from delta_jax.sampling.backends import backend_for
 
 
@@ -337,6 +338,10 @@ def _step_time(planner: Planner, report: PlanReport, slots: int, mean_new, per_s
         shallow = Planner(c, planner.mesh, mc.replace(num_layers=k, scan_layers=False))
         layers[k] = shallow.train(report.micro_batch_rows)
     _, _, prompt_len, _ = planner.request(c.rollout.prompts_per_step)
+    # The update's rows at these lengths, as the trainer lays them out (packed, shared).
+    plan, shards = planner.update_plan, sh.batch_divisor(planner.mesh)
+    P = c.data.max_prompt_length
+    rows = uniform_rows(plan, P, max(1, round(mean_new)), shards)
     chunk = min(spec.prefill_len, max(spec.min_len, 1 << max(0, (prompt_len - 1).bit_length())))
     tensor = planner.sample_mesh.shape.get("tensor", 1)
     G = spec.groups
@@ -354,7 +359,9 @@ def _step_time(planner: Planner, report: PlanReport, slots: int, mean_new, per_s
         micro_batches=c.algo.micro_batches,
         mini_batches=c.algo.mini_batches,
         micro_rows=report.micro_batch_rows,
-        useful_tokens=c.data.max_prompt_length + mean_new,
+        useful_tokens=rows["batch/positions"] / rows["batch/packed_rows"] / plan.mini_batches,
+        update_rows=rows["batch/packed_rows"],
+        shared_prompts=bool(rows["batch/shared_prompts"]),
         sequences_per_group=c.rollout.prompts_per_step * c.rollout.samples_per_prompt // G,
         group_slots=spec.group_slots,
         prompts_per_group=c.rollout.prompts_per_step // G,

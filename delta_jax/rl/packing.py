@@ -253,6 +253,15 @@ def plan_rows(
     return out, stats
 
 
+def uniform_rows(plan: UpdatePlan, prompt_len: int, response_len: int, shards: int) -> dict:
+    """:func:`plan_rows`' statistics for a rollout batch of prompts of ``prompt_len`` tokens and
+    responses of ``response_len``: the rows and positions such a step's update runs (the
+    planner's estimate at a workload's mean lengths)."""
+    n = plan.rows
+    lens = lambda x: np.full(n, x, np.int32)
+    return plan_rows(plan, np.arange(n), lens(prompt_len), lens(response_len), shards)[1]
+
+
 def make_assemble(plan: UpdatePlan, out_sharding=None):
     """The jitted :func:`assemble` of ``plan``; every output field placed by ``out_sharding``."""
     return jax.jit(functools.partial(assemble, plan=plan, out_sharding=out_sharding))

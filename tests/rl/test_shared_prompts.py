@@ -15,7 +15,7 @@ import pytest
 from delta_jax import sharding as sh
 from delta_jax.config import ConfigError, load_config
 from delta_jax.models.attention import visible
-from delta_jax.rl.packing import plan_rows
+from delta_jax.rl.packing import plan_rows, uniform_rows
 from delta_jax.rl.state import init_sharded_state
 from delta_jax.rl.update import Updater
 from tests.rl.test_train_step import (
@@ -246,5 +246,6 @@ def test_auto_shares_a_step_only_where_it_takes_fewer_rows(response, shared, row
     plens, glens = np.full(16, 12), np.full(16, response)
     _, stats = plan_rows(plan, np.arange(16), plens, glens, 1)
     assert stats["batch/shared_prompts"] == shared and stats["batch/packed_rows"] == rows
+    assert uniform_rows(plan, 12, response, 1) == stats  # the planner's estimate: the same rows
     unshared = 12 * 16 + (response - 1) * 16
     assert stats["batch/positions"] == (12 * 4 + 2 * 16 if shared else unshared)
