@@ -282,26 +282,19 @@ def estimate(
     kv = kv_bytes_per_token(mc, context, kv_heads, cache_itemsize)
     step_flops = decode.flops
     step_bytes = decode.bytes_accessed + group_slots * kv
-    decode_steps = -(-sequences_per_group // group_slots) * math.ceil(mean_new)
+    rounds = -(-sequences_per_group // group_slots)
+    decode_steps = rounds * math.ceil(mean_new)
     per_token = bound(prefill.flops, prefill.bytes_accessed, peak, bandwidth) / prefill_tokens
-    L = mc.num_layers
-    (f1, b1), (f2, b2) = (splash_cost(t.splash, attention_block) for t in (train_one, train_two))
-    train_flops = layers_extrapolated(train_one.flops + f1, train_two.flops + f2, L)
-    train_bytes = layers_extrapolated(
-        train_one.bytes_accessed + b1, train_two.bytes_accessed + b2, L
-    )
+    train_flops, train_bytes = _train_figures(train_one, train_two, attention_block, mc.num_layers)
     compiled_rows = micro_batches * micro_rows
-    rows = compiled_rows if update_rows is None else update_rows
+    rows = update_rows or compiled_rows
     model = train_model_flops(mc, rows, round(useful_tokens)) / devices
-    run = rows / compiled_rows
-    train_s = max(bound(train_flops * run, train_bytes * run, peak, bandwidth), model / peak)
-    speculative = {}
-    if verify is not None:
-        rounds = -(-sequences_per_group // group_slots)
-        speculative = _verify_bound(
-            verify, tokens_per_step, rounds, mean_new, group_slots * kv, peak, bandwidth,
-            draft_tokens=draft_tokens, draft_depth=draft_depth, verify_attention=verify_attention,
-        )  # fmt: skip
+    run_s = bound(train_flops, train_bytes, peak, bandwidth) * rows / compiled_rows
+    train_s = max(run_s, model / peak)  # the cost analysis can miss a kernel's FLOPs
+    speculative = {} if verify is None else _verify_bound(
+        verify, tokens_per_step, rounds, mean_new, group_slots * kv, peak, bandwidth,
+        draft_tokens=draft_tokens, draft_depth=draft_depth, verify_attention=verify_attention,
+    )  # fmt: skip
     return StepTime(
         chip=gen,
         peak_flops=peak / share,
@@ -319,7 +312,6 @@ def estimate(
         update_rows=rows,
         update_positions=rows * useful_tokens,
         shared_prompts=shared_prompts,
-        # Never below the model's own FLOPs at peak (the cost analysis can miss a kernel's).
         update_s=mini_batches * train_s,
         update_mfu=model / peak / train_s,
         update_limit="HBM" if train_bytes / bandwidth > train_flops / peak else "FLOP/s",
@@ -329,6 +321,17 @@ def estimate(
         steps=steps,
         chips=chips,
         **speculative,
+    )
+
+
+def _train_figures(train_one, train_two, attention_block: int, layers: int):
+    """``(FLOPs, HBM bytes)`` of the ``layers``-layer train step: its 1- and 2-layer compiles,
+    each with its splash kernels' cost, extrapolated."""
+    (f1, b1), (f2, b2) = (splash_cost(t.splash, attention_block) for t in (train_one, train_two))
+    one, two = train_one, train_two
+    return (
+        layers_extrapolated(one.flops + f1, two.flops + f2, layers),
+        layers_extrapolated(one.bytes_accessed + b1, two.bytes_accessed + b2, layers),
     )
 
 
