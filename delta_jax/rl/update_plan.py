@@ -108,6 +108,7 @@ class UpdatePlan:
             coefficients = "old_pass" if mini > 1 else "sampler" if micro > 1 else "in_loss"
         P, G = config.data.max_prompt_length, r.max_new_tokens
         T = a.tokens_per_row or longest_sequence(P, G)
+        share = shares_prompts(config, T, platform or jax.default_backend())
         return cls(
             objective=objective,
             prompt_len=P,
@@ -120,8 +121,8 @@ class UpdatePlan:
             old_pass=mini > 1,
             reference=a.kl_coef > 0,
             packing=a.packing,
-            share_prompts=shares_prompts(config, T, platform or jax.default_backend()),
-            share_if_fewer_rows=a.share_prompts == "auto",
+            share_prompts=share,
+            share_if_fewer_rows=share and a.share_prompts == "auto",
             group_size=r.samples_per_prompt,
             tokens_per_row=T,
             delta_scope=a.delta_scope,

@@ -220,6 +220,8 @@ def test_auto_may_share_unless_splash_would_run_twice_for_rows_that_save_no_prom
     assert plan().share_prompts and plan().share_if_fewer_rows
     assert not plan("cpu", "algo.packing=false").share_prompts
     assert not plan("tpu").share_prompts  # rows of 39: one longest sequence
+    assert not plan("tpu").share_if_fewer_rows  # nor any step: the program has no parent ids
+    assert not plan("cpu", "algo.packing=false").share_if_fewer_rows
     assert plan("tpu", "algo.tokens_per_row=62").share_prompts  # 16 + 2 x 23
     assert not plan("tpu", "algo.tokens_per_row=61").share_prompts
     assert plan("tpu", "algo.share_prompts=true").share_prompts  # asked for: always
