@@ -272,8 +272,7 @@ class RunConfigSection:
     dir: str = "runs/demo"
     steps: int = ranged(100, 1)
     seed: int = ranged(0, 0)
-    # Checkpoint every this many steps; 0: no periodic checkpoints. The last step and a step
-    # stopped by SIGTERM are always saved (see `save_due`), so a finished or stopped run resumes.
+    # Checkpoint every this many steps (0: never); the last step and a SIGTERM stop always save.
     save_every: int = ranged(20, 0)
     keep_last: int = ranged(2, 1)  # most recent checkpoints kept, plus the best by `best_metric`
     best_metric: str = "reward_mean"
@@ -282,8 +281,9 @@ class RunConfigSection:
     tensorboard: bool = True
     wandb: bool = False
     progress: bool = True
-    # Optional device mesh (data, fsdp, tensor); -1 takes the remaining devices.
-    mesh: tuple[int, int, int] = (-1, 1, 1)
+    mesh: tuple[int, int, int] = (-1, 1, 1)  # device mesh (data, fsdp, tensor); -1: the rest
+    # JAX's persistent compilation cache: auto (<project cache>/xla), a directory, or null: off.
+    compile_cache: str | None = "auto"
 
     def save_due(self, step: int, stopping: bool = False) -> bool:
         """Whether the loop saves a checkpoint at the end of ``step``."""

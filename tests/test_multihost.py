@@ -308,7 +308,7 @@ def test_cli_two_processes_match_one_process_and_resume(tmp_path):
     assert [row["step"] for row in got] == list(range(1, STEPS + 2))
     for g, w in zip(got, want, strict=True):
         # Timings and compile counts depend on the process layout, not on the maths.
-        own = lambda row: {k for k in row if not k.startswith("time/") and k != "compiles"}
+        own = lambda row: {k for k in row if not k.startswith(("time/", "compiles"))}
         keys = own(w)
         assert keys == own(g)
         for key in sorted(keys):

@@ -45,6 +45,7 @@ from delta_jax import sharding as sh
 from delta_jax.checkpoint import Checkpointer
 from delta_jax.config import Config, ConfigError, load_config
 from delta_jax.diagnostics.metrics_log import MetricsLog
+from delta_jax.rl.compilation import CompileCounter, use_persistent_cache
 from delta_jax.rl.rollout import Rollout, collect_rollout
 from delta_jax.rl.setup import RunParts, build_run_parts
 from delta_jax.rl.state import init_sharded_state, make_optimizer
@@ -62,28 +63,6 @@ class TrainResult:
     checkpoint_dir: Path
     plot_path: Path | None
     stopped_early: bool
-
-
-class _CompileCounter:
-    """Counts XLA backend compilations (jitted programs and eager ops) in this process.
-
-    Logged per step as ``compiles``: after the first step of a run it should stay 0 — the update,
-    old-log-prob pass and sampler each compile once per shape bucket.
-    """
-
-    count = 0
-    _registered = False
-
-    @classmethod
-    def install(cls) -> None:
-        if not cls._registered:
-            jax.monitoring.register_event_duration_secs_listener(cls._on_event)
-            cls._registered = True
-
-    @classmethod
-    def _on_event(cls, name: str, duration: float, **kwargs) -> None:
-        if name == "/jax/core/compile/backend_compile_duration":
-            cls.count += 1
 
 
 class _StopFlag:
@@ -206,6 +185,7 @@ class Trainer:
     ):
         self.config = cfg = as_config(config)
         require_extras(cfg)
+        use_persistent_cache(cfg.run.compile_cache)
         self.mesh = sh.mesh_from_config(cfg.run.mesh)
         self.parts: RunParts = build_run_parts(
             cfg,
@@ -224,7 +204,7 @@ class Trainer:
             self.parts.close()
             raise
         self._closed = False
-        _CompileCounter.install()
+        CompileCounter.install()
 
     def _start(self, cfg: Config) -> None:
         """Update plan, compiled programs, train state (restored when resuming), logs."""
@@ -374,7 +354,7 @@ class Trainer:
             # The starting point of the learning curve: the policy before any RL update.
             self.metrics_log.log(0, self.parts.evaluate(self._sampling_params(), 0))
         step = self.step_count + 1
-        t_step, compiles = time.perf_counter(), _CompileCounter.count
+        t_step, compiles = time.perf_counter(), CompileCounter.snapshot()
         rollout = self._rollout(step)
         t_update = time.perf_counter()
         batch, metrics = self.updater.prepare(rollout, step, self.state.params, self.ref_params)
@@ -435,7 +415,7 @@ class Trainer:
             metrics.update(self.parts.evaluate(self._sampling_params(), step))
             metrics["time/eval"] = time.perf_counter() - t_eval
         metrics["time/step"] = time.perf_counter() - t_step
-        metrics["compiles"] = _CompileCounter.count - compiles
+        metrics.update(CompileCounter.since(compiles))
         row = self.metrics_log.log(step, metrics)
         if cfg.run.save_due(step, stopping):
             self._save(step, row)

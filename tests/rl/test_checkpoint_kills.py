@@ -55,7 +55,7 @@ def straight(tmp_path_factory, demo_model_dir, env):
 
 def _comparable(rows):
     """Rows without timings and compile counts (a resumed process compiles again)."""
-    drop = lambda k: k.startswith("time/") or k == "compiles"
+    drop = lambda k: k.startswith(("time/", "compiles"))
     return [{k: v for k, v in r.items() if not drop(k)} for r in rows]
 
 

@@ -24,7 +24,7 @@ def _config(run_dir, model_dir):
 
 def _comparable(rows, after):
     """Rows after ``after``, without timings and compile counts (a resumed run recompiles)."""
-    drop = lambda k: k.startswith("time/") or k == "compiles"
+    drop = lambda k: k.startswith(("time/", "compiles"))
     return [{k: v for k, v in r.items() if not drop(k)} for r in rows if r["step"] > after]
 
 

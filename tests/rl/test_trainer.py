@@ -23,7 +23,7 @@ DEMO = ROOT / "configs" / "demo.yaml"
 SCRIPT = ROOT / "tests" / "rl" / "api_script.py"
 
 
-def _strip(rows, drop=("compiles",)):
+def _strip(rows, drop=("compiles", "compiles_loaded")):
     return [
         {k: v for k, v in r.items() if not k.startswith("time/") and k not in drop} for r in rows
     ]

@@ -1,0 +1,72 @@
+"""JAX's persistent compilation cache (``run.compile_cache``) and the compile metrics of a step."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from delta_jax.diagnostics.metrics_log import read_metrics
+from tests.rl.conftest import tiny_overrides
+
+ROOT = Path(__file__).parents[2]
+DEMO = ROOT / "configs" / "demo.yaml"
+
+
+def _env(**extra) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    return {**env, "PYTHONPATH": str(ROOT), **extra}
+
+
+def test_the_cache_directory_each_setting_chooses(tmp_path):
+    """auto: ``JAX_COMPILATION_CACHE_DIR`` when set, else ``$DELTA_JAX_CACHE/xla``; a path;
+    null: off. Every program is cached unless the environment sets the minimum compile time."""
+    code = (
+        "import sys, jax\n"
+        "from delta_jax.rl.compilation import use_persistent_cache as use\n"
+        "setting = None if sys.argv[1] == 'null' else sys.argv[1]\n"
+        "print(use(setting), jax.config.jax_enable_compilation_cache,\n"
+        "      jax.config.jax_persistent_cache_min_compile_time_secs)\n"
+    )
+
+    def run(setting, **env):
+        out = subprocess.run(
+            [sys.executable, "-c", code, setting], env=_env(**env), cwd=ROOT,
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return out.stdout.split()
+
+    project = tmp_path / "project"
+    assert run("auto", DELTA_JAX_CACHE=str(project)) == [str(project / "xla"), "True", "0.0"]
+    mine = tmp_path / "mine"
+    assert run("auto", DELTA_JAX_CACHE=str(project), JAX_COMPILATION_CACHE_DIR=str(mine))[0] == (
+        str(mine)
+    )
+    assert run(str(mine), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="2") == [
+        str(mine), "True", "2.0",
+    ]  # fmt: skip
+    assert run("null")[:2] == ["None", "False"]
+
+
+@pytest.mark.slow  # two CLI runs
+def test_a_second_process_loads_every_program_from_the_cache(tmp_path, demo_model_dir):
+    """The same tiny run twice in fresh processes: the second compiles nothing (every program
+    its steps need is loaded from the cache the first wrote) and learns the same."""
+    cache = tmp_path / "xla"
+    rows = []
+    for name in ("first", "second"):
+        overrides = tiny_overrides(
+            tmp_path / name, demo_model_dir, "run.steps=3", "run.eval_every=2",
+            "run.eval_prompts=8", f"run.compile_cache={cache}",
+        )  # fmt: skip
+        cmd = [sys.executable, "-m", "delta_jax.cli", "train", "--config", str(DEMO), *overrides]
+        done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+        rows.append([r for r in read_metrics(tmp_path / name / "metrics.jsonl") if "loss" in r])
+    first, second = rows
+    assert first[0]["compiles"] > 0 and first[0]["time/compile"] > 0
+    assert [r["compiles"] for r in second] == [0, 0, 0], second
+    assert second[0]["compiles_loaded"] > 0 and any(os.scandir(cache))
+    assert [r["loss"] for r in second] == [r["loss"] for r in first]
