@@ -4,6 +4,11 @@ The LM head is applied to chunks of ``chunk_size`` tokens (flattened over B and 
 ``lax.map``; each chunk is wrapped in ``jax.checkpoint`` so the backward pass recomputes that
 chunk's logits instead of storing them. Peak memory is therefore O(chunk_size * V) for the logits
 instead of O(B * T * V), in the forward and in the backward pass.
+
+Listed positions (``score_positions``, packed rows) are scored in chunks of a few slots of every
+row at once, and a chunk with no live slot in any row (``-1`` entries, which rows put last) is
+skipped (``lax.cond``), forward and backward: a window as wide as a row costs the LM head of the
+slots the fullest row uses, so one compiled program serves every step whatever its lengths.
 """
 
 from __future__ import annotations
@@ -106,13 +111,16 @@ def token_logprobs(
         parent_ids=parent_ids,
         return_logits=False,
     )
-    if score_positions is None:
-        hidden, targets = out.hidden[:, score_from:], targets[:, score_from:]
-    else:
+    w = lm_head_weight(model).astype(model.dtype)
+    if score_positions is not None:
         at = jnp.maximum(score_positions, 0)
         hidden = jnp.take_along_axis(out.hidden, at[..., None], axis=1)
+        live = score_positions >= 0
+        options = dict(temperature=temperature, chunk_size=chunk_size)
+        lp, ent = slot_logprobs(hidden, w, targets, live, return_entropy=return_entropy, **options)
+        return LogprobOutput(lp, ent, hidden if return_hidden else None)
+    hidden, targets = out.hidden[:, score_from:], targets[:, score_from:]
     B, T, H = hidden.shape
-    w = lm_head_weight(model).astype(model.dtype)
     lp, ent = chunked_logprobs(
         hidden.reshape(B * T, H),
         w,
@@ -178,3 +186,47 @@ def chunked_logprobs(
     lp, ent = jax.lax.map(one, (h, t))
     lp = lp.reshape(-1)[:M]
     return lp, None if ent is None else ent.reshape(-1)[:M]
+
+
+def slot_logprobs(
+    hidden: Float[Array, "B W H"],
+    weight: Float[Array, "H V"],
+    targets: Int[Array, "B W"],
+    live: Bool[Array, "B W"],
+    *,
+    temperature: float | Float[Array, ""] = 1.0,
+    return_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> tuple[Float[Array, "B W"], Float[Array, "B W"] | None]:
+    """:func:`chunked_logprobs` of ``W`` slots per row, chunk by chunk of slots, skipping chunks
+    with no ``live`` slot in any row (their outputs are 0).
+
+    A chunk is ``c`` slots of every row (rows stay whole, so a row-sharded batch stays sharded):
+    ``c`` is a sixteenth of the window (so that a window filled to a fraction of its width
+    computes about that fraction), at most ``chunk_size`` (default ``2**27 // V``) tokens.
+    """
+    B, W, H = hidden.shape
+    budget = _CHUNK_ELEMENTS // weight.shape[1] if chunk_size is None else int(chunk_size)
+    if budget <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    c = max(1, min(-(-W // 16), budget // B))
+    pad = (-W) % c
+    acc = accumulation_dtype(hidden.dtype)
+
+    def split(x):  # [B, W, ...] -> [W / c, B, c, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(B, -1, c, *x.shape[2:]), 1, 0)
+
+    def scored(hc, tc):
+        options = dict(temperature=temperature, return_entropy=return_entropy, chunk_size=B * c)
+        lp, ent = chunked_logprobs(hc.reshape(B * c, H), weight, tc.reshape(B * c), **options)
+        return lp, ent if return_entropy else jnp.zeros_like(lp)
+
+    def one(args):
+        hc, tc, lc = args
+        skip = lambda hc, tc: (jnp.zeros(B * c, acc), jnp.zeros(B * c, acc))
+        return jax.lax.cond(jnp.any(lc), scored, skip, hc, tc)
+
+    lp, ent = jax.lax.map(one, (split(hidden), split(targets), split(live)))
+    join = lambda x: jnp.moveaxis(x.reshape(-1, B, c), 0, 1).reshape(B, -1)[:, :W]
+    return join(lp), join(ent) if return_entropy else None

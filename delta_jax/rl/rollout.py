@@ -156,6 +156,9 @@ def collect_rollout(
         for key in [k for k in stats if k.startswith("episode/")]:
             stats[key] /= count
     stats["dynamic/informative_groups"] = sum(g.informative for g in kept)
+    # Every round's slot filled (the first round's arrays stand in for the rounds not run, and
+    # no kept row points at them), so the assembly compiles once whatever the rounds taken.
+    outputs += outputs[:1] * (dynamic_rounds + 1 - len(outputs))
     return _assemble(kept, tuple(outputs), n, prompt_len, gen_len, advantage, dict(stats))
 
 

@@ -356,11 +356,13 @@ class Trainer:
         step = self.step_count + 1
         t_step, compiles = time.perf_counter(), CompileCounter.snapshot()
         rollout = self._rollout(step)
-        t_update = time.perf_counter()
+        t_update, compiling = time.perf_counter(), CompileCounter.seconds
+        # (the rollout's time without the compiles in it: see _without_compiles)
+        rollout.stats["time/rollout"] -= compiling - compiles[2]
         batch, metrics = self.updater.prepare(rollout, step, self.state.params, self.ref_params)
         self.state, update_metrics = self.updater.update(self.state, batch)
         metrics.update(update_metrics)
-        metrics["time/update"] = time.perf_counter() - t_update
+        metrics["time/update"] = _without_compiles(t_update, compiling)
         self._stopped = stopping() if callable(stopping) else stopping
         row = self._finish(step, metrics, t_step, compiles, self._stopped)
         self.step_count = step
@@ -411,9 +413,9 @@ class Trainer:
         """Evaluate when due, log the step's metrics, save when due; returns the logged row."""
         cfg = self.config
         if cfg.run.eval_every and step % cfg.run.eval_every == 0:
-            t_eval = time.perf_counter()
+            t_eval, compiling = time.perf_counter(), CompileCounter.seconds
             metrics.update(self.parts.evaluate(self._sampling_params(), step))
-            metrics["time/eval"] = time.perf_counter() - t_eval
+            metrics["time/eval"] = _without_compiles(t_eval, compiling)
         metrics["time/step"] = time.perf_counter() - t_step
         metrics.update(CompileCounter.since(compiles))
         row = self.metrics_log.log(step, metrics)
@@ -433,6 +435,13 @@ class Trainer:
             metrics={k: v for k, v in row.items() if isinstance(v, int | float)},
         )
         self._saved_step = step
+
+
+def _without_compiles(start: float, compiling: float) -> float:
+    """Seconds since ``start`` less those spent compiling since (``CompileCounter.seconds`` was
+    ``compiling``): ``time/rollout``, ``time/update`` and ``time/eval`` leave the compiles to
+    ``time/compile``; ``time/step`` is the whole step."""
+    return time.perf_counter() - start - (CompileCounter.seconds - compiling)
 
 
 def train(config: Config | str | Path | Mapping[str, Any]) -> TrainResult:

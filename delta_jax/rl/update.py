@@ -8,6 +8,7 @@ runs it after each rollout; tests run it on hand-made rollouts.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from delta_jax import sharding as sh
-from delta_jax.rl.packing import make_assemble, plan_rows
+from delta_jax.rl.packing import make_assemble, plan_rows, row_blocks
 from delta_jax.rl.prepare import make_prepare, make_sampler_coefficients
 from delta_jax.rl.rollout import Rollout
 from delta_jax.rl.state import TrainState
@@ -48,6 +49,8 @@ class Updater:
         placed_like: TrainState | None = None,
         donate: bool = True,
     ):
+        shards = sh.batch_divisor(mesh)
+        plan = dataclasses.replace(plan, row_blocks=row_blocks(plan, shards))
         self.plan, self.mesh, self.seed = plan, mesh, seed
         sharded = placed_like is not None
         self.train_step = make_train_step(
@@ -82,10 +85,7 @@ class Updater:
         order = np.arange(plan.rows)
         if plan.mini_batches > 1:
             order = np.random.default_rng(self.seed * 7919 + step).permutation(plan.rows)
-        shards = sh.batch_divisor(self.mesh)
-        index, layout_stats = plan_rows(
-            plan, order, rollout.prompt_lengths, rollout.lengths, shards
-        )
+        index, layout_stats = plan_rows(plan, order, rollout.prompt_lengths, rollout.lengths)
         metrics.update(layout_stats)
         index = sh.replicated_to_global(index, self.mesh, row_axis=2)
         batch = self._assemble(

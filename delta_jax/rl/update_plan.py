@@ -58,6 +58,9 @@ class UpdatePlan:
       group_size: responses per prompt (consecutive rollout sequences share their prompt).
       tokens_per_row: T of a packed row.
       delta_scope: ``"global"`` or ``"per_shard"`` DelTA statistics.
+      row_blocks: blocks of rows per micro-batch whose forward pass is skipped where they hold
+        only padding (the updater sets it for its mesh, :func:`delta_jax.rl.packing.row_blocks`;
+        1: no blocks).
     """
 
     objective: Objective
@@ -76,6 +79,7 @@ class UpdatePlan:
     group_size: int
     tokens_per_row: int
     delta_scope: str
+    row_blocks: int = 1
 
     @classmethod
     def padded(cls, loss: str, prompt_len: int, gen_len: int, rows: int, *overrides: str):
@@ -153,8 +157,8 @@ class UpdatePlan:
 
     @property
     def window(self) -> int:
-        """W: positions per row that carry per-token loss inputs (packed rows: at most this;
-        each step's window is bucketed from its fullest row, ``packing.score_width``)."""
+        """W: positions per row that carry per-token loss inputs (packed rows: slots, as many as
+        a row's positions, the LM head skipping the chunks no row uses)."""
         return self.row_len - self.score_from
 
     @property

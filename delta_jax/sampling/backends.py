@@ -71,15 +71,14 @@ class PagedBackend:
         longest sequence; 1, unused, for the paths that read page tables)."""
         return spec.group_slots * spec.seq_pages
 
-    def table(self, spec: EngineSpec, tables, rows: int, least: int = 0) -> np.ndarray:
-        """Every group's per-row page tables, as wide as the widest (and ``least`` pages) up
-        to a power of two of pages (from the length bucket's floor up to ``max_table``)."""
-        widest = max(least, *(len(t) for group in tables for t in group))
-        floor = pages_for(spec.min_len, spec.page_size)
-        return page_tables(tables, rows, self._width(spec, pow2(max(widest, floor))))
+    def table(self, spec: EngineSpec, tables, rows: int) -> np.ndarray:
+        """Every group's per-row page tables, one width per request (``max_table``, or what the
+        path reads at most): the decode and prefill programs keep one shape whatever the
+        sequences' lengths (the kernels read a row's pages up to its length only)."""
+        return page_tables(tables, rows, self._widest(spec))
 
-    def _width(self, spec: EngineSpec, pages: int) -> int:
-        return min(spec.max_table, pages)
+    def _widest(self, spec: EngineSpec) -> int:
+        return spec.max_table
 
     def prefill_pages(self, spec: EngineSpec, tables, rows: int, length: int) -> np.ndarray:
         """The pages a prefill call of ``length`` tokens per row reads: flat page lists, one
@@ -215,10 +214,10 @@ class DenseCpuBackend(PagedBackend):
     name = "dense"
     prefill_attention = staticmethod(dense_cpu.dense_attention)
 
-    def _width(self, spec, pages):
-        # The CPU path gathers every table entry: never wider than the longest sequence, plus
-        # the columns a speculative chunk's verify steps write past it.
-        return min(pages, spec.seq_pages + self._verify_pages(spec))
+    def _widest(self, spec):
+        # The CPU path gathers every table entry: the longest sequence, plus the columns a
+        # speculative chunk's verify steps write past it.
+        return spec.seq_pages + self._verify_pages(spec)
 
     def _verify_pages(self, spec):
         # A verify step writes ``k + 1`` columns of every sequence whatever it keeps.
@@ -239,9 +238,7 @@ class DenseCpuBackend(PagedBackend):
         base = int(pos.max(initial=0))
         widest = (spec.seq_pages + self._verify_pages(spec)) * spec.page_size
         steps = max(1, min(steps, (widest - base) // T))
-        written = min(steps, int(left.max(initial=1))) if T == 1 else steps * T
-        table = self.table(spec, tables, rows, pages_for(base + written, spec.page_size))
-        return steps, table, page_lists([[]] * len(tables), rows, 1)
+        return steps, self.table(spec, tables, rows), page_lists([[]] * len(tables), rows, 1)
 
     def prefill_layout(self, pages, place):
         return place(pages)

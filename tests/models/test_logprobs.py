@@ -171,3 +171,38 @@ def test_score_positions_equal_gathering_the_full_result():
         token_logprobs(model, ids[:, :-1], targets, score_from=2, score_positions=at)
     with pytest.raises(ValueError, match="one per scored position"):
         token_logprobs(model, ids[:, :-1], ids[:, 1:], score_positions=at)
+
+
+def test_a_wide_window_skips_its_empty_chunks_and_changes_no_live_slot():
+    """Listed positions in a window as wide as the row, empty slots last: the live slots' log-probs,
+    entropies and gradients are the full result's; chunks no row uses are skipped (their
+    outputs 0, where computing them would give position 0's values)."""
+    model = Transformer(ModelConfig.tiny("qwen3"), rngs=nnx.Rngs(4))
+    ids = jax.random.randint(jax.random.key(2), (3, 21), 1, 256)
+    used = np.array([3, 5, 0])  # live slots per row; 20 slots, chunks of 2: slots 6.. skipped
+    at = np.full((3, 20), -1)
+    for r, n in enumerate(used):
+        at[r, :n] = np.sort(np.random.RandomState(r).choice(20, n, replace=False))
+    at, live = jnp.asarray(at), jnp.asarray(at >= 0)
+    targets = jnp.take_along_axis(ids[:, 1:], jnp.maximum(at, 0), 1)
+
+    def scored(params, **kwargs):
+        m = nnx.merge(nnx.graphdef(model), params)
+        out = token_logprobs(m, ids[:, :-1], targets, return_entropy=True, **kwargs)
+        return jnp.sum(jnp.where(live, out.logprobs, 0)), out
+
+    params = nnx.state(model)
+    (_, part), grads = jax.value_and_grad(scored, has_aux=True)(params, score_positions=at)
+
+    def gathered(params):
+        m = nnx.merge(nnx.graphdef(model), params)
+        full = token_logprobs(m, ids[:, :-1], ids[:, 1:], return_entropy=True)
+        pick = lambda x: jnp.take_along_axis(x, jnp.maximum(at, 0), 1)
+        return jnp.sum(jnp.where(live, pick(full.logprobs), 0)), (full, pick)
+
+    (_, (full, pick)), ref = jax.value_and_grad(gathered, has_aux=True)(params)
+    for ours, theirs in ((part.logprobs, pick(full.logprobs)), (part.entropy, pick(full.entropy))):
+        np.testing.assert_allclose(np.where(live, ours, 0), np.where(live, theirs, 0), atol=1e-6)
+        assert np.all(np.asarray(ours)[:, 6:] == 0) and np.any(np.asarray(theirs)[:, 6:] != 0)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)

@@ -201,18 +201,23 @@ CASES = [(1, 1), (1, 4), (4, 1)]
 
 @pytest.mark.parametrize("share", [False, True])
 def test_packed_rows_score_only_response_positions(setup, share):
-    """Packed rows run the LM head on exactly the positions that predict a response token: the
-    targets there are every sequence's response tokens, in order, and nothing else (unshared,
-    the window is narrower than a row; shared, a row can hold that many response tokens)."""
+    """Packed rows list exactly the positions that predict a response token, first in a window
+    as wide as a row (one shape whatever the lengths; the empty slots last, the LM head's
+    chunks of them skipped): the targets there are every sequence's response tokens, in order,
+    and nothing else."""
     _, _, rollout = setup
     _, plan = _plan("dapo", packing=True, share_prompts=str(share).lower())
-    index, stats = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths, 1)
+    index, stats = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths)
     logprobs, advantages = rollout.rollout_logprobs, jnp.asarray(rollout.advantages)
     batch = make_assemble(plan)(rollout.sequences, logprobs, advantages, None, None, index)
     slots, src = np.asarray(batch.score_positions), np.asarray(index.score_source)
     targets = np.asarray(batch.targets)  # each slot's
-    width = slots.shape[-1]
-    assert (share or width < plan.row_len) and stats["batch/scored_positions"] == slots[0].size
+    assert slots.shape[-1] == plan.row_len
+    used = (slots >= 0).sum(-1)
+    assert stats["batch/scored_positions"] == used.max() * used.size
+    # Each row's slots come first, its empty ones after them.
+    rows = slots.reshape(-1, plan.row_len)
+    assert all((row[:n] >= 0).all() for row, n in zip(rows, used.flat, strict=True))
     assert stats["batch/shared_prompts"] == share
     scored = {}
     for row in np.ndindex(slots.shape[:-1]):
@@ -225,7 +230,7 @@ def test_packed_rows_score_only_response_positions(setup, share):
 
 def _assembled(rollout, plan, coefficients=None, action_mask=None):
     """The rollout's rows (one mini-batch, in rollout order) and their layout."""
-    index, _ = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths, 1)
+    index, _ = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths)
     batch = make_assemble(plan)(
         rollout.sequences, rollout.rollout_logprobs, jnp.asarray(rollout.advantages),
         coefficients, action_mask, index,
@@ -312,6 +317,7 @@ def test_observations_get_no_gradient(setup_multi, name):
     loss, algo = OBJECTIVES[name]
     config, plan = _plan(loss, **algo)
     updater = Updater(graphdef, SGD, plan, _mesh(), seed=config.run.seed, donate=False)
+    plan = updater.plan  # its rows in blocks
     batch, _ = updater.prepare(rollout, 1, params, params if plan.reference else None)
     mb = jax.tree.map(lambda x: x[0, 0], batch)  # the one mini- and micro-batch
     logp, entropy, hidden = jax.jit(
@@ -325,7 +331,7 @@ def test_observations_get_no_gradient(setup_multi, name):
     wrt = (0, 1) if plan.objective.entropy_coef else (0,)  # entropy bonus
     (_, metrics), grads = jax.jit(jax.value_and_grad(value, wrt, has_aux=True))(logp, entropy)
     # The observations' window slots, from the layout and the rollout alone.
-    index, _ = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths, 1)
+    index, _ = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths)
     source, t, response = _window_targets(plan, index, batch.score_positions)
     actions = np.asarray(rollout.action_mask)[source, np.clip(t, 0, G - 1)]
     observations, mask = (response & ~actions)[0, 0], np.asarray(mb.loss_mask)
