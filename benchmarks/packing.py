@@ -97,7 +97,7 @@ def update_time(args) -> None:
         cfg = _config(P, G, B, packing, f"algo.micro_batches={micro}")
         plan = UpdatePlan.from_config(cfg)
         optimizer = make_optimizer(cfg.optim, 10)
-        index, stats = plan_rows(plan, np.arange(B), plens, glens)
+        index, stats = plan_rows(plan, np.arange(B), plens, glens, shards=1)
         coef = coefficients if plan.coefficients == "sampler" else None
         batch = jax.tree.map(lambda x: x[0], make_assemble(plan)(*rollout, coef, None, index))
         state = init_train_state(params, optimizer)
@@ -141,7 +141,7 @@ def tpu_flops(args) -> None:
     for packing in (False, True):
         cfg = _config(P, G, per_update, packing, f"algo.micro_batches={args.tpu_micro}")
         plan = UpdatePlan.from_config(cfg)
-        _, stats = plan_rows(plan, np.arange(per_update), plens, glens)
+        _, stats = plan_rows(plan, np.arange(per_update), plens, glens, sh.batch_divisor(mesh))
         micro = stats["batch/micro_batches"]
         rows = stats["batch/packed_rows"] // micro
         optimizer = make_optimizer(cfg.optim, 10)

@@ -69,7 +69,7 @@ def main() -> None:
         )
         plan = UpdatePlan.from_config(cfg)
         optimizer = make_optimizer(cfg.optim, 10)
-        index, stats = plan_rows(plan, np.arange(B), plens, glens)
+        index, stats = plan_rows(plan, np.arange(B), plens, glens, shards=1)
         batch = jax.tree.map(lambda x: x[0], make_assemble(plan)(*rollout, None, None, index))
         state = init_train_state(params, optimizer)
         t0 = time.perf_counter()

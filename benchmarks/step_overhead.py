@@ -73,7 +73,7 @@ def main() -> None:
     steps, states, first = {}, {}, {}
     for loss in ("delta", "dapo"):
         plan = update_plan(loss, args)
-        index, _ = plan_rows(plan, np.arange(args.rows), prompts, lengths)
+        index, _ = plan_rows(plan, np.arange(args.rows), prompts, lengths, shards=1)
         batch = jax.tree.map(lambda x: x[0], make_assemble(plan)(*rollout, index))
         steps[loss] = make_train_step(graphdef, optimizer, plan)
         states[loss] = init_train_state(jax.tree.map(jnp.copy, params), optimizer)

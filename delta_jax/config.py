@@ -282,8 +282,8 @@ class RunConfigSection:
     wandb: bool = False
     progress: bool = True
     mesh: tuple[int, int, int] = (-1, 1, 1)  # device mesh (data, fsdp, tensor); -1: the rest
-    # JAX's persistent compilation cache: auto (<project cache>/xla), a directory, or null: off.
-    compile_cache: str | None = "auto"
+    compile_cache: str | None = "auto"  # XLA's cache: auto (<project cache>/xla), a dir, null
+    compile_ahead: bool = False  # compile every program a step can need before the first
 
     def save_due(self, step: int, stopping: bool = False) -> bool:
         """Whether the loop saves a checkpoint at the end of ``step``."""

@@ -62,6 +62,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "roofline also bounds the rollout with rollout.draft_tokens drafts a step",
     )
     parser.add_argument(
+        "--programs",
+        action="store_true",
+        help="also compile every program a run compiles (the train step at each bucket of "
+        "rows, the engine's decode chunk at each slot bucket and prefill chunk at each length) "
+        "and list their compile times",
+    )
+    parser.add_argument(
         "--compiler",
         default="auto",
         choices=("auto", "tpu", "cpu"),
@@ -99,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         roofline=not args.no_roofline,
         mean_new_tokens=args.mean_new_tokens,
         tokens_per_step=args.tokens_per_step,
+        programs=args.programs,
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
     )
     print(report.table())

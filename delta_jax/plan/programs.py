@@ -249,9 +249,9 @@ class Planner:
             lambda: self._lower_prefill(spec), self.sample_mesh, sh.SAMPLE_RULES
         )
 
-    def decode(self, spec) -> ProgramMemory:
+    def decode(self, spec, rows: int | None = None) -> ProgramMemory:
         """Compiles the engine's decode chunk for ``spec`` (its verify steps with
-        ``spec.draft_tokens``)."""
+        ``spec.draft_tokens``) over ``rows`` slots (every group's; default all of them)."""
         mc, compute = self.model_config, jnp.dtype(self.config.model.dtype)
         list_pages = backend_for(spec.attention).decode_list_pages(spec)
         return compile_program(
@@ -259,7 +259,7 @@ class Planner:
                 mc,
                 self.sample_mesh,
                 sh.SAMPLE_RULES,
-                slots=spec.slots,
+                slots=spec.slots if rows is None else rows,
                 steps=spec.steps,
                 page_size=spec.page_size,
                 num_pages=spec.num_pages,
@@ -276,11 +276,17 @@ class Planner:
             sh.SAMPLE_RULES,
         )
 
-    def _lower_prefill(self, spec):
-        """The engine's prefill program at its largest: the last chunk of the longest prompts."""
+    def prefill(self, spec, length: int) -> ProgramMemory:
+        """Compiles the engine's prefill chunk of ``length`` tokens per row for ``spec``."""
+        lower = lambda: self._lower_prefill(spec, length)
+        return compile_program(lower, self.sample_mesh, sh.SAMPLE_RULES)
+
+    def _lower_prefill(self, spec, length: int | None = None):
+        """The engine's prefill program of ``length`` tokens per row (default its largest: the
+        last chunk of the longest prompts)."""
         _, _, prompt_len, _ = self.request(self.config.rollout.prompts_per_step)
         rows = spec.prefill_rows
-        T = min(spec.prefill_len, max(spec.min_len, pow2(prompt_len)))
+        T = length or min(spec.prefill_len, max(spec.min_len, pow2(prompt_len)))
         per_group = rows // spec.groups
         return lower_prefill(
             self.model_config,

@@ -173,6 +173,8 @@ class PlanReport:
     micro_batch_bound: str = ""
     sampler_bound: str = ""
     roofline: Any = None  # a roofline.StepTime when the plan computed one
+    # --programs: every program a run compiles, (name, memory and compile time) each.
+    programs: tuple[tuple[str, ProgramMemory], ...] = ()
 
     @property
     def budget(self) -> int:
@@ -275,11 +277,23 @@ class PlanReport:
             f"{_rows(self.max_micro_batch_rows, 'rows', self.micro_batch_bound)}",
             largest,
             *(self.roofline.lines() if self.roofline is not None else []),
+            *self._program_lines(),
             f"compile time: train {self.train.compile_s:.1f}s, sampler "
             f"{self.sampler.compile_s + (self.prefill.compile_s if self.prefill else 0):.1f}s "
             f"({comp})",
         ]
         return "\n".join(lines)
+
+    def _program_lines(self) -> list[str]:
+        if not self.programs:
+            return []
+        total = sum(memory.compile_s for _, memory in self.programs)
+        head = f"programs a run compiles: {len(self.programs)}, {total:.1f}s in all"
+        out = [f"{head} ({self.compiler_name}):"]
+        for name, memory in self.programs:
+            refused = f" ({memory.refusal()})" if memory.out_of_memory else ""
+            out.append(f"  {name:<44}{memory.compile_s:8.1f}s{refused}")
+        return out
 
     @property
     def compiler_name(self) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 
 from delta_jax import sharding as sh
 from delta_jax.plan import roofline as roofline_lib
+from delta_jax.plan.buckets import compile_buckets
 from delta_jax.plan.compiler import plan_mesh
 from delta_jax.plan.models import describe, resolve_model_config
 from delta_jax.plan.programs import Planner
@@ -163,6 +164,7 @@ def plan(
     roofline: bool = False,
     mean_new_tokens: float | None = None,
     tokens_per_step: float | None = None,
+    programs: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> PlanReport:
     """Compiles the run's train step and sampler for ``topology_name`` and reports memory.
@@ -185,6 +187,9 @@ def plan(
       tokens_per_step: a measured tokens per speculative verify step: the roofline also bounds
         the rollout with speculation (``rollout.draft_tokens`` drafts a step; one more compile,
         the verify chunk), beside the bound without.
+      programs: also compile every program a run compiles (:mod:`.buckets`: the train step
+        at each bucket of rows, the engine's decode chunk at each slot bucket and prefill chunk
+        at each length) and list their compile times; continuous engine only.
       log: progress messages (e.g. ``print``).
 
     Returns:
@@ -241,6 +246,10 @@ def plan(
         report = dataclasses.replace(
             report, roofline=_step_time(planner, report, size, mean_new, tokens_per_step, log)
         )
+    if programs and c.rollout.engine == "continuous":
+        trains = {micro_rows: train} if compile_train else {}
+        built = compile_buckets(planner, planner.engine_spec(size), trains, log)
+        report = dataclasses.replace(report, programs=tuple(built))
     if not search:
         return report
     return _search(

@@ -23,11 +23,11 @@ slots as the row has positions, empty slots last, and the LM head skips the chun
 that no row uses (:func:`delta_jax.models.logprobs.slot_logprobs`). The padded layout's window
 is the row's last ``W`` positions, as the prompt ends at the same place in every row.
 
-One shape whatever the lengths: a mini-batch always has ``micro_batches`` micro-batches of the
-padded layout's rows (a micro-batch is a token budget, so its memory is as configured); packed
-rows fill them in order, and the update skips the micro-batches and blocks of rows
-(:func:`row_blocks`, :func:`block_order`) that hold only padding, so a step runs the rows it
-fills (:func:`rows_run`) and a run compiles one update program.
+A mini-batch has ``algo.micro_batches`` micro-batches (the train step skips the empty ones)
+of at most the padded layout's rows each (a micro-batch is a token budget, so its memory is
+as configured); packed rows fill them in order, and the rows per micro-batch are bucketed
+(:func:`micro_batch_shape`): a run compiles one update program per bucket of rows at most
+(:func:`row_buckets`), whatever its lengths do to the window.
 
 Shared prompts (``algo.share_prompts``, packed rows; ``auto``: in the steps where it takes
 fewer rows, :attr:`UpdatePlan.share_if_fewer_rows`): the responses of one prompt go into a row
@@ -88,6 +88,18 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
         bins[slot].append(i)
         room[slot] -= lengths[i]
     return bins
+
+
+def bucket_rows(rows: int, unit: int, limit: int) -> int:
+    """The smallest ``unit`` x {1, 2, 3, 4, 6, 8, 12, ...} covering ``rows``, at most ``limit``.
+
+    Two buckets per power of two: at most ``2 log2(limit / unit) + 1`` programs, and at most a
+    third of the rows padding.
+    """
+    units = -(-max(rows, 1) // unit)
+    power = 1 << (units - 1).bit_length()  # smallest power of two >= units
+    size = 3 * power // 4 if power >= 4 and units <= 3 * power // 4 else power
+    return min(unit * size, limit)
 
 
 Chunk = tuple[int, ...]  # sequences laid out together: one, or several sharing their prompt
@@ -180,38 +192,28 @@ def layout(
     return Layout(source, column, segment_ids, *packed, *shared)
 
 
-def row_blocks(plan: UpdatePlan, shards: int) -> int:
-    """Blocks of rows per micro-batch whose forward pass is skipped when they hold only padding
-    (:func:`delta_jax.rl.train_step.window_logprobs`): for packed rows, the largest divisor of
-    a shard's rows per micro-batch up to 8 (a block keeps a row of every shard), else 1."""
-    if not plan.packing:
-        return 1
-    per = plan.rows_per_update // plan.micro_batches // shards
-    return max(d for d in range(1, min(per, 8) + 1) if per % d == 0)
-
-
-def rows_run(plan: UpdatePlan, rows: int) -> tuple[int, int]:
-    """``(micro-batches, rows)`` the update runs for ``rows`` packed rows: the micro-batches
-    they fill (a micro-batch holds the padded layout's rows, so its memory is as configured),
-    each to its last block of rows that holds one; empty ones are skipped."""
+def micro_batch_shape(plan: UpdatePlan, rows: int, shards: int) -> tuple[int, int]:
+    """``(micro-batches, rows per micro-batch)`` holding ``rows`` packed rows: the plan's
+    micro-batches (the train step skips those left empty), each of at most the padded layout's
+    rows (``rows_per_update / micro_batches`` rows of ``tokens_per_row``, so its memory is
+    bounded as configured); rows fill them in order, and when they fit in one, its rows are
+    bucketed (:func:`bucket_rows`, a multiple of ``shards``).
+    """
     budget = plan.rows_per_update // plan.micro_batches
-    block = budget // plan.row_blocks
-    full, rest = divmod(rows, budget)
-    return full + (rest > 0), full * budget + -(-rest // block) * block
+    if not plan.packing or rows > budget:
+        return plan.micro_batches, budget
+    return plan.micro_batches, bucket_rows(rows, shards, limit=budget)
 
 
-def block_order(plan: UpdatePlan) -> np.ndarray:
-    """The micro-batch's row that holds each of its rows in the order they fill it: block ``j``
-    of ``row_blocks`` is every ``row_blocks``-th row from ``j`` (so that a block is spread over
-    the shards of a row-sharded batch), and rows fill block 0 first."""
-    budget = plan.rows_per_update // plan.micro_batches
-    nb, i = plan.row_blocks, np.arange(budget)
-    k = budget // nb  # rows per block
-    return (i % k) * nb + i // k
+def row_buckets(plan: UpdatePlan, shards: int) -> list[int]:
+    """Every rows-per-micro-batch a step of ``plan`` can lay out (one row up to one sequence per
+    row): one update program each, the set a run can compile whatever its lengths."""
+    most = plan.rows_per_update
+    return sorted({micro_batch_shape(plan, r, shards)[1] for r in range(1, most + 1)})
 
 
 def plan_rows(
-    plan: UpdatePlan, order: np.ndarray, prompt_lens, resp_lens
+    plan: UpdatePlan, order: np.ndarray, prompt_lens, resp_lens, shards: int
 ) -> tuple[Layout, dict[str, float]]:
     """The layout of every mini-batch ``[mini, M, b, T]`` and its padding statistics.
 
@@ -219,38 +221,35 @@ def plan_rows(
       plan: the update plan.
       order: rollout sequences in update order (mini-batch ``m`` takes the ``m``-th block).
       prompt_lens, resp_lens: tokens per sequence.
+      shards: the batch shards; rows per micro-batch are a multiple of it.
     """
     per = plan.rows_per_update
     blocks = [order[m * per : (m + 1) * per] for m in range(plan.mini_batches)]
 
-    budget = plan.rows_per_update // plan.micro_batches
-
     def rows_of(share: bool):
-        return share, [row_groups(plan, b, prompt_lens, resp_lens, share) for b in blocks]
+        groups = [row_groups(plan, b, prompt_lens, resp_lens, share) for b in blocks]
+        return share, groups, max(map(len, groups))
 
     # auto: a step shares its prompts only where that takes fewer rows (ties: not shared, whose
-    # fullest row holds fewer responses, so a narrower window).
+    # fullest row holds fewer responses, so fewer of the LM head's slots).
     options = (False, True) if plan.share_if_fewer_rows else (plan.share_prompts,)
-    shared, groups = min(map(rows_of, options), key=lambda o: max(map(len, o[1])))
+    shared, groups, most = min(map(rows_of, options), key=lambda o: o[2])
+    micro, rows = micro_batch_shape(plan, most, shards)
     responses = lambda row: sum(int(resp_lens[s]) for chunk in row for s in chunk)
     fullest = max(responses(row) for g in groups for row in g or [[]])
     width = plan.window if plan.packing else 0
-    # One shape whatever the lengths: every micro-batch, every row (the empty ones skipped).
-    parts = [layout(plan, g, plan.rows_per_update, prompt_lens, resp_lens, width) for g in groups]
-    shape = (plan.mini_batches, plan.micro_batches, budget, -1)
-    order = block_order(plan)
-    out = jax.tree.map(lambda *x: np.stack(x).reshape(shape)[:, :, np.argsort(order)], *parts)
-    micro, rows = rows_run(plan, max(map(len, groups)))
-    run = sum(rows_run(plan, len(g))[1] for g in groups)
+    parts = [layout(plan, g, micro * rows, prompt_lens, resp_lens, width) for g in groups]
+    out = jax.tree.map(lambda *x: np.stack(x).reshape(plan.mini_batches, micro, rows, -1), *parts)
+    used = -(-most // rows)  # micro-batches run (the rest hold padding only: skipped)
     real = float((out.segment_ids > 0).sum())
     stats = {
-        "batch/packed_rows": rows,
-        "batch/micro_batches": micro,
-        "batch/pad_fraction": 1.0 - real / (run * plan.row_len),
+        "batch/packed_rows": used * rows,
+        "batch/micro_batches": used,
+        "batch/pad_fraction": 1.0 - real / (plan.mini_batches * used * rows * plan.row_len),
         "batch/positions": real,
         "batch/shared_prompts": float(shared),
         # The LM head's slots: each row's up to the fullest row's (to a chunk of slots).
-        "batch/scored_positions": rows * (fullest if plan.packing else plan.window),
+        "batch/scored_positions": used * rows * (fullest if plan.packing else plan.window),
     }
     return out, stats
 
@@ -259,9 +258,9 @@ def uniform_rows(plan: UpdatePlan, prompt_len: int, response_len: int, shards: i
     """:func:`plan_rows`' statistics for a rollout batch of prompts of ``prompt_len`` tokens and
     responses of ``response_len``: the rows and positions such a step's update runs (the
     planner's estimate at a workload's mean lengths)."""
-    n, plan = plan.rows, dataclasses.replace(plan, row_blocks=row_blocks(plan, shards))
+    n = plan.rows
     lens = lambda x: np.full(n, x, np.int32)
-    return plan_rows(plan, np.arange(n), lens(prompt_len), lens(response_len))[1]
+    return plan_rows(plan, np.arange(n), lens(prompt_len), lens(response_len), shards)[1]
 
 
 def make_assemble(plan: UpdatePlan, out_sharding=None):

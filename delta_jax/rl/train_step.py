@@ -111,39 +111,22 @@ def window_logprobs(model, mb: TrainBatch, plan: UpdatePlan, *, entropy, hidden)
     """Log-probs (entropy, hidden states) of the targets of each row's ``W`` window slots.
 
     The hidden state at a position is the LM-head input that produced its prediction, the one
-    DelTA's token-gradient proxy needs. With ``plan.row_blocks`` blocks, the rows run block by
-    block (block ``j``: every ``row_blocks``-th row from ``j``, as
-    :func:`delta_jax.rl.packing.block_order` fills them) and a block of padding rows is skipped
-    (``lax.cond``, forward and backward): its outputs are zeros.
+    DelTA's token-gradient proxy needs.
     """
-
-    def run(mb: TrainBatch):
-        out = token_logprobs(
-            model,
-            mb.tokens,
-            mb.targets,
-            segment_ids=mb.segment_ids,
-            parent_ids=mb.parent_ids,
-            positions=mb.positions,
-            temperature=plan.temperature,
-            return_entropy=entropy,
-            return_hidden=hidden,
-            score_from=plan.score_from,
-            score_positions=mb.score_positions,
-        )
-        return out.logprobs, out.entropy, out.hidden
-
-    nb = plan.row_blocks
-    if nb == 1:
-        return run(mb)
-    # [b, ...] -> [nb, b / nb, ...]: block j is rows j, j + nb, ... (sharded rows stay so).
-    split = lambda x: jnp.swapaxes(x.reshape(-1, nb, *x.shape[1:]), 0, 1)
-    join = lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
-    blocks = jax.tree.map(split, mb)
-    shapes = jax.eval_shape(run, jax.tree.map(lambda x: x[0], blocks))
-    skip = lambda _: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    one = lambda block: jax.lax.cond(jnp.any(block.segment_ids > 0), run, skip, block)
-    return jax.tree.map(join, jax.lax.map(one, blocks))
+    out = token_logprobs(
+        model,
+        mb.tokens,
+        mb.targets,
+        segment_ids=mb.segment_ids,
+        parent_ids=mb.parent_ids,
+        positions=mb.positions,
+        temperature=plan.temperature,
+        return_entropy=entropy,
+        return_hidden=hidden,
+        score_from=plan.score_from,
+        score_positions=mb.score_positions,
+    )
+    return out.logprobs, out.entropy, out.hidden
 
 
 def loss_segments(plan: UpdatePlan, mb: TrainBatch) -> jax.Array | None:

@@ -45,7 +45,7 @@ from delta_jax import sharding as sh
 from delta_jax.checkpoint import Checkpointer
 from delta_jax.config import Config, ConfigError, load_config
 from delta_jax.diagnostics.metrics_log import MetricsLog
-from delta_jax.rl.compilation import CompileCounter, use_persistent_cache
+from delta_jax.rl.compilation import CompileCounter, use_persistent_cache, warm_up_rollout
 from delta_jax.rl.rollout import Rollout, collect_rollout
 from delta_jax.rl.setup import RunParts, build_run_parts
 from delta_jax.rl.state import init_sharded_state, make_optimizer
@@ -205,6 +205,8 @@ class Trainer:
             raise
         self._closed = False
         CompileCounter.install()
+        if cfg.run.compile_ahead:
+            self._compile_ahead()
 
     def _start(self, cfg: Config) -> None:
         """Update plan, compiled programs, train state (restored when resuming), logs."""
@@ -368,6 +370,42 @@ class Trainer:
         self.step_count = step
         return row
 
+    def _compile_ahead(self) -> None:
+        """``run.compile_ahead``: the train step at every bucket of rows (into the persistent
+        cache) and the rollout engine's programs (:func:`warm_up_rollout`), before the first
+        step. Multi-turn and speculative engines compile theirs in the first rollout."""
+        cfg, parts = self.config, self.parts
+        start, before = time.perf_counter(), CompileCounter.snapshot()
+        log.info("compiling ahead: the train step and the rollout's engine programs")
+        self.updater.compile_ahead(self.state, log=log.info)
+        requests = 0
+        if parts.episodes is None and not parts.sampler.draft_tokens:
+            requests = warm_up_rollout(
+                parts.sampler,
+                self._sampling_params(),
+                cfg.rollout.prompts_per_step,
+                cfg.rollout.samples_per_prompt,
+                (parts.prompt_len, cfg.rollout.max_new_tokens),
+                return_hidden=self.plan.coefficients == "sampler",
+                **self._sampling(),
+            )
+        done, seconds = CompileCounter.since(before), time.perf_counter() - start
+        compiled, loaded = done["compiles"], done["compiles_loaded"]
+        log.info(
+            f"compiled ahead: {compiled} programs ({loaded} loaded from the cache), "
+            f"{requests} warm-up requests, in {seconds:.1f} s"
+        )
+
+    def _sampling(self) -> dict[str, Any]:
+        """The rollout's sampling settings (``Sampler.generate`` keywords)."""
+        r = self.config.rollout
+        return dict(
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            stop_token_ids=self.parts.stop_token_ids,
+        )
+
     def _rollout(self, step: int) -> Rollout:
         """Sample and score one rollout batch with the current parameters."""
         cfg, parts = self.config, self.parts
@@ -380,12 +418,7 @@ class Trainer:
             n=cfg.rollout.samples_per_prompt,
             prompt_len=parts.prompt_len,
             gen_len=cfg.rollout.max_new_tokens,
-            sampling=dict(
-                temperature=cfg.rollout.temperature,
-                top_p=cfg.rollout.top_p,
-                top_k=cfg.rollout.top_k,
-                stop_token_ids=parts.stop_token_ids,
-            ),
+            sampling=self._sampling(),
             seed=cfg.run.seed * 1_000_003 + step,
             advantage=cfg.algo.advantage,
             overlong=(cfg.reward.overlong_buffer, cfg.reward.overlong_factor),

@@ -8,7 +8,6 @@ runs it after each rollout; tests run it on hand-made rollouts.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -16,11 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from delta_jax import sharding as sh
-from delta_jax.rl.packing import make_assemble, plan_rows, row_blocks
+from delta_jax.rl.packing import make_assemble, plan_rows, row_buckets
 from delta_jax.rl.prepare import make_prepare, make_sampler_coefficients
 from delta_jax.rl.rollout import Rollout
 from delta_jax.rl.state import TrainState
-from delta_jax.rl.train_step import TrainBatch, combine_metrics, make_train_step
+from delta_jax.rl.train_step import (
+    TrainBatch,
+    abstract_batch,
+    combine_metrics,
+    make_train_step,
+)
 from delta_jax.rl.update_plan import UpdatePlan
 
 
@@ -49,8 +53,6 @@ class Updater:
         placed_like: TrainState | None = None,
         donate: bool = True,
     ):
-        shards = sh.batch_divisor(mesh)
-        plan = dataclasses.replace(plan, row_blocks=row_blocks(plan, shards))
         self.plan, self.mesh, self.seed = plan, mesh, seed
         sharded = placed_like is not None
         self.train_step = make_train_step(
@@ -62,6 +64,23 @@ class Updater:
             plan, sh.rows_sharding(mesh, row_axis=2) if sharded else None
         )
         self._coefficients = make_sampler_coefficients(plan, mesh=mesh if sharded else None)
+
+    def compile_ahead(self, state: TrainState, log=lambda message: None) -> int:
+        """Compiles the train step for every batch shape a step can give it (one per bucket
+        of rows, :func:`~delta_jax.rl.packing.row_buckets`) into JAX's persistent cache, from
+        which its first call with that shape loads it. Needs the placed update
+        (``placed_like``) and the cache on. Returns the programs compiled."""
+        if not jax.config.jax_enable_compilation_cache:
+            raise ValueError("compiling ahead keeps the programs in run.compile_cache: turn it on")
+        buckets = row_buckets(self.plan, sh.batch_divisor(self.mesh))
+        aval = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        avals = jax.tree.map(aval, state)
+        for i, rows in enumerate(buckets):
+            log(f"compiling the train step {i + 1}/{len(buckets)}: {rows} rows per micro-batch")
+            batch = abstract_batch(self.plan, rows, sh.batch_sharding(self.mesh))
+            with sh.use_mesh(self.mesh):
+                self.train_step.lower(avals, batch).compile()
+        return len(buckets)
 
     def prepare(
         self, rollout: Rollout, step: int, params, ref_params=None
@@ -85,7 +104,10 @@ class Updater:
         order = np.arange(plan.rows)
         if plan.mini_batches > 1:
             order = np.random.default_rng(self.seed * 7919 + step).permutation(plan.rows)
-        index, layout_stats = plan_rows(plan, order, rollout.prompt_lengths, rollout.lengths)
+        shards = sh.batch_divisor(self.mesh)
+        index, layout_stats = plan_rows(
+            plan, order, rollout.prompt_lengths, rollout.lengths, shards
+        )
         metrics.update(layout_stats)
         index = sh.replicated_to_global(index, self.mesh, row_axis=2)
         batch = self._assemble(

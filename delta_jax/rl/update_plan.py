@@ -58,9 +58,6 @@ class UpdatePlan:
       group_size: responses per prompt (consecutive rollout sequences share their prompt).
       tokens_per_row: T of a packed row.
       delta_scope: ``"global"`` or ``"per_shard"`` DelTA statistics.
-      row_blocks: blocks of rows per micro-batch whose forward pass is skipped where they hold
-        only padding (the updater sets it for its mesh, :func:`delta_jax.rl.packing.row_blocks`;
-        1: no blocks).
     """
 
     objective: Objective
@@ -79,7 +76,6 @@ class UpdatePlan:
     group_size: int
     tokens_per_row: int
     delta_scope: str
-    row_blocks: int = 1
 
     @classmethod
     def padded(cls, loss: str, prompt_len: int, gen_len: int, rows: int, *overrides: str):

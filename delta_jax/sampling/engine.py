@@ -41,10 +41,10 @@ sample), t)``, so its tokens do not depend on the slot count, the slot order or 
 Programs have fixed shapes: slots (``decode_slots`` capped at the request's rows), the output
 buffers and the pool are fixed per request bucket, the chunk length is traced; the XLA
 path's flat page list has one length per request bucket (it stops reading at the last real
-entry, so attention work follows the actual lengths), the Pallas and dense (CPU) paths'
-page-table width is a power of two of pages (the longest live sequence; the dense path's at
-most the longest sequence) and prefill shapes are power-of-two buckets;
-each program compiles once.
+entry, so attention work follows the actual lengths), the Pallas and dense (CPU) paths' page
+tables are as wide as the request's longest sequence (the kernels read a row's pages up to its
+length), a decode chunk runs one of at most four slot buckets and prefill lengths are
+power-of-two buckets; each program compiles once.
 
 The engine is cut along its seams: :mod:`~delta_jax.sampling.scheduler` is the host side
 (requests, slots, pages, turns, stats; NumPy only), :mod:`~delta_jax.sampling.decode` the device

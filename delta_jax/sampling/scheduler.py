@@ -284,7 +284,7 @@ class Scheduler:
         for start in range(0, rounds * rows, rows):
             batch = [jobs[start : start + rows] for jobs in per_group]
             longest = max(ids.size for jobs in batch for ids, _, _ in jobs)
-            T = min(spec.prefill_len, max(spec.min_len, pow2(longest)))
+            T = prefill_length(spec, longest)
             for offset in range(0, longest, T):
                 ids = np.zeros((spec.prefill_rows, T), np.int32)
                 valid = np.zeros((spec.prefill_rows, T), bool)
@@ -433,8 +433,7 @@ class Scheduler:
         whose sequences are ending (the ragged tail of a rollout) stops paying for its idle
         slots; a slot's row is host state (its page table, its RNG stream is the sequence's),
         so which row a sequence decodes in changes nothing it draws."""
-        S = self.spec.group_slots
-        return min(S, max(-(-S // 8), pow2(occupied)))
+        return chunk_slots(self.spec.group_slots, occupied)
 
     def _decode(self, state: HostSlots, steps: int) -> None:
         spec = self.spec
@@ -567,3 +566,14 @@ class Scheduler:
         if self.on_done is not None and self.ended:
             self.on_done(self.ended)
         self.ended = []
+
+
+def chunk_slots(group_slots: int, occupied: int) -> int:
+    """Slots per group of a decode chunk for ``occupied`` sequences in the fullest group
+    (:meth:`Scheduler._bucket`): a power of two from an eighth of the slots up to all of them."""
+    return min(group_slots, max(-(-group_slots // 8), pow2(occupied)))
+
+
+def prefill_length(spec: EngineSpec, longest: int) -> int:
+    """Tokens per row of a prefill call whose longest job has ``longest`` tokens."""
+    return min(spec.prefill_len, max(spec.min_len, pow2(longest)))

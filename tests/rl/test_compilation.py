@@ -70,3 +70,50 @@ def test_a_second_process_loads_every_program_from_the_cache(tmp_path, demo_mode
     assert [r["compiles"] for r in second] == [0, 0, 0], second
     assert second[0]["compiles_loaded"] > 0 and any(os.scandir(cache))
     assert [r["loss"] for r in second] == [r["loss"] for r in first]
+
+
+def _cli_run(tmp_path, name, demo_model_dir, *extra):
+    """A tiny packed CLI run (fresh process); its metric rows and its log."""
+    overrides = tiny_overrides(tmp_path / name, demo_model_dir, *extra)
+    cmd = [sys.executable, "-m", "delta_jax.cli", "train", "--config", str(DEMO), *overrides]
+    done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return read_metrics(tmp_path / name / "metrics.jsonl"), done.stderr
+
+
+# Rows of up to four sequences, and sampling hot enough that the lengths move.
+MOVING = ["run.steps=6", "run.eval_every=3", "run.eval_prompts=8", "run.compile_cache=null"]
+MOVING += ["algo.tokens_per_row=80", "rollout.temperature=1.5"]
+
+
+@pytest.mark.slow  # a CLI run
+def test_steps_whose_lengths_move_compile_nothing_after_the_first(tmp_path, demo_model_dir):
+    """Six steps whose response lengths move the packed rows, the scored slots and the sampling
+    rounds from step to step (each a new shape before the update took one): nothing compiles
+    after the first step and the first evaluation (evaluations at steps 0, 3 and 6)."""
+    rows, _ = _cli_run(tmp_path, "moving", demo_model_dir, *MOVING)
+    steps = [r for r in rows if "loss" in r]
+    moved = lambda key: len({r[key] for r in steps})
+    assert moved("batch/packed_rows") > 1 and moved("batch/scored_positions") > 1, steps
+    assert moved("dynamic/rounds") > 1 or moved("response_length_max") > 1
+    assert steps[0]["compiles"] > 0
+    assert [r["compiles"] for r in steps[1:]] == [0] * 5, steps
+    assert sum("eval/avg@1" in r for r in steps) == 2  # the evaluations at steps 3 and 6
+
+
+@pytest.mark.slow  # two CLI runs
+def test_compiling_ahead_leaves_the_first_step_little_to_compile(tmp_path, demo_model_dir):
+    """``run.compile_ahead``: the train step and the rollout's engine programs compile before
+    step 1 (a progress line with the count and the time), and step 1 loads the train step
+    from the cache and compiles only the small programs left; the run learns the same."""
+    cache = f"run.compile_cache={tmp_path / 'xla'}"
+    common = ("run.steps=2", "run.eval_every=0")
+    plain, _ = _cli_run(tmp_path, "plain", demo_model_dir, *common, "run.compile_cache=null")
+    ahead_run = (*common, cache, "run.compile_ahead=true")
+    ahead, log = _cli_run(tmp_path, "ahead", demo_model_dir, *ahead_run)
+    line = next(line for line in log.splitlines() if "compiled ahead:" in line)
+    assert " warm-up requests, in " in line and int(line.split("compiled ahead: ")[1].split()[0])
+    assert ahead[0]["compiles_loaded"] >= 1  # the train step, compiled ahead
+    assert ahead[0]["compiles"] < plain[0]["compiles"] / 2, (ahead[0], plain[0])
+    assert ahead[0]["time/compile"] < plain[0]["time/compile"] / 2
+    assert [r["loss"] for r in ahead] == [r["loss"] for r in plain]

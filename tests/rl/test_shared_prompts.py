@@ -7,8 +7,6 @@ mini-batches, and a group split over rows.
 The rollout is ``tests.rl.test_train_step``'s: groups of ``N`` samples share a prompt.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +15,7 @@ import pytest
 from delta_jax import sharding as sh
 from delta_jax.config import ConfigError, load_config
 from delta_jax.models.attention import visible
-from delta_jax.rl.packing import plan_rows, row_blocks, uniform_rows
+from delta_jax.rl.packing import plan_rows, uniform_rows
 from delta_jax.rl.state import init_sharded_state
 from delta_jax.rl.update import Updater
 from tests.rl.test_train_step import (
@@ -69,7 +67,7 @@ def _brute_force_visible(src, col, real):
 def test_the_layout_mask_and_positions_are_the_unshared_ones(setup):
     _, _, rollout = setup
     _, plan = _plan("delta", True, share_prompts=True)
-    index, stats = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths)
+    index, stats = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths, 1)
     flat = lambda x: np.asarray(x).reshape(-1, x.shape[-1])
     seg, parent = flat(index.segment_ids), flat(index.parent_ids)
     got = np.asarray(visible(jnp.asarray(seg), jnp.asarray(parent)))
@@ -81,7 +79,7 @@ def test_the_layout_mask_and_positions_are_the_unshared_ones(setup):
     assert np.array_equal(np.where(real, flat(index.positions), 0), np.where(real, unshared, 0))
     # Fewer positions than the unshared rows: each group's prompt once per row it is in.
     _, unshared_plan = _plan("delta", True, share_prompts=False)
-    _, before = plan_rows(unshared_plan, np.arange(B), rollout.prompt_lengths, rollout.lengths)
+    _, before = plan_rows(unshared_plan, np.arange(B), rollout.prompt_lengths, rollout.lengths, 1)
     assert stats["batch/positions"] < before["batch/positions"]
     copies = _prompt_copies(index)
     saved = sum(rollout.prompt_lengths[g * N] * (N - copies[g]) for g in range(B // N))
@@ -156,7 +154,7 @@ def test_a_group_split_over_rows_is_the_same_update(setup, update):
     _, _, rollout = setup
     short = {"tokens_per_row": P + 10 + 2}  # the longest sequence (P + G - 1) and 3 more tokens
     _, plan = _plan("delta", True, share_prompts=True, **short)
-    index, _ = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths)
+    index, _ = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths, 1)
     assert max(_prompt_copies(index).values()) > 1  # some prompt is laid out more than once
     _assert_same(update(True, **short), update(False, **short), atol=1e-5)
 
@@ -207,7 +205,7 @@ def test_a_group_whose_prompts_differ_in_length_is_refused(setup):
     plens = rollout.prompt_lengths.copy()
     plens[1] += 1
     with pytest.raises(ValueError, match=r"share a prompt but not its length"):
-        plan_rows(plan, np.arange(B), plens, rollout.lengths)
+        plan_rows(plan, np.arange(B), plens, rollout.lengths, 1)
 
 
 def test_auto_may_share_unless_splash_would_run_twice_for_rows_that_save_no_prompt():
@@ -247,9 +245,8 @@ def test_auto_shares_a_step_only_where_it_takes_fewer_rows(response, shared, row
          "rollout.samples_per_prompt=4"],
     )  # fmt: skip
     plan = UpdatePlan.from_config(config, "cpu")
-    plan = dataclasses.replace(plan, row_blocks=row_blocks(plan, 1))  # as the updater runs it
     plens, glens = np.full(16, 12), np.full(16, response)
-    _, stats = plan_rows(plan, np.arange(16), plens, glens)
+    _, stats = plan_rows(plan, np.arange(16), plens, glens, 1)
     assert stats["batch/shared_prompts"] == shared and stats["batch/packed_rows"] == rows
     assert uniform_rows(plan, 12, response, 1) == stats  # the planner's estimate: the same rows
     unshared = 12 * 16 + (response - 1) * 16

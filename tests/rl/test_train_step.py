@@ -202,12 +202,12 @@ CASES = [(1, 1), (1, 4), (4, 1)]
 @pytest.mark.parametrize("share", [False, True])
 def test_packed_rows_score_only_response_positions(setup, share):
     """Packed rows list exactly the positions that predict a response token, first in a window
-    as wide as a row (one shape whatever the lengths; the empty slots last, the LM head's
+    as wide as a row (one width whatever the lengths; the empty slots last, the LM head's
     chunks of them skipped): the targets there are every sequence's response tokens, in order,
     and nothing else."""
     _, _, rollout = setup
     _, plan = _plan("dapo", packing=True, share_prompts=str(share).lower())
-    index, stats = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths)
+    index, stats = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths, 1)
     logprobs, advantages = rollout.rollout_logprobs, jnp.asarray(rollout.advantages)
     batch = make_assemble(plan)(rollout.sequences, logprobs, advantages, None, None, index)
     slots, src = np.asarray(batch.score_positions), np.asarray(index.score_source)
@@ -230,7 +230,7 @@ def test_packed_rows_score_only_response_positions(setup, share):
 
 def _assembled(rollout, plan, coefficients=None, action_mask=None):
     """The rollout's rows (one mini-batch, in rollout order) and their layout."""
-    index, _ = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths)
+    index, _ = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths, 1)
     batch = make_assemble(plan)(
         rollout.sequences, rollout.rollout_logprobs, jnp.asarray(rollout.advantages),
         coefficients, action_mask, index,
@@ -317,7 +317,6 @@ def test_observations_get_no_gradient(setup_multi, name):
     loss, algo = OBJECTIVES[name]
     config, plan = _plan(loss, **algo)
     updater = Updater(graphdef, SGD, plan, _mesh(), seed=config.run.seed, donate=False)
-    plan = updater.plan  # its rows in blocks
     batch, _ = updater.prepare(rollout, 1, params, params if plan.reference else None)
     mb = jax.tree.map(lambda x: x[0, 0], batch)  # the one mini- and micro-batch
     logp, entropy, hidden = jax.jit(
@@ -331,7 +330,7 @@ def test_observations_get_no_gradient(setup_multi, name):
     wrt = (0, 1) if plan.objective.entropy_coef else (0,)  # entropy bonus
     (_, metrics), grads = jax.jit(jax.value_and_grad(value, wrt, has_aux=True))(logp, entropy)
     # The observations' window slots, from the layout and the rollout alone.
-    index, _ = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths)
+    index, _ = plan_rows(plan, np.arange(B), rollout.prompt_lengths, rollout.lengths, 1)
     source, t, response = _window_targets(plan, index, batch.score_positions)
     actions = np.asarray(rollout.action_mask)[source, np.clip(t, 0, G - 1)]
     observations, mask = (response & ~actions)[0, 0], np.asarray(mb.loss_mask)
@@ -363,6 +362,8 @@ def test_packed_update_equals_padded(setup, results, loss, mini, micro, multi_tu
     _, params, _ = setup
     run = lambda packing: results(loss, packing, mini, micro, multi_turn)
     packed, padded = run(True), run(False)
+    # Every micro-batch of the plan (those of padding only skipped), the window a row wide.
+    assert packed[2].tokens.shape[1] == micro and packed[2].targets.shape[-1] == 30
     if mini == 1:
         assert _max_diff(packed[0].params, padded[0].params) <= 1e-5
     else:

@@ -1,7 +1,5 @@
 """The update plan: built once from the config, validated at load, per-shard DelTA wired."""
 
-import dataclasses
-
 import jax
 import numpy as np
 import pytest
@@ -9,7 +7,7 @@ import pytest
 from delta_jax import sharding as sh
 from delta_jax.config import ConfigError, load_config
 from delta_jax.losses import delta_coefficients, seq_mean_token_mean
-from delta_jax.rl.packing import block_order, row_blocks, rows_run
+from delta_jax.rl.packing import bucket_rows, micro_batch_shape, row_buckets
 from delta_jax.rl.prepare import make_sampler_coefficients
 from delta_jax.rl.update_plan import UpdatePlan
 
@@ -37,10 +35,16 @@ def test_config_errors_at_load():
     assert _plan("algo.aggregation=seq-mean-token-mean").objective.aggregate is seq_mean_token_mean
 
 
-def test_micro_batches_are_a_token_budget_run_to_their_last_block_of_rows():
-    """The paper's shape: 512 sequences per update, 16 micro-batches of 32 rows on 4 shards;
-    one program for every step (all 16 micro-batches of 32 rows), running the micro-batches
-    packed rows fill, each to its last block of rows (8 rows a shard: 8 blocks of 4 rows)."""
+def test_row_buckets_are_few():
+    sizes = {bucket_rows(r, 8, 512) for r in range(1, 513)}
+    assert sizes == {8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512}
+    assert all(bucket_rows(r, 8, 512) >= r for r in range(1, 513))
+
+
+def test_micro_batches_are_a_token_budget():
+    """The paper's shape: 512 sequences per update, 16 micro-batches of 32 rows on 4 shards.
+    Packed rows fill the micro-batches in order (the train step skips the empty ones): a step
+    compiles one program per bucket of rows in one micro-batch, whatever its lengths."""
     paper = (
         "rollout.prompts_per_step=128",
         "rollout.samples_per_prompt=16",
@@ -48,14 +52,12 @@ def test_micro_batches_are_a_token_budget_run_to_their_last_block_of_rows():
         "algo.micro_batches=16",
     )
     packed, padded = _plan(*paper), _plan(*paper, "algo.packing=false")
-    assert (row_blocks(packed, 4), row_blocks(padded, 4), row_blocks(packed, 32)) == (8, 1, 1)
-    packed = dataclasses.replace(packed, row_blocks=8)
-    assert rows_run(packed, 128) == (4, 128)  # fewer micro-batches, same budget
-    assert rows_run(packed, 100) == (4, 100)
-    assert rows_run(packed, 20) == (1, 20)  # one, to its fifth block of 4 rows
-    assert rows_run(packed, 150) == (5, 152)
-    order = block_order(packed)  # block j: rows j, j + 8, ... ; filled from block 0
-    assert sorted(order) == list(range(32)) and order[:5].tolist() == [0, 8, 16, 24, 1]
+    assert micro_batch_shape(padded, 100, 4) == (16, 32)  # the padded layout never changes
+    assert micro_batch_shape(packed, 512, 4) == (16, 32)
+    assert micro_batch_shape(packed, 100, 4) == (16, 32)  # 4 micro-batches run, 12 skipped
+    assert micro_batch_shape(packed, 20, 4) == (16, 24)  # one, its rows a bucket
+    assert row_buckets(packed, 4) == [4, 8, 12, 16, 24, 32]
+    assert row_buckets(padded, 4) == [32]
 
 
 def test_delta_scope_per_shard_reaches_the_losses():

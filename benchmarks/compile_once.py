@@ -1,0 +1,130 @@
+"""The update's row-wide window against the window of each step's fullest row: its cost.
+
+``configs/smollm2_arith.yaml``'s update (SmolLM2-135M's shapes, random weights: ``bench_models``
+``smollm2``; 6 prompts x 8 samples, prompts of ``--prompt`` tokens, responses uniform in
+``[--min-response, --max-response]``; DelTA's coefficients in the loss; AdamW), the rows built
+by the trainer's own stages (``plan_rows`` + ``assemble``), once per setting of
+``--share-prompts``:
+
+* **row-wide** (what the trainer runs): a window of as many slots as a row has positions, the
+  LM head's chunks of slots that no row uses skipped: one width whatever the lengths;
+* **bucketed**: the same batch, its window cut to the old bucket of its fullest row (a
+  multiple of about a sixteenth of a row, two per power of two: what each step compiled
+  before, one program per new width).
+
+Both programs are compiled first (compile times and XLA's temporaries printed: what a new
+width cost before), then the calls alternate, the median of ``--repeats`` each.
+
+    python benchmarks/compile_once.py [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from bench_models import alternate, bench_config
+from flax import nnx
+
+from delta_jax.config import load_config
+from delta_jax.models import Transformer
+from delta_jax.rl.packing import make_assemble, plan_rows
+from delta_jax.rl.state import init_train_state, make_optimizer
+from delta_jax.rl.train_step import make_train_step
+from delta_jax.rl.update_plan import UpdatePlan
+
+PROMPTS, N, P_MAX, G_MAX = 6, 8, 192, 32  # configs/smollm2_arith.yaml
+WIDE = ("targets", "loss_mask", "advantages", "rollout_logprobs", "score_positions")
+WIDE += ("score_segments",)
+
+
+def old_width(row_len: int, responses: int) -> int:
+    """The window the update compiled before: a multiple of about a sixteenth of a row, two
+    sizes per power of two, at most the row."""
+    unit = 8 * -(-row_len // 128)
+    units = -(-max(responses, 1) // unit)
+    power = 1 << (units - 1).bit_length()
+    size = 3 * power // 4 if power >= 4 and units <= 3 * power // 4 else power
+    return min(unit * size, row_len)
+
+
+def rollout_arrays(config, rng, args):
+    """A synthetic rollout batch: device arrays and its host lengths."""
+    B = PROMPTS * N
+    plens = np.full(B, args.prompt, np.int32)
+    glens = rng.integers(args.min_response, args.max_response + 1, B).astype(np.int32)
+    seqs = np.zeros((B, P_MAX + G_MAX), np.int32)
+    for i in range(B):
+        if i % N == 0:
+            prompt = rng.integers(3, config.vocab_size, args.prompt)
+        seqs[i, P_MAX - args.prompt : P_MAX] = prompt
+        seqs[i, P_MAX : P_MAX + glens[i]] = rng.integers(3, config.vocab_size, glens[i])
+    arrays = (
+        jnp.asarray(seqs),
+        jnp.asarray(-rng.uniform(size=(B, G_MAX)).astype(np.float32)),
+        jnp.asarray(rng.normal(size=B).astype(np.float32)),
+    )
+    return arrays, plens, glens
+
+
+def cut(batch, width: int):
+    """The batch with its window cut to ``width`` slots (every live slot comes first)."""
+    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    narrow = lambda k, v: v[..., :width] if k in WIDE else v
+    return type(batch)(**{k: None if v is None else narrow(k, v) for k, v in fields.items()})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--prompt", type=int, default=54)
+    parser.add_argument("--min-response", type=int, default=6)
+    parser.add_argument("--max-response", type=int, default=22)
+    args = parser.parse_args()
+    config = bench_config("smollm2")
+    graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param)
+    arrays, plens, glens = rollout_arrays(config, np.random.default_rng(0), args)
+    print(
+        f"smollm2 shapes, {PROMPTS} prompts x {N} samples, prompt {args.prompt} tokens, "
+        f"responses mean {glens.mean():.1f} (max {glens.max()})",
+        flush=True,
+    )
+    for share in ("false", "true"):
+        cfg = load_config("configs/smollm2_arith.yaml", [f"algo.share_prompts={share}"])
+        plan = UpdatePlan.from_config(cfg)
+        optimizer = make_optimizer(cfg.optim, 10)
+        index, stats = plan_rows(plan, np.arange(PROMPTS * N), plens, glens, 1)
+        batch = jax.tree.map(lambda x: x[0], make_assemble(plan)(*arrays, None, None, index))
+        used = int(np.asarray(batch.score_positions >= 0).sum(-1).max())
+        width = old_width(plan.row_len, used)
+        shapes = {"row-wide": batch, "bucketed": cut(batch, width)}
+        state = init_train_state(params, optimizer)
+        programs = {}
+        for name, b in shapes.items():
+            t0 = time.perf_counter()
+            step = (
+                make_train_step(graphdef, optimizer, plan, donate=False).lower(state, b).compile()
+            )
+            print(
+                f"shared={share} {name}: {b.tokens.shape[1]} rows x {plan.row_len}, window "
+                f"{b.targets.shape[-1]} (fullest row {used}); compiled in "
+                f"{time.perf_counter() - t0:.1f} s, temporaries "
+                f"{step.memory_analysis().temp_size_in_bytes / 2**30:.2f} GiB",
+                flush=True,
+            )
+            programs[name] = functools.partial(step, state, b)
+        medians = alternate(programs, args.repeats)
+        wide, bucketed = medians["row-wide"], medians["bucketed"]
+        print(f"shared={share} update: row-wide {wide:.2f} s, bucketed {bucketed:.2f} s")
+        print(f"shared={share} row-wide / bucketed: {wide / bucketed:.3f}x", flush=True)
+        loss = {k: float(v()[1]["loss"]) for k, v in programs.items()}
+        print(f"shared={share} losses: {loss}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
