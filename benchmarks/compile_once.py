@@ -15,7 +15,14 @@ by the trainer's own stages (``plan_rows`` + ``assemble``), once per setting of
 Both programs are compiled first (compile times and XLA's temporaries printed: what a new
 width cost before), then the calls alternate, the median of ``--repeats`` each.
 
-    python benchmarks/compile_once.py [--repeats 5]
+``--rollout``: the rollout's request (the same prompts, 8 samples each, token budgets as the
+responses' lengths, no stop ids, temperature 0.7, the continuous engine's defaults on this
+CPU) from a sampler whose prompt and response buckets are the run's lengths (192, 32: what the
+trainer builds, one request shape whatever the prompts) against powers of two of the request's
+own (the earlier default), warmed up once each, then alternating, the median of
+``--repeats`` each.
+
+    python benchmarks/compile_once.py [--repeats 5] [--rollout]
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from delta_jax.rl.packing import make_assemble, plan_rows
 from delta_jax.rl.state import init_train_state, make_optimizer
 from delta_jax.rl.train_step import make_train_step
 from delta_jax.rl.update_plan import UpdatePlan
+from delta_jax.sampling import Buckets, Sampler
 
 PROMPTS, N, P_MAX, G_MAX = 6, 8, 192, 32  # configs/smollm2_arith.yaml
 WIDE = ("targets", "loss_mask", "advantages", "rollout_logprobs", "score_positions")
@@ -85,7 +93,10 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=54)
     parser.add_argument("--min-response", type=int, default=6)
     parser.add_argument("--max-response", type=int, default=22)
+    parser.add_argument("--rollout", action="store_true", help="the rollout's buckets instead")
     args = parser.parse_args()
+    if args.rollout:
+        return rollout(args)
     config = bench_config("smollm2")
     graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param)
     arrays, plens, glens = rollout_arrays(config, np.random.default_rng(0), args)
@@ -124,6 +135,34 @@ def main() -> None:
         print(f"shared={share} row-wide / bucketed: {wide / bucketed:.3f}x", flush=True)
         loss = {k: float(v()[1]["loss"]) for k, v in programs.items()}
         print(f"shared={share} losses: {loss}", flush=True)
+
+
+def rollout(args) -> None:
+    """The rollout's request from both samplers (see the module)."""
+    config = bench_config("smollm2")
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, config.vocab_size, args.prompt).tolist() for _ in range(PROMPTS)]
+    budgets = rng.integers(args.min_response, args.max_response + 1, PROMPTS * N)
+    budgets[0] = G_MAX  # the run's longest response: the engine sizes its pages for it
+    limit = config.max_position_embeddings
+    samplers = {
+        "run lengths": Buckets.from_lengths(P_MAX, G_MAX, limit),
+        "powers of two": Buckets(),
+    }
+    calls = {}
+    for name, buckets in samplers.items():
+        sampler = Sampler(model, engine="continuous", decode_slots=64, buckets=buckets)
+        settings = dict(n=N, max_new_tokens=budgets.tolist(), temperature=0.7, seed=0)
+        request = functools.partial(sampler.generate, prompts, stop_token_ids=(), **settings)
+        t0 = time.perf_counter()
+        request()
+        print(f"{name}: first request (compiles) {time.perf_counter() - t0:.1f} s", flush=True)
+        calls[name] = request
+    medians = alternate(calls, args.repeats)
+    fixed, powers = medians["run lengths"], medians["powers of two"]
+    print(f"rollout request: run lengths {fixed:.2f} s, powers of two {powers:.2f} s")
+    print(f"run lengths / powers of two: {fixed / powers:.3f}x", flush=True)
 
 
 if __name__ == "__main__":

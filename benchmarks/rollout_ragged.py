@@ -217,6 +217,12 @@ def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int
         def write(self, *arrays):
             return None
 
+        def compile_decode(self, *arrays):
+            return None
+
+        def compile_prefill(self, *arrays):
+            return None
+
         def decode(self, packed, pages, steps_left):
             return step(packed, steps_left)
 

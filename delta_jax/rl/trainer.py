@@ -37,6 +37,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import yaml
 from flax import nnx
 
@@ -376,8 +377,10 @@ class Trainer:
         step. Multi-turn and speculative engines compile theirs in the first rollout."""
         cfg, parts = self.config, self.parts
         start, before = time.perf_counter(), CompileCounter.snapshot()
-        log.info("compiling ahead: the train step and the rollout's engine programs")
-        self.updater.compile_ahead(self.state, log=log.info)
+        log.info("compiling ahead: the update at every bucket of rows, the rollout's engine")
+        self.updater.compile_ahead(
+            self.state, self._stand_in, self.state.params, self.ref_params, log=log.info
+        )
         requests = 0
         if parts.episodes is None and not parts.sampler.draft_tokens:
             requests = warm_up_rollout(
@@ -394,6 +397,32 @@ class Trainer:
         log.info(
             f"compiled ahead: {compiled} programs ({loaded} loaded from the cache), "
             f"{requests} warm-up requests, in {seconds:.1f} s"
+        )
+
+    def _stand_in(self, lengths: np.ndarray) -> Rollout:
+        """A rollout of the run's shapes and placement with response ``lengths`` (zeros
+        otherwise): what :meth:`Updater.compile_ahead` runs the update's programs on."""
+        cfg, parts, plan = self.config, self.parts, self.plan
+        B, P, G = plan.rows, parts.prompt_len, cfg.rollout.max_new_tokens
+        hidden = (B, G, parts.model.config.hidden_size)
+        arrays = {
+            "sequences": np.zeros((B, P + G), np.int32),
+            "rollout_logprobs": np.zeros((B, G), np.float32),
+            "hidden": np.zeros(hidden, parts.model.dtype)
+            if plan.coefficients == "sampler"
+            else None,
+            "action_mask": np.ones((B, G), bool) if parts.episodes is not None else None,
+        }
+        zeros = np.zeros(B, np.float32)
+        return Rollout(
+            **sh.replicated_to_global(arrays, self.mesh, row_axis=0),
+            prompt_lengths=np.full(B, P, np.int32),
+            lengths=lengths,
+            rewards=zeros,
+            advantages=zeros,
+            records=[],
+            responses=[],
+            stats={},
         )
 
     def _sampling(self) -> dict[str, Any]:

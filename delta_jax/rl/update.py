@@ -21,7 +21,6 @@ from delta_jax.rl.rollout import Rollout
 from delta_jax.rl.state import TrainState
 from delta_jax.rl.train_step import (
     TrainBatch,
-    abstract_batch,
     combine_metrics,
     make_train_step,
 )
@@ -65,22 +64,45 @@ class Updater:
         )
         self._coefficients = make_sampler_coefficients(plan, mesh=mesh if sharded else None)
 
-    def compile_ahead(self, state: TrainState, log=lambda message: None) -> int:
-        """Compiles the train step for every batch shape a step can give it (one per bucket
-        of rows, :func:`~delta_jax.rl.packing.row_buckets`) into JAX's persistent cache, from
-        which its first call with that shape loads it. Needs the placed update
-        (``placed_like``) and the cache on. Returns the programs compiled."""
+    def compile_ahead(self, state: TrainState, rollout_like, params, ref_params=None, log=None):
+        """Compiles every program of the update ahead, once per bucket of rows a step can lay
+        out (:func:`~delta_jax.rl.packing.row_buckets`): the row assembly, the plan's passes
+        before the update and the mini-batch slices by running them on a stand-in rollout
+        whose long responses fill that many rows; the train step, which would change the
+        state, lowered and compiled into JAX's persistent cache (its first call with that shape
+        loads it). ``rollout_like(lengths)``: a stand-in :class:`Rollout` with those response
+        lengths, placed as the trainer's. Returns the buckets compiled."""
         if not jax.config.jax_enable_compilation_cache:
             raise ValueError("compiling ahead keeps the programs in run.compile_cache: turn it on")
-        buckets = row_buckets(self.plan, sh.batch_divisor(self.mesh))
+        plan, log = self.plan, log or (lambda message: None)
+        per, buckets = plan.rows_per_update, row_buckets(plan, sh.batch_divisor(self.mesh))
         aval = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        avals = jax.tree.map(aval, state)
+        avals, done = jax.tree.map(aval, state), set()
+        full = self._rows(per)  # every sequence long: the most rows
         for i, rows in enumerate(buckets):
-            log(f"compiling the train step {i + 1}/{len(buckets)}: {rows} rows per micro-batch")
-            batch = abstract_batch(self.plan, rows, sh.batch_sharding(self.mesh))
+            # ``long`` longest responses fill about ``rows`` rows (a row holds per / full).
+            long = min(per, max(1, -(-rows * per // full)))
+            lengths = np.where(np.arange(plan.rows) < long, plan.gen_len, 0).astype(np.int32)
+            batch, _ = self.prepare(rollout_like(lengths), 0, params, ref_params)
+            if batch.tokens.shape[2] in done:
+                continue
+            done.add(batch.tokens.shape[2])
+            log(f"compiling the update {i + 1}/{len(buckets)}: {rows} rows per micro-batch")
+            for m in range(plan.mini_batches):
+                mini = jax.tree.map(lambda x, m=m: x[m], batch)
             with sh.use_mesh(self.mesh):
-                self.train_step.lower(avals, batch).compile()
-        return len(buckets)
+                self.train_step.lower(avals, jax.tree.map(aval, mini)).compile()
+        return len(done)
+
+    def _rows(self, long: int) -> int:
+        """Rows the first mini-batch lays out when its first ``long`` responses are the longest
+        (and every prompt too)."""
+        plan = self.plan
+        lengths = np.where(np.arange(plan.rows) < long, plan.gen_len, 0)
+        prompts = np.full(plan.rows, plan.prompt_len)
+        shards = sh.batch_divisor(self.mesh)
+        layout, _ = plan_rows(plan, np.arange(plan.rows), prompts, lengths, shards)
+        return int((layout.segment_ids[0].max(-1) > 0).sum())
 
     def prepare(
         self, rollout: Rollout, step: int, params, ref_params=None

@@ -43,7 +43,7 @@ buffers and the pool are fixed per request bucket, the chunk length is traced; t
 path's flat page list has one length per request bucket (it stops reading at the last real
 entry, so attention work follows the actual lengths), the Pallas and dense (CPU) paths' page
 tables are as wide as the request's longest sequence (the kernels read a row's pages up to its
-length), a decode chunk runs one of at most four slot buckets and prefill lengths are
+length), a decode chunk runs one of at most five slot buckets and prefill lengths are
 power-of-two buckets; each program compiles once.
 
 The engine is cut along its seams: :mod:`~delta_jax.sampling.scheduler` is the host side

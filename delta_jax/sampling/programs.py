@@ -201,6 +201,14 @@ class EnginePrograms:
     def prefill(self, ids, positions, valid, pages) -> None:
         """Writes a chunk of tokens' K/V into their pages (as the backend reads them: a flat
         page list ``[U, 3]``, or page tables)."""
+        program, args = self._prefill_program(ids, positions, valid, pages)
+        self.pool = program(*args)
+
+    def compile_prefill(self, ids, positions, valid, pages) -> None:
+        """Compiles the :meth:`prefill` program of these shapes without running it."""
+        self._prefill_program(ids, positions, valid, pages)
+
+    def _prefill_program(self, ids, positions, valid, pages):
         place, backend = self.cache.place, self.backend
         pages = backend.prefill_layout(pages, place)
         ids, positions, valid = (place(a) for a in (ids, positions, valid))
@@ -212,7 +220,7 @@ class EnginePrograms:
             attend=backend.prefill_attention,
         )
         args = (self.params, self.rest, self.pool, ids, positions, valid, pages, self.layers)
-        self.pool = self._build(key, fn, args, (2,))(*args)
+        return self._build(key, fn, args, (2,)), args
 
     def decode(self, packed: np.ndarray, pages: np.ndarray, steps: int) -> np.ndarray:
         """Runs up to ``steps`` decode steps; returns the slots' ``[S, 4 + L]`` status."""
@@ -226,7 +234,19 @@ class EnginePrograms:
         result = self._decode(packed, pages, steps, drafts)
         return result["status"], result["emitted"], result["counts"]
 
+    def compile_decode(self, packed: np.ndarray, pages: np.ndarray) -> None:
+        """Compiles the decode program of a chunk of these shapes (its slots and page list)
+        without running it: nothing when it is compiled already."""
+        self._decode_program(packed, pages, 0, None)
+
     def _decode(self, packed, pages, steps: int, drafts: Drafts | None) -> dict[str, np.ndarray]:
+        program, args = self._decode_program(packed, pages, steps, drafts)
+        result = program(*args)
+        self.pool, self.out = result.pop("pool"), result.pop("out")
+        return {name: to_host(x) for name, x in result.items()}
+
+    def _decode_program(self, packed, pages, steps: int, drafts: Drafts | None):
+        """The compiled decode (verify) program of a chunk and its arguments."""
         spec, place = self.spec, self.cache.place
         packed, pages, steps = place(packed), place(pages), np.int32(steps)
         signature = (self.width, strategy_signature(self.strategy), spec.return_hidden)
@@ -250,9 +270,7 @@ class EnginePrograms:
         args = (self.params, self.rest, self.pool, self.out, packed, pages, steps)
         args += (np.bool_(self.resumable), self.seed, self.strategy, self.layers)
         args += (self.sequences[0] if self.sequences else None, drafts)
-        result = self._build(key, fn, args, (2, 3))(*args)
-        self.pool, self.out = result.pop("pool"), result.pop("out")
-        return {name: to_host(x) for name, x in result.items()}
+        return self._build(key, fn, args, (2, 3)), args
 
     def results(self) -> dict[str, jax.Array]:
         """Hands the output buffers over (the programs cannot run after)."""

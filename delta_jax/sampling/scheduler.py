@@ -54,6 +54,12 @@ class DevicePrograms(Protocol):
         ``[U, 3]``; returns the slots' ``[S, 4 + L]`` status (``STATUS_FIELDS``, then the
         stop-sequence window of multi-turn requests with stop sequences of up to ``L`` ids)."""
 
+    def compile_decode(self, packed, pages) -> None:
+        """Compiles the :meth:`decode` program of these shapes without running it."""
+
+    def compile_prefill(self, ids, positions, valid, pages) -> None:
+        """Compiles the :meth:`prefill` program of these shapes without running it."""
+
     def verify(self, packed, pages, steps: int, drafts):
         """As :meth:`decode`, in speculative verify steps with each slot's ``drafts``
         (:class:`~delta_jax.sampling.drafts.Drafts`); returns the status, the tokens each slot
@@ -351,6 +357,8 @@ class Scheduler:
         width = next(g.queue[0] for g in self.groups if g.queue).stops.size
         window = 0 if self.stop_sequences is None else self.stop_sequences.shape[1]
         state = HostSlots.empty(S, width, window)
+        if self.drafter is None:
+            self._compile_chunks(state)
         while any(g.queue or g.running or g.waiting for g in self.groups):
             self._collect(block=False)
             state.copy_src[:] = SCRATCH_PAGE
@@ -391,6 +399,23 @@ class Scheduler:
         self.stats.waiting_pages_peak = tuple(g.waiting_pages_peak for g in self.groups)
         return self.done
 
+    def _compile_chunks(self, state: HostSlots) -> None:
+        """Compiles the decode chunk at every slot bucket (:meth:`_bucket`) and the prefill
+        chunk at every length up to the longest sequence before the first chunk runs (nothing
+        when the request's programs are compiled already): a request may reach a bucket the
+        earlier ones did not, and would compile it then, mid-run."""
+        spec, idle = self.spec, np.zeros(0, np.int32)
+        for B in sorted({self._bucket(n) for n in range(1, spec.group_slots + 1)}):
+            rows = np.concatenate([g.base + np.arange(B) for g in self.groups])
+            tables = [[[] for _ in range(B)] for _ in self.groups]
+            _, table, pages = self.backend.decode_pages(spec, tables, B, idle, idle, spec.steps)
+            self.programs.compile_decode(state.pack(rows, table), pages)
+        rows, longest = spec.prefill_rows // spec.groups, spec.seq_pages * spec.page_size
+        for T in sorted({prefill_length(spec, n) for n in range(1, longest + 1)}):
+            ids = np.zeros((spec.prefill_rows, T), np.int32)
+            pages = self.backend.prefill_pages(spec, [[[]] * rows] * spec.groups, rows, T)
+            self.programs.compile_prefill(ids, ids, ids.astype(bool), pages)
+
     def _tail_steps(self, state: HostSlots) -> int:
         """Steps of the next chunk: ``spec.steps``, or, once every queue is empty (no slot can
         be refilled), all that the running sequences have left in one chunk, when their pages
@@ -429,7 +454,7 @@ class Scheduler:
     def _bucket(self, occupied: int) -> int:
         """Slots per group a decode chunk runs for ``occupied`` sequences in the fullest group:
         the next power of two, from an eighth of the group's slots up to all of them (at most
-        four decode programs). Sequences are packed into the chunk's first rows, so a group
+        five decode programs). Sequences are packed into the chunk's first rows, so a group
         whose sequences are ending (the ragged tail of a rollout) stops paying for its idle
         slots; a slot's row is host state (its page table, its RNG stream is the sequence's),
         so which row a sequence decodes in changes nothing it draws."""

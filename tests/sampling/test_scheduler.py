@@ -16,15 +16,23 @@ class FakeDevice:
     what the scheduler sent."""
 
     def __init__(self):
-        self.prefills, self.decodes = [], []
+        self.prefills, self.decodes, self.compiled = [], [], set()
 
     def prefill(self, ids, positions, valid, pages):
+        assert ids.shape in self.compiled  # every prefill length compiled before the first
         self.prefills.append((ids.copy(), valid.copy(), pages.copy()))
 
     def write(self, rows, cols, ids, valid):
         raise AssertionError("single-turn requests write no observations")
 
+    def compile_decode(self, packed, pages):
+        self.compiled.add(packed.shape)
+
+    def compile_prefill(self, ids, positions, valid, pages):
+        self.compiled.add(ids.shape)
+
     def decode(self, packed, pages, steps):
+        assert packed.shape in self.compiled  # every chunk's shape compiled before the first
         st = {name: packed[:, i].copy() for i, name in enumerate(SLOT_FIELDS)}
         active = st["active"] > 0
         self.decodes.append((active.sum(), packed.shape[0], pages.copy()))
