@@ -3,26 +3,26 @@
 ``configs/smollm2_arith.yaml``'s update (SmolLM2-135M's shapes, random weights: ``bench_models``
 ``smollm2``; 6 prompts x 8 samples, prompts of ``--prompt`` tokens, responses uniform in
 ``[--min-response, --max-response]``; DelTA's coefficients in the loss; AdamW), the rows built
-by the trainer's own stages (``plan_rows`` + ``assemble``), once per setting of
-``--share-prompts``:
+by the trainer's own stages (``plan_rows`` + ``assemble``), with prompts shared and not
+(``--share-prompts``: ``algo.share_prompts`` false and true):
 
 * **row-wide** (what the trainer runs): a window of as many slots as a row has positions, the
-  LM head's chunks of slots that no row uses skipped: one width whatever the lengths;
+  LM head's chunks of slots that no row uses skipped: one width whatever the lengths (at each
+  of ``--slot-chunks`` chunks per window; the trainer's is ``models.logprobs.SLOT_CHUNKS``);
 * **bucketed**: the same batch, its window cut to the old bucket of its fullest row (a
   multiple of about a sixteenth of a row, two per power of two: what each step compiled
-  before, one program per new width).
+  before, one program per new width), the LM head in one chunk as before.
 
-Both programs are compiled first (compile times and XLA's temporaries printed: what a new
-width cost before), then the calls alternate, the median of ``--repeats`` each.
+The programs are compiled first (compile times and XLA's temporaries printed: what a new width
+cost before), then the calls alternate, the median of ``--repeats`` each.
 
 ``--rollout``: the rollout's request (the same prompts, 8 samples each, token budgets as the
 responses' lengths, no stop ids, temperature 0.7, the continuous engine's defaults on this
-CPU) from a sampler whose prompt and response buckets are the run's lengths (192, 32: what the
-trainer builds, one request shape whatever the prompts) against powers of two of the request's
-own (the earlier default), warmed up once each, then alternating, the median of
-``--repeats`` each.
+CPU) from a sampler whose prompt and response buckets are the run's longest (192, 32: one
+request shape whatever the prompts) against powers of two of the request's own (the default
+the trainer keeps), warmed up once each, then alternating, the median of ``--repeats`` each.
 
-    python benchmarks/compile_once.py [--repeats 5] [--rollout]
+    python benchmarks/compile_once.py [--repeats 5] [--slot-chunks 1 4 16] [--rollout]
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from bench_models import alternate, bench_config
 from flax import nnx
 
 from delta_jax.config import load_config
-from delta_jax.models import Transformer
+from delta_jax.models import Transformer, logprobs
 from delta_jax.rl.packing import make_assemble, plan_rows
 from delta_jax.rl.state import init_train_state, make_optimizer
 from delta_jax.rl.train_step import make_train_step
@@ -94,6 +94,10 @@ def main() -> None:
     parser.add_argument("--min-response", type=int, default=6)
     parser.add_argument("--max-response", type=int, default=22)
     parser.add_argument("--rollout", action="store_true", help="the rollout's buckets instead")
+    parser.add_argument(
+        "--slot-chunks", type=int, nargs="+", default=[4], help="LM-head chunks per window"
+    )
+    parser.add_argument("--share-prompts", nargs="+", default=["false", "true"])
     args = parser.parse_args()
     if args.rollout:
         return rollout(args)
@@ -105,7 +109,7 @@ def main() -> None:
         f"responses mean {glens.mean():.1f} (max {glens.max()})",
         flush=True,
     )
-    for share in ("false", "true"):
+    for share in args.share_prompts:
         cfg = load_config("configs/smollm2_arith.yaml", [f"algo.share_prompts={share}"])
         plan = UpdatePlan.from_config(cfg)
         optimizer = make_optimizer(cfg.optim, 10)
@@ -113,14 +117,15 @@ def main() -> None:
         batch = jax.tree.map(lambda x: x[0], make_assemble(plan)(*arrays, None, None, index))
         used = int(np.asarray(batch.score_positions >= 0).sum(-1).max())
         width = old_width(plan.row_len, used)
-        shapes = {"row-wide": batch, "bucketed": cut(batch, width)}
+        shapes = {f"row-wide/{k}": (batch, k) for k in args.slot_chunks}
+        shapes["bucketed"] = (cut(batch, width), 1)
         state = init_train_state(params, optimizer)
         programs = {}
-        for name, b in shapes.items():
+        for name, (b, chunks) in shapes.items():
             t0 = time.perf_counter()
-            step = (
-                make_train_step(graphdef, optimizer, plan, donate=False).lower(state, b).compile()
-            )
+            logprobs.SLOT_CHUNKS = chunks  # read when the step is traced
+            step = make_train_step(graphdef, optimizer, plan, donate=False)
+            step = step.lower(state, b).compile()
             print(
                 f"shared={share} {name}: {b.tokens.shape[1]} rows x {plan.row_len}, window "
                 f"{b.targets.shape[-1]} (fullest row {used}); compiled in "
@@ -130,9 +135,9 @@ def main() -> None:
             )
             programs[name] = functools.partial(step, state, b)
         medians = alternate(programs, args.repeats)
-        wide, bucketed = medians["row-wide"], medians["bucketed"]
-        print(f"shared={share} update: row-wide {wide:.2f} s, bucketed {bucketed:.2f} s")
-        print(f"shared={share} row-wide / bucketed: {wide / bucketed:.3f}x", flush=True)
+        for name, median in medians.items():
+            ratio = median / medians["bucketed"]
+            print(f"shared={share} update {name}: {median:.2f} s, {ratio:.3f}x the bucketed")
         loss = {k: float(v()[1]["loss"]) for k, v in programs.items()}
         print(f"shared={share} losses: {loss}", flush=True)
 
@@ -146,10 +151,8 @@ def rollout(args) -> None:
     budgets = rng.integers(args.min_response, args.max_response + 1, PROMPTS * N)
     budgets[0] = G_MAX  # the run's longest response: the engine sizes its pages for it
     limit = config.max_position_embeddings
-    samplers = {
-        "run lengths": Buckets.from_lengths(P_MAX, G_MAX, limit),
-        "powers of two": Buckets(),
-    }
+    beyond = lambda n: (n, *(2**k for k in range(n.bit_length(), 64) if 2**k <= limit))
+    samplers = {"run lengths": Buckets(beyond(P_MAX), beyond(G_MAX)), "powers of two": Buckets()}
     calls = {}
     for name, buckets in samplers.items():
         sampler = Sampler(model, engine="continuous", decode_slots=64, buckets=buckets)

@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
+        force=True,  # an import may have configured the root logger (at WARNING) already
     )
     for noisy in ("absl", "jax._src", "orbax", "httpx", "matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

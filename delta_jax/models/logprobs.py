@@ -23,6 +23,8 @@ from delta_jax.models.transformer import Transformer, lm_head_weight
 
 # Default chunk: this many logits elements (512 MiB in float32) per chunk.
 _CHUNK_ELEMENTS = 2**27
+# Listed slots: chunks per window (:func:`slot_logprobs`; ``benchmarks/compile_once.py``).
+SLOT_CHUNKS = 4
 
 
 @flax.struct.dataclass
@@ -202,14 +204,16 @@ def slot_logprobs(
     with no ``live`` slot in any row (their outputs are 0).
 
     A chunk is ``c`` slots of every row (rows stay whole, so a row-sharded batch stays sharded):
-    ``c`` is a sixteenth of the window (so that a window filled to a fraction of its width
-    computes about that fraction), at most ``chunk_size`` (default ``2**27 // V``) tokens.
+    ``c`` is a :data:`SLOT_CHUNKS`-th of the window (a window filled to a fraction of its width
+    computes about that fraction, to a chunk), at most ``chunk_size`` (default ``2**27 // V``)
+    tokens. Each chunk reads the LM head's weight again (and adds to its gradient), so fewer,
+    larger chunks are cheaper where the memory allows.
     """
     B, W, H = hidden.shape
     budget = _CHUNK_ELEMENTS // weight.shape[1] if chunk_size is None else int(chunk_size)
     if budget <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    c = max(1, min(-(-W // 16), budget // B))
+    c = max(1, min(-(-W // SLOT_CHUNKS), budget // B))
     pad = (-W) % c
     acc = accumulation_dtype(hidden.dtype)
 

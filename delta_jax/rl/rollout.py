@@ -29,6 +29,7 @@ from delta_jax.data import PromptRecord
 from delta_jax.envs.episodes import EpisodeRunner, episode_row
 from delta_jax.losses import advantages as adv_lib
 from delta_jax.rewards import concat_batches
+from delta_jax.rl.compilation import CompileCounter
 
 
 @dataclasses.dataclass
@@ -298,7 +299,7 @@ def _sample_and_score(
     runner,
 ):  # fmt: skip
     """One sampler call and its rewards; returns the output and its prompts' groups."""
-    t0 = time.perf_counter()
+    t0, compiling = time.perf_counter(), CompileCounter.seconds
     records = [rec for _, rec in pairs for _ in range(n)]
     episodes = None if runner is None else runner.start([episode_row(r) for r in records])
     stream = _RewardStream(scorer, tokenizer, records, n, episodes)
@@ -315,7 +316,7 @@ def _sample_and_score(
     )
     t1 = time.perf_counter()
     scored = stream.finish()
-    stats["time/rollout"] += t1 - t0
+    stats["time/rollout"] += t1 - t0 - (CompileCounter.seconds - compiling)  # compiles apart
     # What the step waits for after the last token: the rewards not computed while decoding.
     stats["time/reward_tail"] += time.perf_counter() - t1
     stats.update({f"reward_reason/{k}": v for k, v in scored.counts.items()})

@@ -540,7 +540,7 @@ def build_run_parts(
     environment=None,
 ) -> RunParts:
     """The parts of a run; each keyword, when given, replaces what the config would build."""
-    from delta_jax.sampling import Buckets, Sampler
+    from delta_jax.sampling import Sampler
 
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -561,12 +561,6 @@ def build_run_parts(
     sampler = Sampler(
         model,
         pad_token_id=pad_id,
-        # One request shape per run, whatever its prompts' lengths (the update's too).
-        buckets=Buckets.from_lengths(
-            config.data.max_prompt_length,
-            config.rollout.max_new_tokens,
-            model.config.max_position_embeddings,
-        ),
         cache_dtype=None if cache_dtype == "auto" else jnp.dtype(cache_dtype),
         # Tensor-parallel over the same devices: weights and KV pages split by heads.
         mesh=None if mesh is None else sh.sampling_mesh(mesh, model.config.num_kv_heads),

@@ -360,8 +360,6 @@ class Trainer:
         t_step, compiles = time.perf_counter(), CompileCounter.snapshot()
         rollout = self._rollout(step)
         t_update, compiling = time.perf_counter(), CompileCounter.seconds
-        # (the rollout's time without the compiles in it: see _without_compiles)
-        rollout.stats["time/rollout"] -= compiling - compiles[2]
         batch, metrics = self.updater.prepare(rollout, step, self.state.params, self.ref_params)
         self.state, update_metrics = self.updater.update(self.state, batch)
         metrics.update(update_metrics)

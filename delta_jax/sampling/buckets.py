@@ -42,14 +42,6 @@ class Buckets:
     min_length: int = 16
     max_cache_length: int | None = None
 
-    @classmethod
-    def from_lengths(cls, prompt_len: int, gen_len: int, limit: int) -> Buckets:
-        """A run's buckets: its longest prompt and response first (every request of the run
-        then has one shape whatever its prompts' lengths), powers of two beyond them up to
-        ``limit`` (for longer requests)."""
-        beyond = lambda n: (n, *(2**k for k in range(n.bit_length(), 64) if 2**k <= limit))
-        return cls(prompt=beyond(prompt_len), generation=beyond(gen_len))
-
 
 def bucket_size(
     size: int, buckets: Sequence[int] | None, floor: int = 1, name: str = "size"
