@@ -609,3 +609,28 @@ def test_roofline_arithmetic_by_hand():
     assert "counts 1 loop(s) once" in "\n".join(st.lines())
     with pytest.raises(ValueError, match="no chip constants for 'v9'"):
         roofline.chip("v9-8")
+
+
+@pytest.mark.slow  # compiles every program of the run
+def test_programs_lists_every_program_a_run_compiles():
+    """``--programs``: the train step at every bucket of rows in a micro-batch (the rows of
+    shards, up to the padded layout's), the engine's decode chunk at every slot bucket and its
+    prefill chunk at every length it compiles at a request's first call, each with its time."""
+    overrides = ["run.mesh=[2, 2, 2]", "rollout.prompts_per_step=4"]
+    overrides += ["rollout.samples_per_prompt=4", "data.max_prompt_length=16"]
+    config = load_config(DEMO, [*overrides, "rollout.max_new_tokens=16"])
+    report = plan_lib.plan(
+        config, "v5e-8", search=False, compiler="cpu", roofline=False, programs=True
+    )
+    names = [name for name, _ in report.programs]
+    # 16 rows per micro-batch on 4 batch shards (data 2 x fsdp 2): buckets of 4, 8, 12, 16.
+    train = [f"train step, {r} rows per micro-batch" for r in (4, 8, 12, 16)]
+    # 4 decode slots per group (16 sequences over 4 data groups): an eighth (1) up to 4.
+    decode = [f"decode chunk, {s} slots per group" for s in (1, 2, 4)]
+    prefill = ["prefill chunk, 16 tokens per row", "prefill chunk, 32 tokens per row"]
+    assert names == train + decode + prefill, names
+    assert all(memory.compile_s > 0 and not memory.out_of_memory for _, memory in report.programs)
+    lines = report.table().splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("programs a run compiles"))
+    assert lines[head].startswith(f"programs a run compiles: {len(names)}, ")
+    assert [line[2:46].strip() for line in lines[head + 1 : head + 1 + len(names)]] == names

@@ -3,13 +3,13 @@
 A run's shapes follow its config, not its lengths (``docs/cli.md``, Compiled programs): the
 train step has one program per bucket of rows in a micro-batch
 (:func:`~delta_jax.rl.packing.row_buckets`; its window is a row wide whatever the responses),
-the engine's page tables one width per request. The engine adds its decode chunk at each slot
-bucket (:func:`~delta_jax.sampling.scheduler.chunk_slots`: a power of two from an eighth of a
-group's slots up to all of them, so the ragged tail of a rollout stops paying for idle slots)
-and its prefill chunk at each length bucket up to the prompt bucket
-(:func:`~delta_jax.sampling.scheduler.prefill_length`). This module lists that set for the
-plan's engine and compiles each member, so the report gives the compile time of every program
-a step can meet (the TPU compiler's, compile-only, on a TPU topology).
+the engine's page tables one width per request shape. The engine adds its decode chunk at each
+slot bucket (:meth:`~delta_jax.sampling.spec.EngineSpec.chunk_slots`: a power of two from an
+eighth of a group's slots up to all of them, so the ragged tail of a rollout stops paying for
+idle slots) and its prefill chunk at each length bucket
+(:meth:`~delta_jax.sampling.spec.EngineSpec.prefill_length`). This module lists that set for
+the plan's request and compiles each member, so the report gives the compile time of every
+program a step can meet (the TPU compiler's, compile-only, on a TPU topology).
 """
 
 from __future__ import annotations
@@ -20,16 +20,14 @@ from delta_jax import sharding as sh
 from delta_jax.plan.programs import Planner
 from delta_jax.plan.report import ProgramMemory
 from delta_jax.rl.packing import row_buckets
-from delta_jax.sampling.scheduler import chunk_slots, prefill_length
 
 
-def engine_buckets(spec, longest: int) -> tuple[list[int], list[int]]:
-    """``(decode chunk slots per group, prefill lengths)`` an engine of ``spec`` can run when
-    its prefill jobs have up to ``longest`` tokens (the prompt bucket; a multi-turn episode's
-    whole context, which a sequence preempted after a hand-over prefills again)."""
-    S = spec.group_slots
-    slots = sorted({chunk_slots(S, occupied) for occupied in range(1, S + 1)})
-    lengths = sorted({prefill_length(spec, n) for n in range(1, longest + 1)})
+def engine_buckets(spec) -> tuple[list[int], list[int]]:
+    """``(decode chunk slots per group, prefill lengths)`` of an engine of ``spec``: what it
+    compiles at the first request of that shape (``Scheduler._compile_chunks``)."""
+    S, longest = spec.group_slots, spec.seq_pages * spec.page_size
+    slots = sorted({spec.chunk_slots(occupied) for occupied in range(1, S + 1)})
+    lengths = sorted({spec.prefill_length(n) for n in range(1, longest + 1)})
     return slots, lengths
 
 
@@ -47,9 +45,7 @@ def compile_buckets(
         for rows in buckets:
             memory = train.get(rows) or planner.train(rows)
             programs.append((f"train step, {rows} rows per micro-batch", memory))
-    _, _, prompt_len, gen_len = planner.request(planner.config.rollout.prompts_per_step)
-    turns = planner.config.rollout.max_turns > 1
-    slots, lengths = engine_buckets(spec, prompt_len + gen_len if turns else prompt_len)
+    slots, lengths = engine_buckets(spec)
     log(f"compiling the engine's decode chunks at {slots} slots per group")
     for per_group in slots:
         memory = planner.decode(spec, per_group * spec.groups)

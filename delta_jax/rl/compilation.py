@@ -107,20 +107,19 @@ class CompileCounter:
 def warm_up_rollout(sampler, params, prompts: int, n: int, lengths: tuple[int, int], **sampling):
     """Compiles the rollout engine's programs ahead: runs the rollout's request (``prompts``
     prompts of ``n`` samples, ``lengths`` the run's longest prompt and response, ``sampling``
-    the rollout's ``generate`` settings) once per prefill length bucket, the rows' token budgets
-    spread from 1 to the longest so that the ragged tail runs every decode chunk's slot bucket;
-    the outputs are dropped. Returns the requests run."""
+    the rollout's ``generate`` settings) once per prompt bucket up to the longest prompt, with
+    prompts of that length, one row decoding to the longest response and the others one token:
+    each is a request shape's first, whose programs the engine compiles before it runs (every
+    decode chunk's slot bucket, every prefill length). The outputs are dropped. Returns the
+    requests run."""
     prompt_len, gen_len = lengths
-    floor, chunk = sampler.buckets.min_length, sampler.prefill_chunk
-    bucket = lambda tokens: min(chunk, max(floor, 1 << (tokens - 1).bit_length()))
-    # A prompt of L tokens prefills L - 1 (its last token is the first decoded).
-    sizes = sorted({min(bucket(j), prompt_len - 1) + 1 for j in range(1, prompt_len)})
-    sizes = sizes or [prompt_len]
-    rows = prompts * n
-    budgets = [1 + i * (gen_len - 1) // max(rows - 1, 1) for i in range(rows)]
+    floor = sampler.buckets.min_length
+    sizes = sorted(
+        {min(max(floor, 1 << (j - 1).bit_length()), prompt_len) for j in range(1, prompt_len + 1)}
+    )
+    budgets = [gen_len] + [1] * (prompts * n - 1)
     for size in sizes:
-        prompt = [1] * size
         sampler.generate(
-            [prompt] * prompts, n=n, max_new_tokens=budgets, seed=0, params=params, **sampling
+            [[1] * size] * prompts, n=n, max_new_tokens=budgets, seed=0, params=params, **sampling
         )
     return len(sizes)

@@ -290,7 +290,7 @@ class Scheduler:
         for start in range(0, rounds * rows, rows):
             batch = [jobs[start : start + rows] for jobs in per_group]
             longest = max(ids.size for jobs in batch for ids, _, _ in jobs)
-            T = prefill_length(spec, longest)
+            T = spec.prefill_length(longest)
             for offset in range(0, longest, T):
                 ids = np.zeros((spec.prefill_rows, T), np.int32)
                 valid = np.zeros((spec.prefill_rows, T), bool)
@@ -411,7 +411,7 @@ class Scheduler:
             _, table, pages = self.backend.decode_pages(spec, tables, B, idle, idle, spec.steps)
             self.programs.compile_decode(state.pack(rows, table), pages)
         rows, longest = spec.prefill_rows // spec.groups, spec.seq_pages * spec.page_size
-        for T in sorted({prefill_length(spec, n) for n in range(1, longest + 1)}):
+        for T in sorted({spec.prefill_length(n) for n in range(1, longest + 1)}):
             ids = np.zeros((spec.prefill_rows, T), np.int32)
             pages = self.backend.prefill_pages(spec, [[[]] * rows] * spec.groups, rows, T)
             self.programs.compile_prefill(ids, ids, ids.astype(bool), pages)
@@ -458,7 +458,7 @@ class Scheduler:
         whose sequences are ending (the ragged tail of a rollout) stops paying for its idle
         slots; a slot's row is host state (its page table, its RNG stream is the sequence's),
         so which row a sequence decodes in changes nothing it draws."""
-        return chunk_slots(self.spec.group_slots, occupied)
+        return self.spec.chunk_slots(occupied)
 
     def _decode(self, state: HostSlots, steps: int) -> None:
         spec = self.spec
@@ -591,14 +591,3 @@ class Scheduler:
         if self.on_done is not None and self.ended:
             self.on_done(self.ended)
         self.ended = []
-
-
-def chunk_slots(group_slots: int, occupied: int) -> int:
-    """Slots per group of a decode chunk for ``occupied`` sequences in the fullest group
-    (:meth:`Scheduler._bucket`): a power of two from an eighth of the slots up to all of them."""
-    return min(group_slots, max(-(-group_slots // 8), pow2(occupied)))
-
-
-def prefill_length(spec: EngineSpec, longest: int) -> int:
-    """Tokens per row of a prefill call whose longest job has ``longest`` tokens."""
-    return min(spec.prefill_len, max(spec.min_len, pow2(longest)))

@@ -13,7 +13,7 @@ from typing import Literal
 import numpy as np
 
 from delta_jax.sampling.drafts import SOURCES
-from delta_jax.sampling.pages import pages_for
+from delta_jax.sampling.pages import pages_for, pow2
 
 __all__ = [
     "SLOT_FIELDS",
@@ -257,6 +257,16 @@ class EngineSpec:
     @property
     def group_pages(self) -> int:
         return self.num_pages // self.groups
+
+    def chunk_slots(self, occupied: int) -> int:
+        """Slots per group of a decode chunk whose fullest group runs ``occupied`` sequences:
+        a power of two from an eighth of a group's slots up to all of them."""
+        S = self.group_slots
+        return min(S, max(-(-S // 8), pow2(occupied)))
+
+    def prefill_length(self, longest: int) -> int:
+        """Tokens per row of a prefill call whose longest job has ``longest`` tokens."""
+        return min(self.prefill_len, max(self.min_len, pow2(longest)))
 
 
 def assign_groups(prompts: list[np.ndarray], n: int, max_new: np.ndarray, groups: int):
