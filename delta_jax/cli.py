@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
         force=True,  # an import may have configured the root logger (at WARNING) already
     )
-    for noisy in ("absl", "jax._src", "orbax", "httpx", "matplotlib", "PIL"):
+    for noisy in ("absl", "jax._src", "orbax", "httpx", "matplotlib", "PIL", "tensorboardX"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         if args.command != "plan":  # the planner works on fake devices, never a cluster
