@@ -189,12 +189,10 @@ def main(argv: list[str] | None = None) -> int:
 
     distributed.leave_out_absent_tpu()  # before anything starts a JAX backend
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        force=True,  # an import may have configured the root logger (at WARNING) already
-    )
+    level = logging.DEBUG if args.verbose else logging.INFO
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S")
+    logging.getLogger().setLevel(level)  # an import may have set up the root logger already
     for noisy in ("absl", "jax._src", "orbax", "httpx", "matplotlib", "PIL", "tensorboardX"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
