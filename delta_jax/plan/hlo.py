@@ -12,7 +12,9 @@ body's cost from XLA's own cost analysis run on that body alone, then
 
     full(C) = once(C) + sum over the loops w of C: trips(w) * full(body(w)) - once(body(w))
 
-A loop whose trip count is not of that form counts once (as the cost analysis counts it).
+A loop whose trip count is not of that form counts once (as the cost analysis counts it). A
+``conditional``'s branches count their own loops the same way (the train step skips its empty
+micro-batches with one).
 
 The cost analysis also counts every byte an instruction reads or writes wherever it lives. The
 TPU compiler keeps some in its on-chip VMEM (memory space 1 in the layouts it prints,
@@ -317,6 +319,13 @@ def loop_cost(text: str) -> Cost:
         defs = None
         for line in comps[name][1:]:
             found = _WHILE.match(line.strip().removeprefix("ROOT "))
+            parsed = None if found else _instruction(line)
+            if parsed and parsed[2] == "conditional":  # each branch's loops at their trips
+                for group in _CONTROL["conditional"].findall(parsed[4]):
+                    for branch in [r for r in re.findall(r"[\w.\-]+", group) if r in comps]:
+                        (f_full, b_full), (f_once, b_once) = full(branch, times), once(branch)
+                        flops, nbytes = flops + f_full - f_once, nbytes + b_full - b_once
+                continue
             if not found:  # a fusion's, a call's computation: runs as often as its caller
                 for ref in _REF.findall(line.partition(" = ")[2]):
                     if ref in comps and ref != name:

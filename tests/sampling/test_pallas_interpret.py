@@ -158,7 +158,8 @@ def test_engine_decodes_on_the_kernel_as_on_the_xla_path(interpret):
     """The continuous engine with ``attention="pallas"`` (prefill on the XLA path, every decode
     step through the kernel) draws the XLA engine's tokens with its log-probs: 9 prompts of
     1-13 tokens x 2 samples with budgets of 4-12 tokens at temperature 1, 18 rows on 12 slots
-    (2 kernel calls a step), refilled as rows end: the tail runs on 8 slots, some idle."""
+    (2 kernel calls a step), refilled as rows end: the tail runs on 8 slots, some idle (every
+    slot bucket's program compiled at the request's start)."""
     cfg = ModelConfig.tiny("qwen3", vocab_size=96, head_dim=128, num_layers=1)
     model = Transformer(cfg, rngs=nnx.Rngs(3))
     _, params = nnx.split(model, nnx.Param)  # peaked: x4 as the other sampling tests' model
@@ -173,8 +174,9 @@ def test_engine_decodes_on_the_kernel_as_on_the_xla_path(interpret):
     want = engine(attention="xla").generate(prompts, **kw)
     before = len(interpret)
     got = engine(attention="pallas").generate(prompts, **kw)
-    # The decode programs traced: 12 slots in two kernel calls, then the tail's 8 in one.
-    assert interpret[before:] == [[(0, 8), (8, 4)], [(0, 8)]]
+    # The decode programs traced, each once, before the first chunk: every slot bucket (2, 4
+    # and 8 slots in one kernel call, 12 in two); the tail's chunks on 8 slots trace nothing.
+    assert interpret[before:] == [[(0, 2)], [(0, 4)], [(0, 8)], [(0, 8), (8, 4)]]
     assert got.tokens == want.tokens and got.lengths == [b for b in budgets for _ in range(2)]
     np.testing.assert_allclose(
         np.asarray(got.logprob_array), np.asarray(want.logprob_array), atol=ATOL
