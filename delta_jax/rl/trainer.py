@@ -355,7 +355,9 @@ class Trainer:
             )
         if cfg.run.eval_every and self.step_count == 0:
             # The starting point of the learning curve: the policy before any RL update.
-            self.metrics_log.log(0, self.parts.evaluate(self._sampling_params(), 0))
+            compiles = CompileCounter.snapshot()
+            row = self.parts.evaluate(self._sampling_params(), 0)
+            self.metrics_log.log(0, {**row, **CompileCounter.since(compiles)})
         step = self.step_count + 1
         t_step, compiles = time.perf_counter(), CompileCounter.snapshot()
         rollout = self._rollout(step)
