@@ -7,6 +7,10 @@ Typical use::
   pipe = PromptPipeline(len(enc.ids), batch_size=64, seed=0,
                         process_index=jax.process_index(), process_count=jax.process_count())
   batch = [enc.ids[i] for i in next(pipe)]
+
+A run's prompt sets (the training batches and the held-out prompts, from the ``data`` config
+section) are built by ``delta_jax.data.prompt_sets``, imported on its own: it brings the demo's
+problem generators, and with them Flax and Optax.
 """
 
 from delta_jax.data.adapters import ADAPTERS, Adapter, BadRowError, generic_adapter

@@ -12,7 +12,7 @@ generated from seed ``s + EVAL_SEED_OFFSET`` (1_000_003), and a training set hol
 ``MAX_SIZE`` (1_000_000) entries, so the two never draw from the same random stream.
 
 ``reasoning_gym`` is an optional dependency (``pip install -e ".[gym]"``), imported on
-first use.
+first use (:func:`delta_jax.rewards.gym.import_reasoning_gym`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from delta_jax.data.sources import PromptRecord
+from delta_jax.rewards.gym import import_reasoning_gym
 
 GYM_PREFIX = "reasoning_gym:"
 EVAL_SEED_OFFSET = 1_000_003
@@ -56,12 +57,6 @@ def eval_gym_options(data_config: Any, source: str | None = None) -> dict[str, A
     return dict(d.gym_options) if same else {}
 
 
-def _import() -> Any:
-    from delta_jax.rewards.gym import import_reasoning_gym
-
-    return import_reasoning_gym()
-
-
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
@@ -73,7 +68,7 @@ def check_task(task: str, options: Mapping[str, Any] | None = None) -> None:
     The options are checked by the task's own config class (its fields, then its
     ``validate()``), without generating anything.
     """
-    registry = _import().factory.DATASETS
+    registry = import_reasoning_gym().factory.DATASETS
     if task not in registry:
         close = difflib.get_close_matches(task, list(registry), n=3, cutoff=0.5)
         hint = (
@@ -130,7 +125,7 @@ def gym_records(
         raise ValueError(f"reasoning_gym task {task!r}: size={size!r} must be >= 1")
     check_task(task, options)
     options = copy.deepcopy(dict(options or {}))
-    data = _import().create_dataset(task, size=size, seed=seed, **options)
+    data = import_reasoning_gym().create_dataset(task, size=size, seed=seed, **options)
     source = f"{GYM_PREFIX}{task}[seed={seed}]"
     return [_record(entry, source, i) for i, entry in enumerate(_entries(data, size, source))]
 

@@ -36,6 +36,8 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import datasets
+
 from delta_jax.data.adapters import Adapter, BadRowError, resolve_adapter
 from delta_jax.data.gym import is_gym_dataset, records_from_gym_dataset
 from delta_jax.data.sources import LoadResult, PromptRecord
@@ -47,8 +49,6 @@ log = logging.getLogger(__name__)
 
 def is_stream(data: Any) -> bool:
     """A data object read as it goes: an ``IterableDataset`` or a non-sequence iterable."""
-    import datasets
-
     if isinstance(data, datasets.IterableDataset):
         return True
     if is_gym_dataset(data):  # iterable, not a Sequence, but sized and indexed
@@ -59,8 +59,6 @@ def is_stream(data: Any) -> bool:
 
 
 def _check_object(data: Any, what: str) -> None:
-    import datasets
-
     if isinstance(data, str | bytes | Mapping) or not isinstance(data, datasets.Dataset | Iterable):
         raise TypeError(
             f"{what} must be a datasets.Dataset, a datasets.IterableDataset or a list of dicts, "
@@ -186,8 +184,6 @@ class StreamPrompts:
         shuffle: bool,
         shuffle_buffer: int = 1000,
     ):
-        import datasets
-
         _check_object(data, convert.label)
         if isinstance(data, Iterator) and not isinstance(data, datasets.IterableDataset):
             raise TypeError(

@@ -11,7 +11,7 @@ __all__ = ["TrainResult", "Trainer", "train"]
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from delta_jax.rl import trainer
+        from delta_jax.rl import trainer  # lazy: the trainer imports the whole stack
 
         return getattr(trainer, name)
     raise AttributeError(f"module 'delta_jax.rl' has no attribute {name!r}")

@@ -1,15 +1,16 @@
-"""Assemble the parts of a run: model, tokenizer, data, sampler, rewards.
+"""Assemble the parts of a run: model, tokenizer, prompts, sampler, rewards, environments.
 
 Each part is built from the config unless the caller passes it as an object
 (:class:`~delta_jax.rl.Trainer`'s keywords): a loaded model, a tokenizer, a data set object,
-reward callables.
+reward callables, an environment. The prompt sets themselves are data work
+(:mod:`delta_jax.data.prompt_sets`); here the config's values are handed to it and its
+mistakes reported as configuration errors.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,63 +18,38 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from delta_jax import distributed
 from delta_jax import sharding as sh
+from delta_jax.checkpoint import Checkpointer
 from delta_jax.config import Config, ConfigError, load_config
-from delta_jax.data import LoadResult, PromptPipeline, PromptRecord, encode_prompts, load_records
-from delta_jax.data.gym import GYM_ENTRY, is_gym_source
-from delta_jax.data.objects import RowConverter, StreamPrompts, is_stream, records_from_object
+from delta_jax.data import PromptRecord
+from delta_jax.data import prompt_sets as prompt_data
+from delta_jax.data.gym import GYM_ENTRY
+from delta_jax.data.objects import StreamPrompts
+from delta_jax.data.prompt_sets import IndexedPrompts, PromptSetError
+from delta_jax.demo import warm_up_demo_model
+from delta_jax.envs import PythonTool
+from delta_jax.envs.episodes import (
+    EnvironmentFailure,
+    EpisodeRunner,
+    as_factory,
+    check_text,
+    episode_row,
+    error_line,
+)
+from delta_jax.eval import evaluate_prompts
+from delta_jax.models import Transformer, from_pretrained, load_tokenizer, lora, resolve_model_dir
+from delta_jax.rewards import FlippedRewards, RewardSet
+from delta_jax.rewards.custom import load_callable
+from delta_jax.rl.state import init_train_state, make_optimizer
+from delta_jax.sampling import Sampler
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from delta_jax.envs.episodes import EpisodeRunner
-    from delta_jax.models import Transformer
-    from delta_jax.rewards import FlippedRewards, RewardSet
-    from delta_jax.sampling import Sampler
-
-log = logging.getLogger(__name__)
-
 DEMO_MODEL = "demo:tiny"
-DEMO_DATA = "demo:arithmetic"
-DEMO_SOURCES = (DEMO_DATA, "demo:products")  # additions; products (the tool-use demo)
-
-
-class IndexedPrompts:
-    """Batches of ``(prompt ids, record)`` of an in-memory prompt list, in pipeline order.
-
-    ``skipped``: rows left out when the list was read (bad rows, prompts too long), counted
-    with the run's first batch (:meth:`take_skipped`: step 1's ``data/skipped``; not again
-    when a process resumes the run past it).
-    """
-
-    def __init__(self, pipeline: PromptPipeline, ids: list[list[int]], records, skipped=0):
-        self.pipeline, self.ids, self.records = pipeline, ids, records
-        self.skipped_at_load, self._skipped = skipped, 0
-
-    def take_skipped(self) -> int:
-        """Rows skipped since the last call (the load's, with the run's first batch)."""
-        skipped, self._skipped = self._skipped, 0
-        return skipped
-
-    def __next__(self) -> list[tuple[list[int], PromptRecord]]:
-        if self.pipeline.step == 0:
-            self._skipped += self.skipped_at_load
-        return [(self.ids[i], self.records[i]) for i in next(self.pipeline)]
-
-    def __iter__(self) -> IndexedPrompts:
-        return self
-
-    def get_state(self) -> dict[str, Any]:
-        return self.pipeline.get_state()
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        if isinstance(state, dict) and "stream" in state:
-            raise ValueError(
-                "the checkpoint's data state is a stream's: it was saved by a run whose "
-                "train_dataset was a stream (an IterableDataset)"
-            )
-        self.pipeline.set_state(state)
 
 
 @dataclasses.dataclass
@@ -99,8 +75,6 @@ class RunParts:
     def evaluate(self, params, step: int) -> dict[str, float]:
         """Mean reward on the held-out prompts (the sampling settings of the run), then on
         each extra held-out set under its own prefix."""
-        from delta_jax.eval import evaluate_prompts
-
         cfg = self.config
         sets = [("eval/", self.eval_prompt_ids, self.eval_records)]
         sets += [(f"eval_{name}/", s.ids, s.records) for name, s in self.extra_evals.items()]
@@ -141,9 +115,6 @@ def special_token_ids(tokenizer, model) -> tuple[int, tuple[int, ...]]:
 def demo_model_dir(config: Config, run_dir: Path) -> Path:
     """The demo model's directory in the run: warmed up once, by process 0 (the others load
     what it saved); a resumed run finds it there."""
-    from delta_jax import distributed
-    from delta_jax.demo import warm_up_demo_model
-
     m, path = config.model, run_dir / "demo_model"
     if distributed.is_main_process():
         warm_up_demo_model(
@@ -166,8 +137,6 @@ def load_model(config: Config, run_dir: Path, *, model=None, tokenizer=None):
     model (warmed up once, :func:`demo_model_dir`). A given model is used as it is, except that
     ``model.lora_rank > 0`` adds adapters to one that has none (what the config would build).
     """
-    from delta_jax.models import from_pretrained, load_tokenizer, resolve_model_dir
-
     m = config.model
     if model is not None and tokenizer is None and m.path == DEMO_MODEL:
         raise ConfigError(
@@ -190,8 +159,6 @@ def load_model(config: Config, run_dir: Path, *, model=None, tokenizer=None):
             attention_block=m.attention_block,
         )
     if m.lora_rank and not model.config.lora_rank:
-        from delta_jax.models import lora
-
         lora.add_adapters(
             model,
             rank=m.lora_rank,
@@ -215,11 +182,6 @@ def restore_policy(run_dir: Path, step: int | None):
     are skipped for the newest intact one, named in one warning line and left in place (a
     training run resuming later moves them aside); a damaged ``step`` is a one-line error.
     """
-    from flax import nnx
-
-    from delta_jax.checkpoint import Checkpointer
-    from delta_jax.rl.state import init_train_state, make_optimizer
-
     config = load_config(run_dir / "config.yaml")
     model, tokenizer = load_model(config, run_dir)
     ckpt = Checkpointer(run_dir / "checkpoints", read_only=True)
@@ -236,61 +198,12 @@ def restore_policy(run_dir: Path, step: int | None):
     return model, tokenizer, step
 
 
-def _gym_records(config: Config, source: str, *, eval_set: bool) -> list[PromptRecord]:
-    """A reasoning-gym task's entries: ``data.gym_size`` for training, ``run.eval_prompts``
-    held out from a disjoint seed (delta_jax.data.gym), with ``data.gym_options`` for the
-    training task; ``data.limit`` caps both, as it does a file's rows."""
-    from delta_jax.data.gym import EVAL_SEED_OFFSET, eval_gym_options, gym_records, gym_task
-
-    d, run = config.data, config.run
-    seed = run.seed if d.gym_seed is None else d.gym_seed
-    try:
-        if eval_set:
-            count, seed = run.eval_prompts, seed + EVAL_SEED_OFFSET
-            options = eval_gym_options(d, source)
-        else:
-            count, options = d.gym_size, d.gym_options
-        size = min(count, d.limit or count)
-        return gym_records(gym_task(source), size=size, seed=seed, options=options)
-    except (ValueError, ImportError) as e:
-        key = "data.eval_source" if eval_set else "data.source"
-        raise ConfigError(f"{key}={source}: {e}") from None
-
-
-def _load_records(config: Config, source: str, split: str, *, eval_set: bool) -> LoadResult:
-    from delta_jax.demo import arithmetic_records, product_records
-
-    d = config.data
-    if is_gym_source(source):
-        return LoadResult(_gym_records(config, source, eval_set=eval_set), 0, {})
-    if source in DEMO_SOURCES:
-        # Disjoint seeds: the held-out problems are drawn independently of the training ones;
-        # as many as the evaluation uses (``run.eval_prompts``).
-        count = config.run.eval_prompts if eval_set else 4096
-        make = arithmetic_records if source == DEMO_DATA else product_records
-        records = make(d.limit or count, seed=config.run.seed + (1 if eval_set else 0))
-        return LoadResult(records, 0, {})
-    result = load_records(
-        source,
-        adapter=d.adapter,
-        split=split,
-        config=d.subset,
-        on_bad_row=d.on_bad_row,
-        limit=d.limit,
-    )
-    if result.skipped:
-        log.warning("%s: %s", source, result.skip_summary())
-    return result
-
-
 def _first_turn(episodes: EpisodeRunner, record) -> str:
     """A record's first user turn: a fresh environment's ``reset`` on its row.
 
     Raises:
       ConfigError: (one line) the environment failed, or gave something other than text.
     """
-    from delta_jax.envs.episodes import EnvironmentFailure, check_text, episode_row, error_line
-
     env = None
     try:
         env = episodes.call(episodes.factory, "the factory")  # within its deadline
@@ -305,96 +218,35 @@ def _first_turn(episodes: EpisodeRunner, record) -> str:
         raise ConfigError(f"environment {name}: {where} failed: {error_line(e)}") from e
 
 
-def _encoder(
-    config: Config, tokenizer, episodes: EpisodeRunner | None = None, *, quiet: bool = False
-) -> Callable:
-    """records -> EncodedPrompts with the run's template and length policy; with an
-    environment, a record's prompt is the first user turn its ``reset`` gives, and the chat
-    template declares the environment's tools. Prompts dropped for length are logged unless
-    ``quiet`` (a stream logs its own, once)."""
-    d = config.data
-    template = d.template
-    if d.source in DEMO_SOURCES and template is None:
-        template = "{prompt}"  # the demo prompt is already the whole text
-
-    def encode(records):
-        if episodes is not None:
-            records = [dataclasses.replace(r, prompt=_first_turn(episodes, r)) for r in records]
-        enc = encode_prompts(
-            records,
-            tokenizer,
-            max_prompt_length=d.max_prompt_length,
-            truncation=d.truncation,
-            system_prompt=d.system_prompt,
-            template=template,
-            tools=None if episodes is None else episodes.tools,
-        )
-        if enc.dropped and not quiet:
-            log.warning(
-                "dropped %d prompts longer than %d tokens", enc.dropped, d.max_prompt_length
-            )
-        return enc
-
-    return encode
-
-
-def _object_records(config: Config, data, *, label: str, limit: int | None):
-    d = config.data
-    result = records_from_object(
-        data, adapter=d.adapter, on_bad_row=d.on_bad_row, limit=limit, label=label
-    )
-    if result.skipped:
-        log.warning("%s: %s", label, result.skip_summary())
-    return result
+def episode_hooks(episodes: EpisodeRunner | None) -> dict[str, Any]:
+    """The prompt functions' environment arguments (none for one-turn runs): a record's prompt
+    is the first user turn a fresh environment's ``reset`` gives, and the chat template
+    declares the environment's tools."""
+    if episodes is None:
+        return {}
+    return {"first_turn": functools.partial(_first_turn, episodes), "tools": episodes.tools}
 
 
 def prompt_sets(config: Config, tokenizer, train_dataset=None, eval_dataset=None, episodes=None):
-    """The training batches and the held-out prompts (None without an eval source)."""
-    d, encode = config.data, _encoder(config, tokenizer, episodes)
-    batch = config.rollout.prompts_per_step
-    if train_dataset is not None and is_stream(train_dataset):
-        convert = RowConverter(d.adapter, None, "train_dataset", d.on_bad_row)
-        train = StreamPrompts(
-            train_dataset, batch_size=batch, convert=convert, seed=config.run.seed,
-            encode=_encoder(config, tokenizer, episodes, quiet=True), shuffle=d.shuffle,
-        )  # fmt: skip
-    else:
-        if train_dataset is not None:
-            loaded = _object_records(config, train_dataset, label="train_dataset", limit=d.limit)
-        else:
-            loaded = _load_records(config, d.source, d.split, eval_set=False)
-        enc = encode(loaded.records)
-        if len(enc.ids) < batch:
-            where = "train_dataset" if train_dataset is not None else f"data.source={d.source}"
-            raise ConfigError(
-                f"{where}: {len(enc.ids)} usable prompts < rollout.prompts_per_step={batch}"
-            )
-        pipeline = PromptPipeline(
-            len(enc.ids),
-            batch_size=batch,
-            seed=config.run.seed,
-            shuffle=d.shuffle,
-            # Host-replicated rollouts: every process draws the same prompts (the sampler's
-            # program spans all hosts); each feeds its own rows to the train step.
-            process_index=0,
-            process_count=1,
+    """The training batches and the held-out prompts (None without an eval source), from
+    ``config.data`` (:func:`delta_jax.data.prompt_sets.prompt_sets`)."""
+    run = config.run
+    try:
+        train, evals = prompt_data.prompt_sets(
+            config.data,
+            tokenizer,
+            batch_size=config.rollout.prompts_per_step,
+            seed=run.seed,
+            eval_prompts=run.eval_prompts,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            **episode_hooks(episodes),
         )
-        train = IndexedPrompts(pipeline, enc.ids, enc.records, loaded.skipped + enc.dropped)
-    evals = None
-    if eval_dataset is not None:
-        limit = config.run.eval_prompts
-        loaded = _object_records(config, eval_dataset, label="eval_dataset", limit=limit)
-        evals = encode(loaded.records)
-    else:
-        # Generated sources hold out their own problems (another seed) unless told otherwise.
-        generated = d.source in DEMO_SOURCES or is_gym_source(d.source)
-        eval_source = d.eval_source or (d.source if generated and train_dataset is None else None)
-        if eval_source:
-            held_out = _load_records(config, eval_source, d.eval_split, eval_set=True).records
-            evals = encode(held_out[: config.run.eval_prompts])
-    if config.run.eval_every and evals is None:
+    except PromptSetError as e:
+        raise ConfigError(str(e)) from None
+    if run.eval_every and evals is None:
         raise ConfigError(
-            f"run.eval_every={config.run.eval_every} needs held-out prompts: pass eval_dataset=, "
+            f"run.eval_every={run.eval_every} needs held-out prompts: pass eval_dataset=, "
             "set data.eval_source, or set run.eval_every=0"
         )
     return train, evals
@@ -402,22 +254,16 @@ def prompt_sets(config: Config, tokenizer, train_dataset=None, eval_dataset=None
 
 def extra_eval_sets(config: Config, tokenizer, episodes=None) -> dict[str, Any]:
     """``data.extra_eval_sources`` by metric name (``eval_<name>/``): encoded held-out sets."""
-    d, encode, sets = config.data, _encoder(config, tokenizer, episodes), {}
-    for source in d.extra_eval_sources or ():
-        name = eval_set_name(source)
-        if name in sets:
-            raise ConfigError(f"data.extra_eval_sources: two sets are named {name!r}")
-        records = _load_records(config, source, d.eval_split, eval_set=True).records
-        sets[name] = encode(records[: config.run.eval_prompts])
-    return sets
-
-
-def eval_set_name(source: str) -> str:
-    """A metric-friendly name of a held-out source: its task, or its file / data set name."""
-    from delta_jax.data.gym import gym_task
-
-    raw = gym_task(source) if is_gym_source(source) else Path(source.rstrip("/")).stem
-    return "".join(c if c.isalnum() or c == "_" else "_" for c in raw) or "extra"
+    try:
+        return prompt_data.extra_eval_sets(
+            config.data,
+            tokenizer,
+            seed=config.run.seed,
+            eval_prompts=config.run.eval_prompts,
+            **episode_hooks(episodes),
+        )
+    except PromptSetError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_gym_entries(kinds, train, evals) -> None:
@@ -427,8 +273,8 @@ def check_gym_entries(kinds, train, evals) -> None:
     kinds = [kinds] if isinstance(kinds, str) or callable(kinds) else list(kinds)
     if "reasoning_gym" not in kinds:
         return
-    for what, records in (("training", getattr(train, "records", None)),
-                          ("held-out", evals.records if evals else None)):  # fmt: skip
+    held_out = evals.records if evals else None
+    for what, records in (("training", getattr(train, "records", None)), ("held-out", held_out)):
         if records and GYM_ENTRY not in records[0].extra:
             raise ConfigError(
                 f"the reasoning_gym reward needs reasoning-gym prompts, but the {what} prompts "
@@ -443,10 +289,6 @@ def episode_runner(config: Config, tokenizer, stop_ids, environment=None):
     ``python_tool`` is :class:`~delta_jax.envs.PythonTool` with the ``rollout`` keys: call
     format, ``max_turns - 1`` tool calls, ``max_observation_tokens``, ``tool_timeout_s``.
     """
-    from delta_jax.envs import PythonTool
-    from delta_jax.envs.episodes import EpisodeRunner, as_factory
-    from delta_jax.rewards.custom import load_callable
-
     r = config.rollout
     if environment is None and not r.environment:
         if r.max_turns > 1:
@@ -509,17 +351,18 @@ def make_scorers(
     ``reward_fns`` replaces ``reward.kind``: kinds, ``"module:function"`` paths or batched
     callables, summed with ``reward_weights``.
     """
-    from delta_jax.rewards import FlippedRewards, RewardSet
-
     r = config.reward
     fns = r.kind if reward_fns is None else reward_fns
     try:
         # Every call passes the rows' answer and tests (rl.rollout, eval): a batched function
         # that cannot take them is refused now.
         scorer = RewardSet(
-            fns, reward_weights, num_workers=r.num_workers, timeout_s=r.timeout_s,
+            fns,
+            reward_weights,
+            num_workers=r.num_workers,
+            timeout_s=r.timeout_s,
             columns=("answer", "tests"),
-        )  # fmt: skip
+        )
     except (ValueError, ImportError) as e:
         raise ConfigError(f"reward: {e}") from None
     if r.flip_fraction > 0:
@@ -540,8 +383,6 @@ def build_run_parts(
     environment=None,
 ) -> RunParts:
     """The parts of a run; each keyword, when given, replaces what the config would build."""
-    from delta_jax.sampling import Sampler
-
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_model(config, run_dir, model=model, tokenizer=tokenizer)

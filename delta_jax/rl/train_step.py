@@ -31,6 +31,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from delta_jax import sharding as sh
 from delta_jax.losses import delta_coefficients, forking_tokens_mask
 from delta_jax.models import lora, token_logprobs
 from delta_jax.rl.state import TrainState
@@ -138,8 +139,6 @@ def delta_kwargs(plan: UpdatePlan, mesh) -> dict[str, Any]:
     """DelTA options of the plan; per-shard statistics over the mesh's batch axes."""
     kwargs = dict(plan.objective.delta_kwargs)
     if plan.delta_scope == "per_shard":
-        from delta_jax import sharding as sh
-
         if mesh is None:
             raise ValueError("algo.delta_scope=per_shard needs the run's mesh")
         kwargs.update(scope="per_shard", axis_name=sh.batch_axes(mesh), mesh=mesh)

@@ -40,12 +40,14 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 from flax import nnx
+from tqdm import tqdm
 
 from delta_jax import distributed, extras
 from delta_jax import sharding as sh
 from delta_jax.checkpoint import Checkpointer
-from delta_jax.config import Config, ConfigError, load_config
+from delta_jax.config import Config, ConfigError, build_config, load_config
 from delta_jax.diagnostics.metrics_log import MetricsLog
+from delta_jax.diagnostics.plots import plot_runs
 from delta_jax.rl.compilation import CompileCounter, use_persistent_cache, warm_up_rollout
 from delta_jax.rl.rollout import Rollout, collect_rollout
 from delta_jax.rl.setup import RunParts, build_run_parts
@@ -113,8 +115,6 @@ def as_config(config: Config | str | Path | Mapping[str, Any] | None) -> Config:
                 raise ConfigError(f"config key {dotted!r} must be section.key (e.g. algo.loss)")
             section, key = dotted.split(".")
             values.setdefault(section, {})[key] = v
-        from delta_jax.config import build_config
-
         return build_config(values)
     raise ConfigError(
         f"config must be a Config, a YAML path or a dict of section.key overrides, "
@@ -282,8 +282,6 @@ class Trainer:
         """Runs to ``run.steps`` (from the last checkpoint when resuming); SIGTERM-safe."""
         cfg, progress = self.config, None
         if self._writer and cfg.run.progress:
-            from tqdm import tqdm
-
             progress = tqdm(
                 total=cfg.run.steps, initial=self.step_count, desc="rl", dynamic_ncols=True
             )
@@ -303,8 +301,6 @@ class Trainer:
         self.checkpointer.wait()
         plot_path = None
         if self._writer:
-            from delta_jax.diagnostics.plots import plot_runs
-
             plot_path = plot_runs([self.run_dir], self.run_dir / "learning_curve.png")
         return TrainResult(
             run_dir=self.run_dir,

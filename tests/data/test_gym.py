@@ -11,9 +11,10 @@ from delta_jax import config as config_module
 from delta_jax.config import Config, ConfigError, DataConfigSection, load_config
 from delta_jax.data import gym
 from delta_jax.data.objects import is_stream, records_from_object
+from delta_jax.data.prompt_sets import IndexedPrompts
 from delta_jax.demo import build_char_tokenizer
 from delta_jax.rewards.gym import GYM_ENTRY
-from delta_jax.rl.setup import IndexedPrompts, check_gym_entries, prompt_sets
+from delta_jax.rl.setup import check_gym_entries, prompt_sets
 
 TASK = "basic_arithmetic"
 SOURCE = f"data.source=reasoning_gym:{TASK}"

@@ -121,10 +121,11 @@ def test_a_thread_exit_in_a_step_is_a_failure_not_an_exit():
 
 
 def test_a_first_turn_that_hangs_at_start_up_is_a_config_error(release):
-    from delta_jax.rl.setup import _encoder
+    from delta_jax.data.prompt_sets import make_encoder
+    from delta_jax.rl.setup import episode_hooks
 
     runner = _runner(_hanging(release, "reset"))
-    encode = _encoder(Config(), TOK, runner)
+    encode = make_encoder(Config().data, TOK, **episode_hooks(runner))
     with pytest.raises(ConfigError, match=r"^environment Hangs: reset did not return within 0.3 s"):
         encode([PromptRecord(prompt="w5", answer="1", extra={"hang": True})])
     runner.close()

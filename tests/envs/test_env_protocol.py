@@ -230,11 +230,12 @@ def test_a_bad_first_turn_at_start_up_is_a_config_error(monkeypatch, reset, mess
     """The prompts are encoded from each row's ``reset``: a bad one is a one-line error."""
     from delta_jax.config import Config
     from delta_jax.data import PromptRecord
-    from delta_jax.rl.setup import _encoder
+    from delta_jax.data.prompt_sets import make_encoder
+    from delta_jax.rl.setup import episode_hooks
 
     runner = _runner()
     monkeypatch.setattr(Env, "reset", lambda self, row: reset(row))
-    encode = _encoder(Config(), TOK, runner)
+    encode = make_encoder(Config().data, TOK, **episode_hooks(runner))
     with pytest.raises(ConfigError, match=message) as error:
         encode([PromptRecord(prompt="w5", answer="1")])
     runner.close()
