@@ -20,7 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from delta_jax.losses.delta import delta_coefficients
+from delta_jax.losses import DeltaOptions, delta_coefficients
 
 
 def _time(fn, *args) -> float:
@@ -53,7 +53,8 @@ def main() -> None:
     lengths = jnp.linspace(t // 4, t, b).astype(jnp.int32)
     mask = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.float32)
 
-    delta = jax.jit(functools.partial(delta_coefficients, refine_steps=args.refine_steps))
+    options = DeltaOptions(refine_steps=args.refine_steps)
+    delta = jax.jit(functools.partial(delta_coefficients, options=options))
     lm_head_matmul = jax.jit(
         lambda x, w: jnp.einsum("nh,hv->nv", x, w, preferred_element_type=jnp.float32)
     )

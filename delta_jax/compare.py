@@ -291,13 +291,13 @@ def coefficient_stats(rdir: Path, *, prompts: int = 32, n: int = 8) -> dict[str,
         group_shared_share,
         render_heatmap,
     )
-    from delta_jax.rl.objectives import resolve_objective
+    from delta_jax.rl.objectives import delta_options
     from delta_jax.rl.setup import build_run_parts
 
     config = load_config(rdir / "config.yaml")
     parts = build_run_parts(config)
     parts.close()
-    objective = resolve_objective(config.algo, max_response_length=config.rollout.max_new_tokens)
+    options = delta_options(config.algo)  # the run's DelTA settings, whatever its loss
     out = {}
     for when, step in (("start", 0), ("final", None)):
         model, tokenizer = parts.model, parts.tokenizer
@@ -315,7 +315,7 @@ def coefficient_stats(rdir: Path, *, prompts: int = 32, n: int = 8) -> dict[str,
             temperature=config.rollout.temperature,
             seed=config.run.seed,
             reward=config.reward.kind,
-            delta_kwargs=objective.delta_kwargs,
+            delta_options=options,
         )
         batch.save(rdir / "diagnostics" / f"{when}.npz")
         render_heatmap(batch, rdir / "diagnostics" / f"heatmap_{when}.html", title=f"{when} policy")

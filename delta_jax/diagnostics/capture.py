@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from jaxtyping import Bool, Float, Int
+
+if TYPE_CHECKING:
+    from delta_jax.losses import DeltaOptions
 
 
 def token_pieces(tokenizer: Any, ids: Sequence[int], *, context: int = 4) -> list[str]:
@@ -187,7 +190,7 @@ def capture_batch(
     reward: Any = "math",
     step: int = 0,
     params: Any = None,
-    delta_kwargs: Mapping[str, Any] | None = None,
+    delta_options: DeltaOptions | None = None,
 ) -> CoefficientBatch:
     """Samples, scores and computes the DelTA coefficients of one batch, as a DelTA step would.
 
@@ -204,14 +207,14 @@ def capture_batch(
       reward: a :class:`~delta_jax.rewards.RewardScorer` kind (scored in-process).
       step: recorded in the batch.
       params: parameters to sample with (None: the model's own).
-      delta_kwargs: options of :func:`~delta_jax.losses.delta_coefficients`.
+      delta_options: the :class:`~delta_jax.losses.DeltaOptions` (None: the defaults).
 
     Returns:
       A :class:`CoefficientBatch` of ``P · n`` rows.
     """
     import jax.numpy as jnp
 
-    from delta_jax.losses import delta_coefficients, grpo_advantages
+    from delta_jax.losses import DeltaOptions, delta_coefficients, grpo_advantages
     from delta_jax.rewards import RewardScorer
     from delta_jax.sampling import Sampler
 
@@ -248,7 +251,7 @@ def capture_batch(
         out.untruncated_logprob_array[:rows, :width],
         jnp.asarray(advantages),
         jnp.asarray(mask),
-        **dict(delta_kwargs or {}),
+        delta_options or DeltaOptions(),
     )
     return CoefficientBatch.from_arrays(
         tokenizer,

@@ -3,27 +3,30 @@
 This sub-package imports only jax and numpy (and jaxtyping), so other JAX projects can use the
 loss without the rest of delta_jax::
 
-  from delta_jax.losses import delta_coefficients, policy_loss
+  from delta_jax.losses import PRESETS, DeltaOptions, delta_coefficients, policy_loss
 
   coef = delta_coefficients(hidden, old_logprobs, advantages, mask)  # [B, T], mean 1
   loss, metrics = policy_loss(logprobs, old_logprobs, advantages, mask, coefficients=coef)
+  # options are passed whole: DelTA's, and a named loss's from the presets
+  coef = delta_coefficients(hidden, old_logprobs, advantages, mask, DeltaOptions(refine_steps=2))
+  loss, metrics = policy_loss(logprobs, old_logprobs, advantages, mask, PRESETS["grpo"])
 
 The pieces of ``policy_loss`` are small functions of their own, one signature per kind:
 surrogates (:mod:`~delta_jax.losses.surrogates`: ``clipped_surrogate``, ``gspo_surrogate``,
 ``sapo_surrogate``), aggregations (:mod:`~delta_jax.losses.aggregation`: ``token_mean``,
 ``seq_mean_token_mean``, ...) and KL estimators (:mod:`~delta_jax.losses.kl`);
-``policy_gradient_loss`` composes them when they are passed as functions::
+``policy_gradient_loss`` composes them when they are passed as functions (:class:`LossParts`)::
 
   import functools
-  from delta_jax.losses import clipped_surrogate, policy_gradient_loss, seq_mean_token_mean
+  from delta_jax.losses import LossParts, clipped_surrogate, policy_gradient_loss
+  from delta_jax.losses import seq_mean_token_mean
 
   grpo = functools.partial(clipped_surrogate, clip_eps_low=0.2, clip_eps_high=0.2)
-  loss, metrics = policy_gradient_loss(
-      logprobs, old_logprobs, advantages, mask, surrogate=grpo, aggregate=seq_mean_token_mean
-  )
+  parts = LossParts(surrogate=grpo, aggregate=seq_mean_token_mean)
+  loss, metrics = policy_gradient_loss(logprobs, old_logprobs, advantages, mask, parts)
 """
 
-from delta_jax.losses import advantages, aggregation, kl, surrogates
+from delta_jax.losses import advantages, aggregation, kl, options, surrogates
 from delta_jax.losses.advantages import (
     batch_normalize,
     dr_grpo_advantages,
@@ -43,6 +46,14 @@ from delta_jax.losses.aggregation import (
 )
 from delta_jax.losses.delta import delta_coefficients, delta_coefficients_microbatched
 from delta_jax.losses.kl import kl_k1, kl_k2, kl_k3
+from delta_jax.losses.options import (
+    PRESETS,
+    DeltaOptions,
+    LossParts,
+    PolicyLossOptions,
+    TermInputs,
+    TopkInputs,
+)
 from delta_jax.losses.policy import (
     forking_tokens_mask,
     loss_normalizer,
@@ -59,6 +70,12 @@ from delta_jax.losses.surrogates import (
 )
 
 __all__ = [
+    "PRESETS",
+    "DeltaOptions",
+    "LossParts",
+    "PolicyLossOptions",
+    "TermInputs",
+    "TopkInputs",
     "advantages",
     "aggregation",
     "batch_normalize",
@@ -75,6 +92,7 @@ __all__ = [
     "kl_k2",
     "kl_k3",
     "loss_normalizer",
+    "options",
     "overlong_penalty",
     "policy_gradient_loss",
     "policy_loss",

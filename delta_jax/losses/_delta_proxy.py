@@ -70,8 +70,13 @@ class LmHeadRow:
         out = []
         for h, s in zip(self.hiddens, self.scales, strict=True):
             parts = _split(d, h.dtype)  # [2|1, H]
-            hd = jnp.einsum("bth,kh->bt", h, parts, preferred_element_type=_accumulator(h.dtype),
-                            out_sharding=_out_sharding(h, 0, 1))  # fmt: skip
+            hd = jnp.einsum(
+                "bth,kh->bt",
+                h,
+                parts,
+                preferred_element_type=_accumulator(h.dtype),
+                out_sharding=_out_sharding(h, 0, 1),
+            )
             out.append(s * hd.astype(s.dtype))
         return out
 
@@ -80,8 +85,13 @@ class LmHeadRow:
         for h, s, w in zip(self.hiddens, self.scales, weights, strict=True):
             parts = _split(w * s, h.dtype)  # [2|1, m, b, T]
             acc = _accumulator(h.dtype)
-            chunk = jnp.einsum("kmbt,bth->mh", parts, h, preferred_element_type=acc,
-                               out_sharding=_out_sharding(h, None, 2))  # fmt: skip
+            chunk = jnp.einsum(
+                "kmbt,bth->mh",
+                parts,
+                h,
+                preferred_element_type=acc,
+                out_sharding=_out_sharding(h, None, 2),
+            )
             chunk = chunk.astype(w.dtype)
             total = chunk if total is None else total + chunk
         return total
@@ -120,8 +130,13 @@ class HiddenTopk:
     def project(self, d: Float[Array, " H"]) -> list[Float[Array, "b T"]]:
         w = self.lm_head
         parts = _split(d, w.dtype)
-        u = jnp.einsum("hv,kh->v", w, parts, preferred_element_type=_accumulator(w.dtype),
-                       out_sharding=_out_sharding(w, 1))  # fmt: skip
+        u = jnp.einsum(
+            "hv,kh->v",
+            w,
+            parts,
+            preferred_element_type=_accumulator(w.dtype),
+            out_sharding=_out_sharding(w, 1),
+        )
         u = u.astype(self.probs[0].dtype)
         out = []
         for y, ids, p, m in zip(self.token_ids, self.topk_ids, self.probs, self.masks, strict=True):
@@ -140,6 +155,11 @@ class HiddenTopk:
             spread = -(wt[..., None] * p[None]).reshape(m_dim, -1)  # [m, b*T*k]
             c = c.at[:, ids.reshape(-1)].add(spread, mode="drop")
         parts = _split(c, w.dtype)  # [2|1, m, V]
-        out = jnp.einsum("hv,kmv->mh", w, parts, preferred_element_type=_accumulator(w.dtype),
-                         out_sharding=_out_sharding(w, None, 0))  # fmt: skip
+        out = jnp.einsum(
+            "hv,kmv->mh",
+            w,
+            parts,
+            preferred_element_type=_accumulator(w.dtype),
+            out_sharding=_out_sharding(w, None, 0),
+        )
         return out.astype(c.dtype)

@@ -6,20 +6,14 @@ inside jitted code; errors name the argument and the offending shapes or values.
 
 from __future__ import annotations
 
-import math
-import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jaxtyping import Array
 
-_CHOICES = {
-    "assignment": ("soft", "hard"),
-    "normalize": ("sum", "count"),
-    "scope": ("global", "per_shard"),
-    "proxy": ("lm_head_row", "hidden_topk"),
-}
+from delta_jax.losses.options import DeltaOptions, TopkInputs
+
 _TOPK_ARGS = ("lm_head", "token_ids", "topk_logits", "topk_ids")
 
 
@@ -35,48 +29,19 @@ class Chunk(NamedTuple):
     topk_ids: Array | None
 
 
-def check_options(args: Mapping[str, Any]) -> dict[str, Any]:
-    """Validates the keyword options; returns those the computation needs."""
-    for name, choices in _CHOICES.items():
-        if args[name] not in choices:
-            raise ValueError(f"{name} must be one of {choices}, got {args[name]!r}")
-    for name in ("adaptive_gamma", "range_map", "return_diagnostics"):
-        if not isinstance(args[name], bool):
-            raise ValueError(f"{name} must be a bool, got {args[name]!r}")
-    k = args["refine_steps"]
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
-        raise ValueError(f"refine_steps must be a non-negative int, got {k!r}")
-    for name in ("lam_min", "lam_max", "eps"):
-        value = args[name]
-        if not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite Python number, got {value!r}")
-    if args["lam_min"] > args["lam_max"]:
-        raise ValueError(f"lam_min={args['lam_min']} must be <= lam_max={args['lam_max']}")
-    if args["eps"] <= 0:
-        raise ValueError(f"eps must be > 0, got {args['eps']!r}")
-    axis_name, mesh = args["axis_name"], args["mesh"]
-    if args["scope"] == "per_shard" and axis_name is None:
-        raise ValueError("scope='per_shard' needs axis_name, the mesh axis the batch is split over")
-    if mesh is not None:
-        if axis_name is None:
-            raise ValueError("mesh needs axis_name (the mesh axis the batch is split over)")
-        names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-        missing = [n for n in names if n not in mesh.axis_names]
-        if missing:
-            raise ValueError(f"axis_name {missing} not in mesh axes {mesh.axis_names}")
-    return {
-        "refine_steps": int(k),
-        "lam_min": float(args["lam_min"]),
-        "lam_max": float(args["lam_max"]),
-        "assignment": args["assignment"],
-        "adaptive_gamma": args["adaptive_gamma"],
-        "range_map": args["range_map"],
-        "normalize": args["normalize"],
-        "scope": args["scope"],
-        "axis_name": axis_name,
-        "proxy": args["proxy"],
-        "eps": float(args["eps"]),
-    }
+def check_call(options: DeltaOptions, mesh: Any, return_diagnostics: Any) -> None:
+    """Checks the arguments of a call that its options alone do not decide."""
+    if not isinstance(return_diagnostics, bool):
+        raise ValueError(f"return_diagnostics must be a bool, got {return_diagnostics!r}")
+    if mesh is None:
+        return
+    axis_name = options.axis_name
+    if axis_name is None:
+        raise ValueError("mesh needs axis_name (the mesh axis the batch is split over)")
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    missing = [n for n in names if n not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"axis_name {missing} not in mesh axes {mesh.axis_names}")
 
 
 def _kind(x: Array) -> str:
@@ -119,15 +84,15 @@ def check_chunks(
     logprobs: Sequence[Any],
     advantages: Sequence[Any],
     masks: Sequence[Any],
-    lm_head: Any,
-    token_ids: Sequence[Any] | None,
-    topk_logits: Sequence[Any] | None,
-    topk_ids: Sequence[Any] | None,
+    topk: TopkInputs | None,
     indexed: bool,
 ) -> tuple[list[Chunk], Array | None]:
-    """Checks every (micro-)batch; returns them as :class:`Chunk` s and the LM-head weight."""
-    topk = {"lm_head": lm_head, "token_ids": token_ids, "topk_logits": topk_logits,
-            "topk_ids": topk_ids}  # fmt: skip
+    """Checks every (micro-)batch; returns them as :class:`Chunk` s and the LM-head weight.
+
+    ``topk`` holds one array per (micro-)batch in its per-token fields.
+    """
+    topk = (topk or TopkInputs())._asdict()
+    lm_head = topk["lm_head"]
     if proxy == "lm_head_row":
         given = [n for n in _TOPK_ARGS if topk[n] is not None]
         if given:
@@ -141,8 +106,8 @@ def check_chunks(
     n = len(_as_list("logprobs", logprobs, None))
     if n == 0:
         raise ValueError("logprobs holds no micro-batch")
-    lists = {name: _as_list(name, xs, n) for name, xs in
-             [("hiddens", hiddens), ("advantages", advantages), ("masks", masks)]}  # fmt: skip
+    named = [("hiddens", hiddens), ("advantages", advantages), ("masks", masks)]
+    lists = {name: _as_list(name, xs, n) for name, xs in named}
     if proxy == "hidden_topk":
         lists.update({name: _as_list(name, topk[name], n) for name in _TOPK_ARGS[1:]})
 

@@ -20,9 +20,8 @@ over ``hidden``, ``O(B·T·H·(K + 1))`` flops.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -30,22 +29,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
 from delta_jax.losses._delta_proxy import HiddenTopk, LmHeadRow
-from delta_jax.losses._delta_validate import Chunk, check_chunks, check_options
-
-
-@dataclasses.dataclass(frozen=True)
-class _Options:
-    refine_steps: int
-    lam_min: float
-    lam_max: float
-    assignment: str
-    adaptive_gamma: bool
-    range_map: bool
-    normalize: str
-    scope: str
-    axis_name: Hashable | tuple[Hashable, ...] | None
-    proxy: str
-    eps: float
+from delta_jax.losses._delta_validate import Chunk, check_call, check_chunks
+from delta_jax.losses.options import DeltaOptions, TopkInputs, apply_legacy_keywords
 
 
 def _compute_dtype(chunks: list[Chunk], lm_head: Array | None) -> jnp.dtype:
@@ -54,7 +39,7 @@ def _compute_dtype(chunks: list[Chunk], lm_head: Array | None) -> jnp.dtype:
     return jnp.result_type(jnp.float32, *(x.dtype for x in arrays if x is not None))
 
 
-def _proxy(chunks: list[Chunk], masks: list[Array], lm_head: Array | None, opts: _Options, ft):
+def _proxy(chunks: list[Chunk], masks: list[Array], lm_head: Array | None, opts: DeltaOptions, ft):
     """The token-gradient proxy ``v`` of ``opts.proxy`` over the chunks (``_delta_proxy``)."""
     if opts.proxy == "lm_head_row":
         scales = [
@@ -67,8 +52,8 @@ def _proxy(chunks: list[Chunk], masks: list[Array], lm_head: Array | None, opts:
         valid = m[..., None]
         logits = jnp.where(valid, c.topk_logits.astype(ft), 0.0)
         probs.append(jnp.where(valid, jax.nn.softmax(logits, axis=-1), 0.0))
-    return HiddenTopk(lm_head, [c.token_ids for c in chunks], [c.topk_ids for c in chunks],
-                      probs, masks)  # fmt: skip
+    token_ids = [c.token_ids for c in chunks]
+    return HiddenTopk(lm_head, token_ids, [c.topk_ids for c in chunks], probs, masks)
 
 
 class _Sides:
@@ -79,13 +64,15 @@ class _Sides:
     the global scope, so the methods read as the spec's formulas whatever the chunking.
     """
 
-    def __init__(self, chunks: list[Chunk], lm_head: Array | None, opts: _Options):
+    def __init__(self, chunks: list[Chunk], lm_head: Array | None, opts: DeltaOptions):
         self.opts = opts
         self.ft = ft = _compute_dtype(chunks, lm_head)
         self.masks = [c.mask != 0 for c in chunks]
         # Per-token advantages [b, T]: a per-response [b] one is broadcast along its tokens.
-        advs = [jnp.broadcast_to(c.advantages.astype(ft).reshape(c.mask.shape[0], -1),
-                                 c.mask.shape) for c in chunks]  # fmt: skip
+        advs = [
+            jnp.broadcast_to(c.advantages.astype(ft).reshape(c.mask.shape[0], -1), c.mask.shape)
+            for c in chunks
+        ]
         self.proxy = _proxy(chunks, self.masks, lm_head, opts, ft)
         self.sides, self.masses = [], []  # token sets P / N, and the weights a± on them
         for a, m in zip(advs, self.masks, strict=True):
@@ -188,7 +175,7 @@ def _diagnostics(sides: _Sides, mu, deltas, gamma, lams) -> dict[str, Array]:
     }
 
 
-def _solve(chunks: list[Chunk], lm_head: Array | None, opts: _Options):
+def _solve(chunks: list[Chunk], lm_head: Array | None, opts: DeltaOptions):
     """Coefficients (per chunk) and diagnostics from the chunks' sufficient statistics."""
     chunks, lm_head = jax.lax.stop_gradient((chunks, lm_head))
     sides = _Sides(chunks, lm_head, opts)
@@ -197,7 +184,7 @@ def _solve(chunks: list[Chunk], lm_head: Array | None, opts: _Options):
     return lams, _diagnostics(sides, mu, deltas, gamma, lams)
 
 
-def _run(chunks: list[Chunk], lm_head: Array | None, opts: _Options, mesh: Any):
+def _run(chunks: list[Chunk], lm_head: Array | None, opts: DeltaOptions, mesh: Any):
     if mesh is None:
         return _solve(chunks, lm_head, opts)
     names = opts.axis_name if isinstance(opts.axis_name, tuple) else (opts.axis_name,)
@@ -231,24 +218,12 @@ def delta_coefficients_microbatched(
     logprobs: Sequence[ArrayLike],
     advantages: Sequence[ArrayLike],
     masks: Sequence[ArrayLike],
+    options: DeltaOptions = DeltaOptions(),
     *,
-    refine_steps: int = 1,
-    lam_min: float = 0.8,
-    lam_max: float = 1.2,
-    assignment: str = "soft",
-    adaptive_gamma: bool = True,
-    range_map: bool = True,
-    normalize: str = "sum",
-    scope: str = "global",
-    axis_name: Hashable | tuple[Hashable, ...] | None = None,
+    topk: TopkInputs | None = None,
     mesh: jax.sharding.Mesh | None = None,
-    proxy: str = "lm_head_row",
-    lm_head: ArrayLike | None = None,
-    token_ids: Sequence[ArrayLike] | None = None,
-    topk_logits: Sequence[ArrayLike] | None = None,
-    topk_ids: Sequence[ArrayLike] | None = None,
-    eps: float = 1e-8,
     return_diagnostics: bool = False,
+    **legacy: Any,
 ):
     """DelTA coefficients of a rollout batch given as micro-batches, exactly as one batch.
 
@@ -271,11 +246,13 @@ def delta_coefficients_microbatched(
       logprobs: per micro-batch ``[b_i, T_i]`` old-policy log-probs of the sampled tokens.
       advantages: per micro-batch ``[b_i]`` sequence advantages (or ``[b_i, T_i]`` per token).
       masks: per micro-batch ``[b_i, T_i]``, nonzero on real response tokens.
-      token_ids: per micro-batch ``[b_i, T_i]``; only with ``proxy="hidden_topk"``.
-      topk_logits: per micro-batch ``[b_i, T_i, k]``; only with ``proxy="hidden_topk"``.
-      topk_ids: per micro-batch ``[b_i, T_i, k]``; only with ``proxy="hidden_topk"``.
-
-    The other keyword arguments are those of :func:`delta_coefficients`.
+      options: the :class:`~delta_jax.losses.DeltaOptions`.
+      topk: with ``proxy="hidden_topk"``, a :class:`~delta_jax.losses.TopkInputs` whose
+        ``token_ids`` / ``topk_logits`` / ``topk_ids`` are sequences, one per micro-batch.
+      mesh: as for :func:`delta_coefficients`.
+      return_diagnostics: as for :func:`delta_coefficients`.
+      **legacy: the options as loose keywords (``refine_steps=2``, ``lm_head=...``), the
+        earlier form: deprecated, they warn and are applied on top of ``options`` / ``topk``.
 
     Returns:
       A list of float32 ``[b_i, T_i]`` coefficients, and the diagnostics dict when
@@ -292,21 +269,21 @@ def delta_coefficients_microbatched(
       >>> [c.shape for c in coefs]
       [(2, 3), (2, 5)]
     """
-    opts = _Options(**check_options(locals()))
+    options, topk = apply_legacy_keywords(
+        "delta_coefficients_microbatched", legacy, options, topk, TopkInputs, "topk"
+    )
+    check_call(options, mesh, return_diagnostics)
     n = len(logprobs)
     chunks, lm_head = check_chunks(
-        proxy,
+        options.proxy,
         hiddens=[None] * n if hiddens is None else hiddens,
         logprobs=logprobs,
         advantages=advantages,
         masks=masks,
-        lm_head=lm_head,
-        token_ids=token_ids,
-        topk_logits=topk_logits,
-        topk_ids=topk_ids,
+        topk=topk,
         indexed=True,
     )
-    lams, diagnostics = _run(chunks, lm_head, opts, mesh)
+    lams, diagnostics = _run(chunks, lm_head, options, mesh)
     return (lams, diagnostics) if return_diagnostics else lams
 
 
@@ -315,24 +292,12 @@ def delta_coefficients(
     logprobs: Float[ArrayLike, "B T"],
     advantages: Float[ArrayLike, " B"] | Float[ArrayLike, "B T"],
     mask: ArrayLike,
+    options: DeltaOptions = DeltaOptions(),
     *,
-    refine_steps: int = 1,
-    lam_min: float = 0.8,
-    lam_max: float = 1.2,
-    assignment: str = "soft",
-    adaptive_gamma: bool = True,
-    range_map: bool = True,
-    normalize: str = "sum",
-    scope: str = "global",
-    axis_name: Hashable | tuple[Hashable, ...] | None = None,
+    topk: TopkInputs | None = None,
     mesh: jax.sharding.Mesh | None = None,
-    proxy: str = "lm_head_row",
-    lm_head: Float[ArrayLike, "H V"] | None = None,
-    token_ids: ArrayLike | None = None,
-    topk_logits: ArrayLike | None = None,
-    topk_ids: ArrayLike | None = None,
-    eps: float = 1e-8,
     return_diagnostics: bool = False,
+    **legacy: Any,
 ):
     r"""Self-normalised DelTA token coefficients ``λ̄`` (DELTA_SPEC §3).
 
@@ -367,39 +332,22 @@ def delta_coefficients(
         holding several responses: each token carries its response's advantage; every
         statistic is a sum over tokens, so the result does not depend on the layout).
       mask: ``[B, T]``, nonzero on real response tokens.
-      refine_steps: K, the number of centroid refinements (paper: 0-3).
-      lam_min: λ for a score of 0 (and for zero-advantage tokens).
-      lam_max: λ for a score of 1.
-      assignment: ``"soft"`` (``α = σ(Δ/γ)``) or ``"hard"`` (``α = [Δ > 0]``; γ only reported).
-      adaptive_gamma: if False, the initial temperatures are used by every step (identical to
-        True for ``refine_steps <= 1`` because of the one-step lag).
-      range_map: if False, ``λ = α*`` on P ∪ N and 0 on Z (the image of α = 0), no λ range.
-      normalize: ``"sum"`` (``λ̄ = λ · |valid| / Σλ``, mean 1) or ``"count"`` (``λ̄ = λ``: a
-        token-mean surrogate then divides by the token count rather than by Σλ).
-      scope: ``"global"`` (statistics over the whole batch) or ``"per_shard"`` (each shard of
-        ``axis_name`` alone, as the reference recipe). Under plain ``jit`` with a sharded batch
-        and ``axis_name=None`` the statistics are global.
-      axis_name: mesh axis name (or tuple) the batch is split over. Without ``mesh`` the call
-        must be inside ``shard_map``/``pmap`` over it: ``"global"`` all-reduces the sums with
-        ``psum``, ``"per_shard"`` does not.
-      mesh: if given (with ``axis_name``), the computation is wrapped in ``jax.shard_map`` over
-        ``mesh`` with the batch dimension split over ``axis_name``: the convenient way to get
-        per-shard statistics from plain ``jit`` code. Per-shard diagnostics then carry a
-        leading shard axis.
-      proxy: ``"lm_head_row"`` (``v = (1 − p) h``) or ``"hidden_topk"`` (paper App. F:
-        ``v = W_y − Σ_{j∈topk} p̃(j) W_j``, the gradient w.r.t. ``h`` restricted to the top-k
-        vocabulary with ``p̃`` the softmax of the top-k logits; ``logprobs`` is then unused).
-        A constant factor on ``v`` (e.g. 1/temperature) cancels in ``Δ/γ``.
-      lm_head: ``[H, V]`` LM-head weight, logits = ``h @ lm_head``; ``hidden_topk`` only.
-      token_ids: ``[B, T]`` sampled token ids; ``hidden_topk`` only.
-      topk_logits: ``[B, T, k]`` top-k logits at the sampling temperature; ``hidden_topk`` only.
-      topk_ids: ``[B, T, k]`` their vocabulary ids; ``hidden_topk`` only.
-      eps: the ε of the spec (mass floors, variance floor, normaliser floor).
+      options: the :class:`~delta_jax.losses.DeltaOptions` (K, the λ range, assignment,
+        temperatures, normalisation, statistics scope and axis, proxy, ε); the defaults are
+        the reference recipe's.
+      topk: the arrays of ``proxy="hidden_topk"``, a :class:`~delta_jax.losses.TopkInputs`
+        (LM-head weight, sampled ids, top-k logits and ids); None for ``"lm_head_row"``.
+      mesh: if given (with ``options.axis_name``), the computation is wrapped in
+        ``jax.shard_map`` over ``mesh`` with the batch dimension split over ``axis_name``: the
+        convenient way to get per-shard statistics from plain ``jit`` code. Per-shard
+        diagnostics then carry a leading shard axis.
       return_diagnostics: also return a dict of float32 scalars: ``gamma_pos``/``gamma_neg``
         (temperatures of the final scores), ``centroid_norm_pos``/``_neg`` and
         ``centroid_cosine`` (refined centroids), ``frac_above_one_pos``/``_neg`` (fraction of
         the side's tokens with ``λ̄ > 1``) and ``sign_accuracy`` (fraction of P ∪ N tokens
         whose final margin ``Δ±`` is positive); 0 for empty sides.
+      **legacy: the options as loose keywords (``refine_steps=2``, ``lm_head=...``), the
+        earlier form: deprecated, they warn and are applied on top of ``options`` / ``topk``.
 
     Returns:
       float32 ``[B, T]`` coefficients ``λ̄`` (0 on padding), and the diagnostics dict when
@@ -407,6 +355,7 @@ def delta_coefficients(
 
     Raises:
       ValueError: on mismatched shapes, non-float ``hidden``/``logprobs``, or invalid options.
+      TypeError: on a keyword that is neither an argument nor a legacy option.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -419,19 +368,23 @@ def delta_coefficients(
       >>> coef = jax.jit(delta_coefficients)(hidden, logprobs, advantages, mask)
       >>> coef.shape, coef.dtype, round(float(coef.sum() / mask.sum()), 4)
       ((4, 6), dtype('float32'), 1.0)
+      >>> from delta_jax.losses import DeltaOptions
+      >>> k2 = delta_coefficients(hidden, logprobs, advantages, mask, DeltaOptions(refine_steps=2))
     """
-    opts = _Options(**check_options(locals()))
+    options, topk = apply_legacy_keywords(
+        "delta_coefficients", legacy, options, topk, TopkInputs, "topk"
+    )
+    check_call(options, mesh, return_diagnostics)
+    if topk is not None:  # one batch: each per-token array as a list of one micro-batch
+        topk = TopkInputs(topk.lm_head, *(None if x is None else [x] for x in topk[1:]))
     chunks, lm_head = check_chunks(
-        proxy,
+        options.proxy,
         hiddens=[hidden],
         logprobs=[logprobs],
         advantages=[advantages],
         masks=[mask],
-        lm_head=lm_head,
-        token_ids=None if token_ids is None else [token_ids],
-        topk_logits=None if topk_logits is None else [topk_logits],
-        topk_ids=None if topk_ids is None else [topk_ids],
+        topk=topk,
         indexed=False,
     )
-    lams, diagnostics = _run(chunks, lm_head, opts, mesh)
+    lams, diagnostics = _run(chunks, lm_head, options, mesh)
     return (lams[0], diagnostics) if return_diagnostics else lams[0]

@@ -47,50 +47,40 @@ References:
 
 from __future__ import annotations
 
-import functools
 import numbers
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
-from delta_jax.losses.aggregation import (
-    NAMED_AGGREGATIONS,
-    Aggregate,
-    masked_max,
-    masked_mean,
-    masked_min,
-    token_mean,
+from delta_jax.losses.aggregation import NAMED_AGGREGATIONS, masked_max, masked_mean, masked_min
+from delta_jax.losses.options import (
+    AGGREGATIONS,
+    DEFAULT_CLIP_EPS,
+    KL_ESTIMATORS,
+    LOSS_TYPES,
+    LossParts,
+    PolicyLossOptions,
+    TermInputs,
+    apply_legacy_keywords,
+    check_choice,
+    check_number,
 )
-from delta_jax.losses.kl import KL_ESTIMATOR_FNS, KLEstimator, kl_k3
-from delta_jax.losses.surrogates import (
-    Surrogate,
-    clipped_surrogate,
-    gspo_surrogate,
-    sapo_surrogate,
-    token_log_ratio,
-    truncated_importance_weight,
-)
+from delta_jax.losses.surrogates import token_log_ratio, truncated_importance_weight
 
-LOSS_TYPES = ("ppo", "gspo", "sapo")
-AGGREGATIONS = tuple(NAMED_AGGREGATIONS)
-KL_ESTIMATORS = tuple(KL_ESTIMATOR_FNS)
-# (ε_low, ε_high) used when clip_eps_low / clip_eps_high are None.
-DEFAULT_CLIP_EPS = {"ppo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
+__all__ = [
+    "AGGREGATIONS",
+    "DEFAULT_CLIP_EPS",
+    "KL_ESTIMATORS",
+    "LOSS_TYPES",
+    "forking_tokens_mask",
+    "loss_normalizer",
+    "policy_gradient_loss",
+    "policy_loss",
+]
 # forking_tokens_mask quantises top_q to this many parts so that k = ceil(q n) is exact in int32.
 _Q_PARTS = 10_000
-
-
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-
-
-def _check_number(name: str, value, *, low: float, low_inclusive: bool = False) -> None:
-    """Range-checks a Python number; traced values (under ``jit``) are the caller's business."""
-    if isinstance(value, numbers.Real) and not (value >= low if low_inclusive else value > low):
-        raise ValueError(f"{name} must be {'>=' if low_inclusive else '>'} {low}, got {value}")
 
 
 def _float_array(name: str, x: ArrayLike, shape: tuple[int, ...] | None) -> Array:
@@ -142,7 +132,7 @@ def loss_normalizer(
       >>> float(loss_normalizer(jnp.array([[1, 1, 0], [0, 0, 0]]), "seq-mean-token-mean"))
       1.0
     """
-    _check_choice("aggregation", aggregation, AGGREGATIONS)
+    check_choice("aggregation", aggregation, AGGREGATIONS)
     mask = jnp.asarray(mask)
     if mask.ndim != 2:
         raise ValueError(f"mask must have shape [B, T], got {mask.shape}")
@@ -165,7 +155,7 @@ class _Inputs(NamedTuple):
 
 
 def _checked_inputs(
-    logprobs, old_logprobs, advantages, mask, coefficients, token_mask, rollout, ref, entropy
+    logprobs, old_logprobs, advantages, mask, coefficients, token_mask, terms: TermInputs
 ) -> _Inputs:
     """Shapes and dtypes checked (names in the errors), cast to float32 / float64."""
     lp = _float_array("logprobs", logprobs, None)
@@ -185,6 +175,7 @@ def _checked_inputs(
             f"advantages must have shape {shape[:1]} or {shape} (from logprobs {shape}), "
             f"got {adv.shape}"
         )
+    entropy = terms.entropy
     if entropy is not None:
         entropy = _float_array("entropy", entropy, shape).astype(dtype)
     keep = valid if token_mask is None else valid & _valid_mask("token_mask", token_mask, shape)
@@ -195,8 +186,8 @@ def _checked_inputs(
         valid=valid,
         keep=keep,
         coefficients=constant("coefficients", coefficients),
-        rollout=constant("rollout_logprobs", rollout),
-        ref=constant("ref_logprobs", ref),
+        rollout=constant("rollout_logprobs", terms.rollout_logprobs),
+        ref=constant("ref_logprobs", terms.ref_logprobs),
         entropy=entropy,
     )
 
@@ -216,20 +207,14 @@ def policy_gradient_loss(
     old_logprobs: Float[Array, "B T"],
     advantages: Float[Array, " B"] | Float[Array, "B T"],
     mask: ArrayLike,
+    parts: LossParts = LossParts(),
     *,
-    surrogate: Surrogate = clipped_surrogate,
-    aggregate: Aggregate = token_mean,
     coefficients: Float[Array, "B T"] | None = None,
     normalizer: float | Float[Array, ""] | None = None,
     segment_ids: ArrayLike | None = None,
     token_mask: ArrayLike | None = None,
-    rollout_logprobs: Float[Array, "B T"] | None = None,
-    tis_cap: float | None = None,
-    ref_logprobs: Float[Array, "B T"] | None = None,
-    kl: KLEstimator = kl_k3,
-    kl_coef: float = 0.0,
-    entropy: Float[Array, "B T"] | None = None,
-    entropy_coef: float = 0.0,
+    terms: TermInputs | None = None,
+    **legacy: Any,
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """A policy-gradient loss composed of a surrogate, an aggregation and optional terms.
 
@@ -237,54 +222,54 @@ def policy_gradient_loss(
 
     with ``ℓ^surr = surrogate(logπ, logπ_old, Â · λ̄, mask)`` (advantages times
     ``coefficients``), ``w`` the :func:`~delta_jax.losses.surrogates.truncated_importance_weight`
-    (1 when ``rollout_logprobs`` is None), ``KL = kl(logπ, logπ_ref, mask)``, ``H`` the given
-    ``entropy``, ``m'`` the optional ``token_mask`` (1 when None) and ``agg`` = ``aggregate``
-    with ``normalizer`` and ``segment_ids``. :func:`policy_loss` is this function with the
-    surrogate, aggregation and estimator named by strings; its docstring details every term.
+    (1 when ``terms.rollout_logprobs`` is None), ``KL = kl(logπ, logπ_ref, mask)``, ``H`` the
+    given ``terms.entropy``, ``m'`` the optional ``token_mask`` (1 when None) and ``agg`` =
+    ``aggregate`` with ``normalizer`` and ``segment_ids``; ``surrogate``, ``aggregate``, ``kl``,
+    ``β``, ``η`` and the cap of ``w`` are the fields of ``parts``. :func:`policy_loss` is this
+    function with the parts named by strings; its docstring details every term.
 
     Args:
       logprobs: ``[B, T]`` log-probs of the sampled tokens under the current policy.
       old_logprobs: ``[B, T]`` log-probs under the policy that the ratio is taken against.
       advantages: ``[B]`` (per response) or ``[B, T]`` (per token) advantages ``Â``.
       mask: ``[B, T]`` valid-token mask (non-zero = valid).
-      surrogate: a :data:`~delta_jax.losses.surrogates.Surrogate`, e.g.
-        ``functools.partial(clipped_surrogate, clip_eps_high=0.2)``.
-      aggregate: an :data:`~delta_jax.losses.aggregation.Aggregate`, e.g. ``token_mean``.
+      parts: the :class:`~delta_jax.losses.LossParts`: surrogate, aggregation, KL estimator and
+        the weights of the optional terms (``PolicyLossOptions(...).parts()`` names them).
       coefficients: optional ``[B, T]`` per-token weights ``λ̄`` (e.g. ``delta_coefficients``).
       normalizer: ``N`` of the aggregation; None: the aggregation's count of this batch.
       segment_ids: optional ``[B, T]`` packed-row segments (see :func:`policy_loss`).
       token_mask: optional ``[B, T]`` mask of the tokens that get a loss (and a gradient).
-      rollout_logprobs: optional ``[B, T]`` sampler log-probs, for the weight ``w``.
-      tis_cap: upper bound of ``w``; None leaves ``w`` uncapped.
-      ref_logprobs: optional ``[B, T]`` reference-policy log-probs for the KL term.
-      kl: a :data:`~delta_jax.losses.kl.KLEstimator`, e.g. ``kl_k3``.
-      kl_coef: ``β``, weight of the KL term (needs ``ref_logprobs`` when non-zero).
-      entropy: optional ``[B, T]`` per-token entropy of the current policy (differentiable).
-      entropy_coef: ``η``, weight of the entropy bonus (needs ``entropy`` when non-zero).
+      terms: optional :class:`~delta_jax.losses.TermInputs`: ``[B, T]`` sampler log-probs for
+        the weight ``w``, reference log-probs for the KL term, the policy's entropy
+        (differentiable) for the entropy bonus.
+      **legacy: the fields of ``parts`` and ``terms`` as loose keywords (``surrogate=...``,
+        ``entropy=...``), the earlier form: deprecated, they warn and are applied on top.
 
     Returns:
       ``(loss, metrics)`` as :func:`policy_loss`.
 
     Examples:
       >>> import functools, jax.numpy as jnp
-      >>> from delta_jax.losses import aggregation, surrogates
+      >>> from delta_jax.losses import LossParts, aggregation, surrogates
       >>> lp = jnp.array([[-1.0, -0.5, 0.0], [-2.0, -1.0, -0.3]])
       >>> mask = jnp.array([[1, 1, 0], [1, 1, 1]])
       >>> grpo = functools.partial(surrogates.clipped_surrogate, clip_eps_high=0.2)
-      >>> loss, metrics = policy_gradient_loss(
-      ...     lp, lp, jnp.array([1.0, -1.0]), mask, surrogate=grpo,
-      ...     aggregate=aggregation.seq_mean_token_mean)
+      >>> parts = LossParts(surrogate=grpo, aggregate=aggregation.seq_mean_token_mean)
+      >>> loss, metrics = policy_gradient_loss(lp, lp, jnp.array([1.0, -1.0]), mask, parts)
       >>> float(loss)  # on-policy: −mean over responses of the response's mean A
       0.0
     """
+    parts, terms = apply_legacy_keywords(
+        "policy_gradient_loss", legacy, parts, terms, TermInputs, "terms"
+    )
     x = _checked_inputs(
-        logprobs, old_logprobs, advantages, mask, coefficients, token_mask, rollout_logprobs,
-        ref_logprobs, entropy,
-    )  # fmt: skip
+        logprobs, old_logprobs, advantages, mask, coefficients, token_mask, terms or TermInputs()
+    )
+    tis_cap, kl_coef, entropy_coef = parts.tis_cap, parts.kl_coef, parts.entropy_coef
     if tis_cap is not None:
         if x.rollout is None:
             raise ValueError("tis_cap was given without rollout_logprobs")
-        _check_number("tis_cap", tis_cap, low=0.0)
+        check_number("tis_cap", tis_cap, low=0.0)
     if x.ref is None and isinstance(kl_coef, numbers.Real) and kl_coef != 0:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs, got None")
     if x.entropy is None and isinstance(entropy_coef, numbers.Real) and entropy_coef != 0:
@@ -293,19 +278,21 @@ def policy_gradient_loss(
     valid = x.valid
     adv = x.advantages if x.coefficients is None else x.advantages * x.coefficients
     adv = jnp.where(valid, adv, 0)
-    per_token, metrics = surrogate(x.logprobs, x.old, adv, valid, segment_ids=segment_ids)
+    per_token, metrics = parts.surrogate(x.logprobs, x.old, adv, valid, segment_ids=segment_ids)
     if x.rollout is not None:
         weight = truncated_importance_weight(x.old, x.rollout, valid, tis_cap)
         per_token = per_token * weight
         metrics["tis_weight_mean"] = masked_mean(weight, valid)
 
-    def agg(terms):
-        terms = jnp.where(x.keep, terms, 0)
-        return aggregate(terms, valid, normalizer=normalizer, segment_ids=segment_ids)
+    def agg(per_token_terms):
+        per_token_terms = jnp.where(x.keep, per_token_terms, 0)
+        return parts.aggregate(
+            per_token_terms, valid, normalizer=normalizer, segment_ids=segment_ids
+        )
 
     pg_loss = loss = agg(per_token)
     if x.ref is not None:
-        kl_tokens = kl(x.logprobs, x.ref, valid)
+        kl_tokens = parts.kl(x.logprobs, x.ref, valid)
         loss = loss + kl_coef * agg(kl_tokens)
         metrics["kl"] = masked_mean(kl_tokens, valid)
     if x.entropy is not None:
@@ -325,40 +312,31 @@ def policy_loss(
     old_logprobs: Float[Array, "B T"],
     advantages: Float[Array, " B"] | Float[Array, "B T"],
     mask: ArrayLike,
+    options: PolicyLossOptions = PolicyLossOptions(),
     *,
     coefficients: Float[Array, "B T"] | None = None,
-    loss_type: str = "ppo",
-    clip_eps_low: float | None = None,
-    clip_eps_high: float | None = None,
-    dual_clip_c: float | None = 10.0,
-    aggregation: str = "token-mean",
     normalizer: float | Float[Array, ""] | None = None,
-    max_response_length: int | None = None,
-    sapo_tau_pos: float = 1.0,
-    sapo_tau_neg: float = 1.05,
-    token_mask: ArrayLike | None = None,
-    rollout_logprobs: Float[Array, "B T"] | None = None,
-    tis_cap: float | None = None,
-    ref_logprobs: Float[Array, "B T"] | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    entropy: Float[Array, "B T"] | None = None,
-    entropy_coef: float = 0.0,
     segment_ids: ArrayLike | None = None,
+    token_mask: ArrayLike | None = None,
+    terms: TermInputs | None = None,
+    **legacy: Any,
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """Clipped (PPO/DAPO), GSPO or SAPO policy-gradient loss with optional per-token weights.
 
     A convenience over :func:`policy_gradient_loss` with the surrogate, aggregation and KL
-    estimator named by strings. Per valid token, with ``A = Â · λ̄`` (advantage times
+    estimator named by strings in ``options`` (:class:`~delta_jax.losses.PolicyLossOptions`,
+    whose fields are named below; :data:`~delta_jax.losses.PRESETS` holds GRPO, DAPO, ...).
+    Per valid token, with ``A = Â · λ̄`` (advantage times
     ``coefficients``, the DelTA weights):
 
     ``ℓ_{b,t} = m'_{b,t} · (w_{b,t} · ℓ^surr_{b,t} + β · KL_{b,t} − η · H_{b,t})``
 
     where ``ℓ^surr`` is the surrogate of ``loss_type`` (module docstring), ``w`` the truncated
     importance-sampling weight ``min(exp(logπ_old − logπ_rollout), tis_cap)`` (1 when
-    ``rollout_logprobs`` is None), ``KL`` the ``kl_estimator`` of KL(π‖π_ref) with
+    ``terms.rollout_logprobs`` is None), ``KL`` the ``kl_estimator`` of KL(π‖π_ref) with
     ``d = logπ_ref − logπ``: k1 ``= −d``, k2 ``= d²/2``, k3 ``= e^d − d − 1``;
-    ``H`` the given ``entropy``; ``m'`` the optional ``token_mask`` (1 when None). The loss is
+    ``H`` the given ``terms.entropy``; ``m'`` the optional ``token_mask`` (1 when None). The
+    loss is
 
     * ``"token-mean"``:               ``Σ_{b,t} ℓ / N``, default ``N = Σ mask``;
     * ``"seq-mean-token-mean"``:      ``Σ_b (Σ_t ℓ / |y_b|) / N``;
@@ -380,32 +358,28 @@ def policy_loss(
       old_logprobs: ``[B, T]`` log-probs under the policy that the ratio is taken against.
       advantages: ``[B]`` (per response) or ``[B, T]`` (per token) advantages ``Â``.
       mask: ``[B, T]`` valid-token mask (non-zero = valid).
+      options: the :class:`~delta_jax.losses.PolicyLossOptions`: ``loss_type``
+        (``"ppo"``, ``"gspo"``, ``"sapo"``), the clip range ``clip_eps_low`` /
+        ``clip_eps_high`` (None: :data:`DEFAULT_CLIP_EPS` of the loss type), ``dual_clip_c``,
+        ``sapo_tau_pos`` / ``sapo_tau_neg``, ``aggregation`` (above),
+        ``max_response_length`` (``C``), ``tis_cap``, ``kl_coef`` (``β``), ``kl_estimator``
+        and ``entropy_coef`` (``η``).
       coefficients: optional ``[B, T]`` per-token weights ``λ̄`` (e.g. ``delta_coefficients``).
-      loss_type: ``"ppo"``, ``"gspo"`` or ``"sapo"``.
-      clip_eps_low: ``ε_low`` of the clip range ``[1−ε_low, 1+ε_high]``; None takes
-        :data:`DEFAULT_CLIP_EPS` of ``loss_type`` (0.2 for ppo, 3e-4 for gspo).
-      clip_eps_high: ``ε_high``, likewise (0.28 for ppo, 4e-4 for gspo).
-      dual_clip_c: dual-clip constant ``c > 1`` for ``A < 0`` (ppo and gspo); None disables it.
-      aggregation: one of :data:`AGGREGATIONS` (above).
       normalizer: the denominator ``N`` above; None uses this batch's :func:`loss_normalizer`.
         A value ``<= 0`` is replaced by 1 (the loss of an empty batch is 0).
-      max_response_length: Dr.GRPO constant ``C`` for ``"seq-mean-token-sum-norm"``.
-      sapo_tau_pos: SAPO gate temperature ``τ+`` (> 0).
-      sapo_tau_neg: SAPO gate temperature ``τ−`` (> 0).
-      token_mask: optional ``[B, T]`` mask of the tokens that get a loss (and a gradient).
-      rollout_logprobs: optional ``[B, T]`` sampler log-probs, for the truncated importance
-        sampling weight ``w`` correcting sampler/trainer mismatch.
-      tis_cap: upper bound of ``w`` (e.g. 2.0); None leaves ``w`` uncapped.
-      ref_logprobs: optional ``[B, T]`` reference-policy log-probs for the KL penalty.
-      kl_coef: ``β``, weight of the KL penalty (needs ``ref_logprobs`` when non-zero).
-      kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
-      entropy: optional ``[B, T]`` per-token entropy of the current policy (differentiable).
-      entropy_coef: ``η``, weight of the entropy bonus (needs ``entropy`` when non-zero).
       segment_ids: optional ``[B, T]`` integers in ``[0, T]`` for packed rows, which hold several
         responses: response = ``(row, segment id)`` instead of row, for the ``seq-mean-*``
         aggregations, their default ``N`` and GSPO's sequence ratio (``advantages`` are then
         per token, ``[B, T]``). Token-mean results do not depend on it. ``seq-mean-token-sum-norm``
         then needs ``max_response_length``.
+      token_mask: optional ``[B, T]`` mask of the tokens that get a loss (and a gradient).
+      terms: optional :class:`~delta_jax.losses.TermInputs` of ``[B, T]`` arrays:
+        ``rollout_logprobs`` (sampler log-probs, for the truncated importance sampling weight
+        ``w`` correcting sampler/trainer mismatch), ``ref_logprobs`` (reference-policy
+        log-probs for the KL penalty), ``entropy`` (per-token entropy of the current policy,
+        differentiable, for the entropy bonus).
+      **legacy: the fields of ``options`` and ``terms`` as loose keywords (``kl_coef=0.1``,
+        ``ref_logprobs=...``), the earlier form: deprecated, they warn and are applied on top.
 
     Returns:
       ``(loss, metrics)``: the scalar loss and a dict of scalars, each over the valid tokens
@@ -428,48 +402,29 @@ def policy_loss(
       >>> round(float(loss), 4)  # on-policy: r = 1 everywhere, loss = −mean(A)
       0.2
       >>> grads = jax.grad(lambda x: policy_loss(x, lp, adv, mask)[0])(lp)
+      >>> from delta_jax.losses import PRESETS
+      >>> round(float(policy_loss(lp, lp, adv, mask, PRESETS["grpo"])[0]), 4)  # per response
+      0.0
     """
-    _check_choice("loss_type", loss_type, LOSS_TYPES)
-    _check_choice("aggregation", aggregation, AGGREGATIONS)
-    _check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
-    surrogate = _named_surrogate(
-        loss_type, clip_eps_low, clip_eps_high, dual_clip_c, sapo_tau_pos, sapo_tau_neg
+    options, terms = apply_legacy_keywords(
+        "policy_loss", legacy, options, terms, TermInputs, "terms"
     )
-    aggregate, _ = NAMED_AGGREGATIONS[aggregation]
-    if max_response_length is not None:
-        _check_number("max_response_length", max_response_length, low=0.0)
-    elif segment_ids is not None and aggregation == "seq-mean-token-sum-norm":
-        raise ValueError("aggregation='seq-mean-token-sum-norm' with segment_ids needs "
-                         "max_response_length")  # fmt: skip
-    if aggregation == "seq-mean-token-sum-norm":
-        aggregate = functools.partial(aggregate, max_response_length=max_response_length)
+    sum_norm = options.aggregation == "seq-mean-token-sum-norm"
+    if sum_norm and segment_ids is not None and options.max_response_length is None:
+        raise ValueError(
+            "aggregation='seq-mean-token-sum-norm' with segment_ids needs max_response_length"
+        )
     return policy_gradient_loss(
-        logprobs, old_logprobs, advantages, mask, surrogate=surrogate, aggregate=aggregate,
-        coefficients=coefficients, normalizer=normalizer, segment_ids=segment_ids,
-        token_mask=token_mask, rollout_logprobs=rollout_logprobs, tis_cap=tis_cap,
-        ref_logprobs=ref_logprobs, kl=KL_ESTIMATOR_FNS[kl_estimator], kl_coef=kl_coef,
-        entropy=entropy, entropy_coef=entropy_coef,
-    )  # fmt: skip
-
-
-def _named_surrogate(
-    loss_type: str, clip_eps_low, clip_eps_high, dual_clip_c, tau_pos, tau_neg
-) -> Surrogate:
-    """The surrogate of ``loss_type`` with its hyperparameters bound (range-checked)."""
-    default_low, default_high = DEFAULT_CLIP_EPS.get(loss_type, (None, None))  # None: sapo
-    clip_eps_low = default_low if clip_eps_low is None else clip_eps_low
-    clip_eps_high = default_high if clip_eps_high is None else clip_eps_high
-    _check_number("clip_eps_low", clip_eps_low, low=0.0, low_inclusive=True)
-    _check_number("clip_eps_high", clip_eps_high, low=0.0, low_inclusive=True)
-    if dual_clip_c is not None:
-        _check_number("dual_clip_c", dual_clip_c, low=1.0)
-    _check_number("sapo_tau_pos", tau_pos, low=0.0)
-    _check_number("sapo_tau_neg", tau_neg, low=0.0)
-    if loss_type == "sapo":
-        return functools.partial(sapo_surrogate, tau_pos=tau_pos, tau_neg=tau_neg)
-    clipped = clipped_surrogate if loss_type == "ppo" else gspo_surrogate
-    return functools.partial(
-        clipped, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, dual_clip_c=dual_clip_c
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        options.parts(),
+        coefficients=coefficients,
+        normalizer=normalizer,
+        segment_ids=segment_ids,
+        token_mask=token_mask,
+        terms=terms,
     )
 
 

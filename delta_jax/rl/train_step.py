@@ -21,6 +21,7 @@ in ``TrainState.skipped``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +33,7 @@ import optax
 from flax import nnx
 
 from delta_jax import sharding as sh
-from delta_jax.losses import delta_coefficients, forking_tokens_mask
+from delta_jax.losses import TermInputs, delta_coefficients, forking_tokens_mask
 from delta_jax.models import lora, token_logprobs
 from delta_jax.rl.state import TrainState
 from delta_jax.rl.update_plan import UpdatePlan
@@ -136,13 +137,15 @@ def loss_segments(plan: UpdatePlan, mb: TrainBatch) -> jax.Array | None:
 
 
 def delta_kwargs(plan: UpdatePlan, mesh) -> dict[str, Any]:
-    """DelTA options of the plan; per-shard statistics over the mesh's batch axes."""
-    kwargs = dict(plan.objective.delta_kwargs)
-    if plan.delta_scope == "per_shard":
-        if mesh is None:
-            raise ValueError("algo.delta_scope=per_shard needs the run's mesh")
-        kwargs.update(scope="per_shard", axis_name=sh.batch_axes(mesh), mesh=mesh)
-    return kwargs
+    """``options`` and ``mesh`` of DelTA's coefficients for the plan: the objective's options,
+    with per-shard statistics over the mesh's batch axes when the plan says so."""
+    options = plan.objective.delta
+    if plan.delta_scope != "per_shard":
+        return {"options": options}
+    if mesh is None:
+        raise ValueError("algo.delta_scope=per_shard needs the run's mesh")
+    options = dataclasses.replace(options, scope="per_shard", axis_name=sh.batch_axes(mesh))
+    return {"options": options, "mesh": mesh}
 
 
 def _micro_loss(graphdef, plan: UpdatePlan, mesh, params, frozen, mb: TrainBatch, normalizer):
@@ -184,10 +187,16 @@ def window_loss(plan: UpdatePlan, mesh, mb: TrainBatch, logp, entropy, hidden, n
     if live_mask:
         token_mask = forking_tokens_mask(sg(entropy), mask, top_q=objective.forking_top_q)
     loss, metrics = objective(
-        logp, old, mb.advantages, mask, normalizer=normalizer,
-        segment_ids=loss_segments(plan, mb), coefficients=coefficients, token_mask=token_mask,
-        rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy,
-    )  # fmt: skip
+        logp,
+        old,
+        mb.advantages,
+        mask,
+        normalizer=normalizer,
+        segment_ids=loss_segments(plan, mb),
+        coefficients=coefficients,
+        token_mask=token_mask,
+        terms=TermInputs(mb.rollout_logprobs, mb.ref_logprobs, entropy),
+    )
     # Per-shard statistics carry one value per shard: their mean is logged.
     metrics.update({f"delta/{k}": jnp.mean(v) for k, v in diagnostics.items()})
     # Trainer-vs-sampler log-prob gap on valid tokens: ~0 on-policy in float32; a large value

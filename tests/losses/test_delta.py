@@ -19,6 +19,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from delta_jax.losses import DeltaOptions, TopkInputs
 from delta_jax.losses.delta import delta_coefficients, delta_coefficients_microbatched
 from tests.losses.delta_oracle import delta_oracle, hidden_topk_vectors, lm_head_row_vectors
 
@@ -60,9 +61,8 @@ def test_oracle_parity(k, pattern):
     hidden, logprobs, adv, mask = make_batch(10 * k + PATTERNS.index(pattern), pattern=pattern)
     v = lm_head_row_vectors(hidden, logprobs)
     for lam_min, lam_max in LAM_RANGES:
-        got = delta_coefficients(
-            hidden, logprobs, adv, mask, refine_steps=k, lam_min=lam_min, lam_max=lam_max
-        )
+        options = DeltaOptions(refine_steps=k, lam_min=lam_min, lam_max=lam_max)
+        got = delta_coefficients(hidden, logprobs, adv, mask, options)
         want, _ = delta_oracle(v, adv, mask, refine_steps=k, lam_min=lam_min, lam_max=lam_max)
         assert got.dtype == jnp.float32
         assert max_err(got, want) <= ORACLE_TOL, (k, pattern, lam_min, lam_max)
@@ -82,17 +82,18 @@ def test_option_parity(name):
     hidden, logprobs, adv, mask = make_batch(7, pattern="mixed_zero")
     v = lm_head_row_vectors(hidden, logprobs)
     for k in (1, 3):
-        got = delta_coefficients(hidden, logprobs, adv, mask, refine_steps=k, **OPTION_CASES[name])
+        options = DeltaOptions(refine_steps=k, **OPTION_CASES[name])
+        got = delta_coefficients(hidden, logprobs, adv, mask, options)
         want, _ = delta_oracle(v, adv, mask, refine_steps=k, **OPTION_CASES[name])
         assert max_err(got, want) <= ORACLE_TOL, (name, k)
 
 
 def test_fixed_gamma_matters_only_after_one_step():
     hidden, logprobs, adv, mask = make_batch(8)
-    fixed = functools.partial(delta_coefficients, adaptive_gamma=False)
     for k, differs in [(1, False), (3, True)]:
-        a = delta_coefficients(hidden, logprobs, adv, mask, refine_steps=k)
-        b = fixed(hidden, logprobs, adv, mask, refine_steps=k)
+        a = delta_coefficients(hidden, logprobs, adv, mask, DeltaOptions(refine_steps=k))
+        fixed = DeltaOptions(refine_steps=k, adaptive_gamma=False)
+        b = delta_coefficients(hidden, logprobs, adv, mask, fixed)
         assert (max_err(a, b) > 1e-4) == differs, k
 
 
@@ -110,9 +111,14 @@ def test_hidden_topk_parity(k):
     _, logprobs, adv, mask = make_batch(11, pattern="mixed_zero")
     lm_head, token_ids, topk_logits, topk_ids = make_topk(12)
     got, diag = delta_coefficients(
-        None, logprobs, adv, mask, refine_steps=k, proxy="hidden_topk", lm_head=lm_head,
-        token_ids=token_ids, topk_logits=topk_logits, topk_ids=topk_ids, return_diagnostics=True,
-    )  # fmt: skip
+        None,
+        logprobs,
+        adv,
+        mask,
+        DeltaOptions(refine_steps=k, proxy="hidden_topk"),
+        topk=TopkInputs(lm_head, token_ids, topk_logits, topk_ids),
+        return_diagnostics=True,
+    )
     v = hidden_topk_vectors(lm_head, token_ids, topk_logits, topk_ids)
     want, want_diag = delta_oracle(v, adv, mask, refine_steps=k)
     assert max_err(got, want) <= ORACLE_TOL
@@ -124,7 +130,7 @@ def test_hidden_topk_parity(k):
 def test_diagnostics_parity(pattern):
     hidden, logprobs, adv, mask = make_batch(13, pattern=pattern)
     got, diag = delta_coefficients(
-        hidden, logprobs, adv, mask, refine_steps=2, return_diagnostics=True
+        hidden, logprobs, adv, mask, DeltaOptions(refine_steps=2), return_diagnostics=True
     )
     _, want = delta_oracle(lm_head_row_vectors(hidden, logprobs), adv, mask, refine_steps=2)
     assert set(diag) == set(want)
@@ -138,7 +144,7 @@ def test_diagnostics_parity(pattern):
 
 def test_padding_invariance():
     hidden, logprobs, adv, mask = make_batch(20)
-    fn = jax.jit(functools.partial(delta_coefficients, refine_steps=2))
+    fn = jax.jit(functools.partial(delta_coefficients, options=DeltaOptions(refine_steps=2)))
     base = fn(hidden, logprobs, adv, mask)
     rng = np.random.default_rng(21)
     b, t, h = hidden.shape
@@ -181,13 +187,18 @@ def test_observation_tokens_are_not_in_the_statistics(k):
     compact_mask = np.arange(9)[None] < actions.sum(1)[:, None]
     with jax.enable_x64(True):
         f64 = lambda x: jnp.asarray(x, jnp.float64)
+        options = DeltaOptions(refine_steps=k)
         got, got_diag = delta_coefficients(
-            f64(hidden), f64(logprobs), f64(adv), actions, refine_steps=k, return_diagnostics=True
+            f64(hidden), f64(logprobs), f64(adv), actions, options, return_diagnostics=True
         )
         want, want_diag = delta_coefficients(
-            f64(compact(hidden)), f64(compact(logprobs)), f64(adv), compact_mask,
-            refine_steps=k, return_diagnostics=True,
-        )  # fmt: skip
+            f64(compact(hidden)),
+            f64(compact(logprobs)),
+            f64(adv),
+            compact_mask,
+            options,
+            return_diagnostics=True,
+        )
     assert got.dtype == jnp.float64 and observations.sum() >= 8
     np.testing.assert_allclose(compact(np.asarray(got)), want, rtol=1e-10, atol=0)
     assert np.all(np.asarray(got)[~actions] == 0)
@@ -208,7 +219,7 @@ def test_mean_is_one_and_range(pattern):
     hidden, logprobs, adv, mask = make_batch(30, pattern=pattern)
     valid = mask != 0
     for k in (0, 1, 3):
-        coef = np.asarray(delta_coefficients(hidden, logprobs, adv, mask, refine_steps=k))
+        coef = np.asarray(delta_coefficients(hidden, logprobs, adv, mask, DeltaOptions(k)))
         assert abs(coef[valid].mean() - 1.0) <= ORDER_TOL
         raw = np.asarray(
             delta_coefficients(
@@ -216,11 +227,8 @@ def test_mean_is_one_and_range(pattern):
                 logprobs,
                 adv,
                 mask,
-                refine_steps=k,
-                lam_min=0.7,
-                lam_max=1.4,
-                normalize="count",
-            )  # fmt: skip
+                DeltaOptions(refine_steps=k, lam_min=0.7, lam_max=1.4, normalize="count"),
+            )
         )
         scored = valid & (adv[:, None] != 0)
         assert np.all((raw[scored] >= 0.7) & (raw[scored] <= 1.4))
@@ -291,8 +299,9 @@ def test_bf16_hidden():
 
 def test_jit_equals_eager_no_recompile_and_zero_gradient():
     hidden, logprobs, adv, mask = make_batch(60)
-    fn = jax.jit(functools.partial(delta_coefficients, refine_steps=2))
-    eager = delta_coefficients(hidden, logprobs, adv, mask, refine_steps=2)
+    options = DeltaOptions(refine_steps=2)
+    fn = jax.jit(functools.partial(delta_coefficients, options=options))
+    eager = delta_coefficients(hidden, logprobs, adv, mask, options)
     assert max_err(fn(hidden, logprobs, adv, mask), eager) <= ORDER_TOL
     assert fn._cache_size() == 1
     hidden2, logprobs2, adv2, mask2 = make_batch(61)
@@ -302,7 +311,7 @@ def test_jit_equals_eager_no_recompile_and_zero_gradient():
     weights = jnp.asarray(np.random.default_rng(62).normal(size=mask.shape), jnp.float32)
 
     def objective(h, lp, a):
-        return jnp.sum(weights * delta_coefficients(h, lp, a, mask, refine_steps=2))
+        return jnp.sum(weights * delta_coefficients(h, lp, a, mask, options))
 
     grads = jax.jit(jax.grad(objective, argnums=(0, 1, 2)))(hidden, logprobs, adv)
     for g in grads:
@@ -334,32 +343,33 @@ def _shard(mesh, *arrays):
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_global_scope_sharded(axis_type, big_batch):
     mesh = make_mesh(getattr(jax.sharding.AxisType, axis_type))
-    want = delta_coefficients(*big_batch, refine_steps=2)
+    options = DeltaOptions(refine_steps=2)
+    want = delta_coefficients(*big_batch, options)
     sharded = _shard(mesh, *big_batch)
-    plain = jax.jit(functools.partial(delta_coefficients, refine_steps=2))(*sharded)
+    plain = jax.jit(functools.partial(delta_coefficients, options=options))(*sharded)
     assert max_err(plain, want) <= ORDER_TOL
-    wrapped = functools.partial(delta_coefficients, refine_steps=2, axis_name="data", mesh=mesh)
+    over_data = DeltaOptions(refine_steps=2, axis_name="data")
+    wrapped = functools.partial(delta_coefficients, options=over_data, mesh=mesh)
     assert max_err(jax.jit(wrapped)(*sharded), want) <= ORDER_TOL
 
 
 def test_per_shard_scope(mesh, big_batch):
-    single = jax.jit(functools.partial(delta_coefficients, refine_steps=2))
+    options = DeltaOptions(refine_steps=2)
+    single = jax.jit(functools.partial(delta_coefficients, options=options))
     alone = [single(*(x[2 * i : 2 * i + 2] for x in big_batch)) for i in range(8)]
     want = np.concatenate(alone)
-    assert max_err(want, delta_coefficients(*big_batch, refine_steps=2)) > 1e-3  # scope matters
+    assert max_err(want, delta_coefficients(*big_batch, options)) > 1e-3  # scope matters
     sharded = _shard(mesh, *big_batch)
+    per_shard = DeltaOptions(refine_steps=2, scope="per_shard", axis_name="data")
     wrapped = functools.partial(
-        delta_coefficients, refine_steps=2, scope="per_shard", axis_name="data", mesh=mesh,
-        return_diagnostics=True,
-    )  # fmt: skip
+        delta_coefficients, options=per_shard, mesh=mesh, return_diagnostics=True
+    )
     got, diag = jax.jit(wrapped)(*sharded)
     assert max_err(got, want) <= ORDER_TOL
     assert diag["gamma_pos"].shape == (8,)
 
     # Inside the caller's own shard_map, only axis_name is given.
-    inner = functools.partial(
-        delta_coefficients, refine_steps=2, scope="per_shard", axis_name="data"
-    )
+    inner = functools.partial(delta_coefficients, options=per_shard)
     mapped = jax.shard_map(inner, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
     assert max_err(jax.jit(mapped)(*sharded), want) <= ORDER_TOL
 
@@ -367,19 +377,22 @@ def test_per_shard_scope(mesh, big_batch):
 def test_microbatched_equals_whole_batch(big_batch):
     hidden, logprobs, adv, mask = big_batch
     low = np.asarray(jnp.asarray(hidden, jnp.bfloat16).astype(jnp.float32))
-    want, want_diag = delta_coefficients(
-        low, logprobs, adv, mask, refine_steps=3, return_diagnostics=True
-    )
+    options = DeltaOptions(refine_steps=3)
+    want, want_diag = delta_coefficients(low, logprobs, adv, mask, options, return_diagnostics=True)
     cuts = [(0, 5, 8), (5, 8, 6), (8, 16, 8)]  # rows [lo, hi), kept columns
     for lo, hi, cols in cuts:
         assert np.all(mask[lo:hi, cols:] == 0)  # only trailing padding is trimmed
     pieces = [
-        (jnp.asarray(hidden[lo:hi, :cols], jnp.bfloat16), logprobs[lo:hi, :cols], adv[lo:hi],
-         mask[lo:hi, :cols])
+        (
+            jnp.asarray(hidden[lo:hi, :cols], jnp.bfloat16),
+            logprobs[lo:hi, :cols],
+            adv[lo:hi],
+            mask[lo:hi, :cols],
+        )
         for lo, hi, cols in cuts
-    ]  # fmt: skip
+    ]
     got, diag = jax.jit(
-        functools.partial(delta_coefficients_microbatched, refine_steps=3, return_diagnostics=True)
+        functools.partial(delta_coefficients_microbatched, options=options, return_diagnostics=True)
     )(*(list(x) for x in zip(*pieces, strict=True)))
     for (lo, hi, cols), g in zip(cuts, got, strict=True):
         assert g.shape == (hi - lo, cols)
@@ -392,17 +405,19 @@ def test_microbatched_equals_whole_batch(big_batch):
 def test_microbatched_hidden_topk():
     _, logprobs, adv, mask = make_batch(80)
     lm_head, token_ids, topk_logits, topk_ids = make_topk(81)
-    topk = dict(proxy="hidden_topk", lm_head=lm_head)
-    want = jax.jit(delta_coefficients, static_argnames="proxy")(
-        None, logprobs, adv, mask, token_ids=token_ids, topk_logits=topk_logits,
-        topk_ids=topk_ids, **topk,
-    )  # fmt: skip
+    options = DeltaOptions(proxy="hidden_topk")
+    topk = TopkInputs(lm_head, token_ids, topk_logits, topk_ids)
+    want = jax.jit(delta_coefficients)(None, logprobs, adv, mask, options, topk=topk)
     split = [slice(0, 2), slice(2, 6)]
-    got = jax.jit(delta_coefficients_microbatched, static_argnames="proxy")(
-        None, [logprobs[s] for s in split], [adv[s] for s in split], [mask[s] for s in split],
-        token_ids=[token_ids[s] for s in split], topk_logits=[topk_logits[s] for s in split],
-        topk_ids=[topk_ids[s] for s in split], **topk,
-    )  # fmt: skip
+    pieces = lambda x: [x[s] for s in split]
+    got = jax.jit(delta_coefficients_microbatched)(
+        None,
+        pieces(logprobs),
+        pieces(adv),
+        pieces(mask),
+        options,
+        topk=TopkInputs(lm_head, *(pieces(x) for x in topk[1:])),
+    )
     assert max_err(np.concatenate(got), want) <= ORDER_TOL
 
 

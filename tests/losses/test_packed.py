@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from delta_jax.losses import delta_coefficients, loss_normalizer, policy_loss
+from delta_jax.losses import PolicyLossOptions, delta_coefficients, loss_normalizer, policy_loss
 
 LENGTHS = [3, 5, 2, 4, 6]  # response tokens of five responses
 ROWS = [[0, 1, 2], [3, 4]]  # packed: responses 0-2 in row 0, 3-4 in row 1 (12 positions each)
@@ -50,11 +50,11 @@ def _layouts(seed=0):
 )
 def test_policy_loss_on_packed_rows_equals_one_response_per_row(loss_type, aggregation):
     a, p, _ = _layouts()
-    kw = dict(loss_type=loss_type, aggregation=aggregation, max_response_length=6)
+    opts = PolicyLossOptions(loss_type=loss_type, aggregation=aggregation, max_response_length=6)
     f32 = lambda x: jnp.asarray(x, jnp.float32)
-    want, want_m = policy_loss(f32(a["logprobs"]), f32(a["old"]), f32(a["adv"]), a["mask"], **kw)
+    want, want_m = policy_loss(f32(a["logprobs"]), f32(a["old"]), f32(a["adv"]), a["mask"], opts)
     got, got_m = policy_loss(
-        f32(p["logprobs"]), f32(p["old"]), f32(p["adv"]), p["mask"], segment_ids=p["seg"], **kw
+        f32(p["logprobs"]), f32(p["old"]), f32(p["adv"]), p["mask"], opts, segment_ids=p["seg"]
     )
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     for key in want_m:

@@ -30,6 +30,7 @@ from delta_jax.losses.aggregation import (
     token_mean,
 )
 from delta_jax.losses.kl import KL_ESTIMATOR_FNS
+from delta_jax.losses.options import LossParts, PolicyLossOptions, TermInputs
 from delta_jax.losses.policy import policy_gradient_loss, policy_loss
 from delta_jax.losses.surrogates import (
     clipped_surrogate,
@@ -262,17 +263,22 @@ def test_policy_gradient_loss_is_policy_loss_by_function(loss_type, aggregation_
         aggregate = functools.partial(aggregate, max_response_length=16)
     args = [f32(batch[k]) for k in ("lp", "old", "adv")] + [batch["mask"]]
     data = dict(
-        coefficients=f32(batch["coef"]), token_mask=batch["token_mask"],
-        rollout_logprobs=f32(batch["rollout"]), tis_cap=2.0, ref_logprobs=f32(batch["ref"]),
-        kl_coef=0.1, entropy=f32(batch["entropy"]), entropy_coef=0.02,
-    )  # fmt: skip
-    by_function = policy_gradient_loss(
-        *args, surrogate=surrogate, aggregate=aggregate, kl=kl.kl_k2, **data
+        coefficients=f32(batch["coef"]),
+        token_mask=batch["token_mask"],
+        terms=TermInputs(f32(batch["rollout"]), f32(batch["ref"]), f32(batch["entropy"])),
     )
-    by_name = policy_loss(
-        *args, loss_type=loss_type, aggregation=aggregation_name, max_response_length=16,
-        kl_estimator="k2", **named, **data,
-    )  # fmt: skip
+    weights = dict(tis_cap=2.0, kl_coef=0.1, entropy_coef=0.02)
+    parts = LossParts(surrogate=surrogate, aggregate=aggregate, kl=kl.kl_k2, **weights)
+    by_function = policy_gradient_loss(*args, parts, **data)
+    options = PolicyLossOptions(
+        loss_type=loss_type,
+        aggregation=aggregation_name,
+        max_response_length=16,
+        kl_estimator="k2",
+        **named,
+        **weights,
+    )
+    by_name = policy_loss(*args, options, **data)
     assert jax.tree.structure(by_function) == jax.tree.structure(by_name)
     for a, b in zip(jax.tree.leaves(by_function), jax.tree.leaves(by_name), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -284,7 +290,8 @@ def test_on_policy_loss_is_minus_mean_advantage():
     lp = f32(batch["lp"])
     adv = f32(batch["adv"])
     for surrogate in (clipped_surrogate, gspo_surrogate):
-        loss, metrics = policy_gradient_loss(lp, lp, adv, batch["mask"], surrogate=surrogate)
+        parts = LossParts(surrogate=surrogate)
+        loss, metrics = policy_gradient_loss(lp, lp, adv, batch["mask"], parts)
         n = batch["mask"].sum()
         want = -(batch["adv"][:, None] * batch["mask"]).sum() / n
         assert math.isclose(float(loss), want, rel_tol=1e-6, abs_tol=1e-7)

@@ -7,6 +7,7 @@ rtol 1e-6, atol 1e-9. jit vs eager: rtol 1e-6, atol 1e-7 (XLA may reorder float3
 
 from __future__ import annotations
 
+import dataclasses
 import doctest
 import functools
 import math
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from delta_jax.losses import advantages, policy
+from delta_jax.losses import PolicyLossOptions, TermInputs, advantages, policy
 from delta_jax.losses.policy import (
     AGGREGATIONS,
     LOSS_TYPES,
@@ -28,6 +29,18 @@ from delta_jax.losses.policy import (
 from tests.losses.policy_oracle import forking_mask_ref, policy_loss_ref
 
 RTOL, ATOL = 1e-5, 1e-6
+_OPTION_FIELDS = {f.name for f in dataclasses.fields(PolicyLossOptions)}
+
+
+def new_form_loss(lp, old, adv, mask, **kwargs):
+    """policy_loss in the options form, given the earlier loose keywords (the oracle's); the
+    loose form itself is checked in test_bad_input_raises and tests/losses/test_options.py."""
+    options = PolicyLossOptions(**{k: v for k, v in kwargs.items() if k in _OPTION_FIELDS})
+    terms = TermInputs(**{k: v for k, v in kwargs.items() if k in TermInputs._fields})
+    rest = {k: v for k, v in kwargs.items() if k not in _OPTION_FIELDS | set(TermInputs._fields)}
+    return policy_loss(lp, old, adv, mask, options, terms=terms, **rest)
+
+
 B, T = 7, 8
 LENGTHS = np.array([8, 5, 1, 0, 7, 3, 6])
 ADV = np.array([1.2, -0.7, 0.0, 0.9, -1.3, -0.4, 0.8])
@@ -121,7 +134,7 @@ def jax_loss(lp, old, adv, mask, kwargs):
     entropy = kwargs.pop("entropy", None)
 
     def f(x, ent):
-        return policy_loss(x, old, adv, mask, entropy=ent, **kwargs)
+        return new_form_loss(x, old, adv, mask, entropy=ent, **kwargs)
 
     if entropy is None:
         (loss, metrics), g = jax.value_and_grad(lambda x: f(x, None), has_aux=True)(lp)
@@ -255,7 +268,7 @@ def test_check_grads(loss_type, option):
         lp, old, adv = (jnp.asarray(batch[k], jnp.float64) for k in ("lp", "old", "adv"))
 
         def f(x, ent):
-            return policy_loss(
+            return new_form_loss(
                 x, old, adv, batch["mask"], loss_type=loss_type, entropy=ent, **opts
             )[0]
 
@@ -275,7 +288,7 @@ def test_jit_equals_eager(loss_type):
     args = [jnp.asarray(batch[k], jnp.float32) for k in ("lp", "old", "adv")] + [batch["mask"]]
 
     def f(lp, ent, old, adv, mask):
-        return policy_loss(lp, old, adv, mask, entropy=ent, **kwargs)
+        return new_form_loss(lp, old, adv, mask, entropy=ent, **kwargs)
 
     vg = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)
     eager = vg(args[0], entropy, *args[1:])
@@ -288,7 +301,7 @@ def test_second_call_does_not_recompile():
     @functools.partial(jax.jit, static_argnames=("loss_type",))
     def step(lp, old, adv, mask, coef, clip_low, kl_coef, ref, loss_type):
         def f(x):
-            return policy_loss(
+            return new_form_loss(
                 x,
                 old,
                 adv,

@@ -1,18 +1,22 @@
 """rl/objectives: each ``algo.loss`` preset is the documented policy_loss, bit for bit.
 
-The presets are written out here as policy_loss keyword arguments (the table of the module
-docstring); the objective built from the config must give the same loss, metrics and gradient
-exactly (both are the same jax.numpy operations)."""
+The presets are written out here as policy_loss options (the table of ``losses.PRESETS``); the
+objective built from the config must give the same loss, metrics and gradient exactly (both
+are the same jax.numpy operations), and its options must be the loss library's preset."""
 
 from __future__ import annotations
+
+import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from delta_jax.config import ConfigError, load_config
-from delta_jax.losses import policy_loss
+from delta_jax import losses
+from delta_jax.config import ConfigError, LossName, load_config
+from delta_jax.losses import DeltaOptions, PolicyLossOptions, TermInputs, policy_loss
 from delta_jax.rl.objectives import resolve_objective
 
 G = 7  # rollout.max_new_tokens: Dr.GRPO's constant
@@ -95,19 +99,37 @@ def test_objective_is_its_documented_policy_loss(loss, override):
     if "kl_coef" in kwargs:
         data["ref_logprobs"] = b["ref_logprobs"]
 
+    options = PolicyLossOptions(**kwargs)
+
     def want(lp, ent):
-        entropy = {"entropy": ent} if "entropy_coef" in kwargs else {}
+        terms = TermInputs(
+            rollout_logprobs=data.get("rollout_logprobs"),
+            ref_logprobs=data.get("ref_logprobs"),
+            entropy=ent if "entropy_coef" in kwargs else None,
+        )
         return policy_loss(
-            lp, b["old_logprobs"], b["advantages"], mask, normalizer=normalizer, **data,
-            **entropy, **kwargs,
-        )  # fmt: skip
+            lp,
+            b["old_logprobs"],
+            b["advantages"],
+            mask,
+            options,
+            normalizer=normalizer,
+            coefficients=data["coefficients"],
+            token_mask=data["token_mask"],
+            terms=terms,
+        )
 
     def got(lp, ent):
         return objective(
-            lp, b["old_logprobs"], b["advantages"], mask, normalizer=normalizer,
-            rollout_logprobs=b["rollout_logprobs"], ref_logprobs=data.get("ref_logprobs"),
-            entropy=ent, coefficients=b["coefficients"], token_mask=b["token_mask"],
-        )  # fmt: skip
+            lp,
+            b["old_logprobs"],
+            b["advantages"],
+            mask,
+            normalizer=normalizer,
+            coefficients=b["coefficients"],
+            token_mask=b["token_mask"],
+            terms=TermInputs(b["rollout_logprobs"], data.get("ref_logprobs"), ent),
+        )
 
     assert objective.needs_entropy == ("entropy_coef" in kwargs or loss.endswith("tokens"))
     grad = lambda f: jax.jit(jax.value_and_grad(f, (0, 1), has_aux=True))
@@ -124,7 +146,27 @@ def test_objective_flags():
     forking = algo("algo.loss=dapo_forking_tokens", "algo.forking_top_q=0.3")
     assert forking.uses_forking_mask and forking.forking_top_q == 0.3 and forking.needs_entropy
     assert not algo("algo.loss=dapo").needs_entropy
-    assert algo("algo.loss=delta", "algo.refine_steps=2").delta_kwargs["refine_steps"] == 2
+    assert algo("algo.loss=delta", "algo.refine_steps=2").delta.refine_steps == 2
+
+
+@pytest.mark.parametrize("loss", typing.get_args(LossName))
+def test_trainer_resolves_the_loss_librarys_presets(loss):
+    """The default config of each algo.loss resolves to losses.PRESETS[loss] (Dr.GRPO's
+    constant bound in) and, for delta, DeltaOptions() with the spec's defaults; the preset
+    holds the values written out in PRESETS here."""
+    config = load_config(None, [f"algo.loss={loss}", f"rollout.max_new_tokens={G}"])
+    objective = resolve_objective(config.algo, max_response_length=G)
+    preset = losses.PRESETS[loss]
+    if preset.aggregation == "seq-mean-token-sum-norm":
+        preset = dataclasses.replace(preset, max_response_length=G)
+    assert objective.options == preset
+    assert objective.delta == (DeltaOptions() if loss == "delta" else None)
+    written = PolicyLossOptions(**PRESETS[loss])
+    assert preset.clip_range() == written.clip_range()
+    assert dataclasses.replace(preset, clip_eps_low=None, clip_eps_high=None) == (
+        dataclasses.replace(written, clip_eps_low=None, clip_eps_high=None)
+    )
+    assert set(losses.PRESETS) == set(typing.get_args(LossName))
 
 
 @pytest.mark.parametrize(

@@ -74,9 +74,9 @@ def test_delta_scope_per_shard_reaches_the_losses():
     per_shard = _plan(*common, "algo.delta_scope=per_shard")
     inputs = (hidden, logprobs, advantages, lengths)
     coef, _ = make_sampler_coefficients(per_shard, mesh=mesh)(*inputs)
-    kwargs = per_shard.objective.delta_kwargs
+    options = per_shard.objective.delta
     halves = [
-        delta_coefficients(hidden[s], logprobs[s], advantages[s], mask[s], **kwargs)
+        delta_coefficients(hidden[s], logprobs[s], advantages[s], mask[s], options)
         for s in (slice(0, B // 2), slice(B // 2, B))
     ]
     np.testing.assert_allclose(np.asarray(coef), np.concatenate(halves), atol=1e-6)
@@ -101,12 +101,12 @@ def test_sampler_coefficients_of_a_multi_turn_rollout():
     within = np.arange(G)[None] < lengths[:, None]
     plan = _plan("rollout.max_new_tokens=6", "algo.micro_batches=2", "rollout.prompts_per_step=4")
     sampler = make_sampler_coefficients(plan)
-    kwargs = plan.objective.delta_kwargs
+    options = plan.objective.delta
     coef, _ = sampler(hidden, logprobs, advantages, lengths, actions)
     # jit vs eager float32: summation order only (1e-6, as tests/losses/test_delta.py)
-    want = delta_coefficients(hidden, logprobs, advantages, within & actions, **kwargs)
+    want = delta_coefficients(hidden, logprobs, advantages, within & actions, options)
     np.testing.assert_allclose(np.asarray(coef), np.asarray(want), rtol=0, atol=1e-6)
     assert np.all(np.asarray(coef)[~actions] == 0)
     single, _ = sampler(hidden, logprobs, advantages, lengths)  # None: every response token
-    want = delta_coefficients(hidden, logprobs, advantages, within, **kwargs)
+    want = delta_coefficients(hidden, logprobs, advantages, within, options)
     np.testing.assert_allclose(np.asarray(single), np.asarray(want), rtol=0, atol=1e-6)
