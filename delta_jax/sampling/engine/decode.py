@@ -192,14 +192,14 @@ def decode_chunk(
     start, first = slots.pos, slots.count
 
     def body(carry):
-        i, state, s, written, spec = carry
+        i, state, s, written, draft_state = carry
         weights = model.layer_params() if layers is None else layers
         if drafts is None:
             h, state = backend.step(model, weights, s, state, mesh)
             cols = draw(h[:, 0], s)
             written = backend.write(written, cols, s, i, mesh, K)
-            return i + 1, state, _advance(s, cols["tokens"], stop_sequences), written, spec
-        tail, emitted, counts = spec
+            return i + 1, state, _advance(s, cols["tokens"], stop_sequences), written, draft_state
+        tail, emitted, counts = draft_state
         new, state, v = speculative_step(
             model, weights, backend, draw, s, state, drafts.window, tail,
             draft_tokens, stop_sequences, mesh, draft_depth,
@@ -213,15 +213,15 @@ def decode_chunk(
         i, _, s, _, _ = carry
         return (i < limit) & jnp.any(s.active)
 
-    spec = ()
+    draft_state = ()  # a speculative chunk's carry: each slot's tail, emitted tokens, counters
     if drafts is not None:
         S = slots.last.shape[0]
         emitted = jnp.full((S, emitted_width), -1, jnp.int32)
         counts = jnp.zeros((S, 1 + 2 * len(SOURCES)), jnp.int32)
-        spec = (drafts.tail, emitted, counts)
+        draft_state = (drafts.tail, emitted, counts)
     state, written = backend.begin_chunk(pool, slots, out, mesh, K, drafts is not None)
-    _, state, slots, written, spec = jax.lax.while_loop(
-        cond, body, (jnp.zeros((), jnp.int32), state, slots, written, spec)
+    _, state, slots, written, draft_state = jax.lax.while_loop(
+        cond, body, (jnp.zeros((), jnp.int32), state, slots, written, draft_state)
     )
     keep = resumable | jnp.any(slots.active)
     pool, out = backend.end_chunk(state, written, out, first, start, slots, keep, mesh, K)
@@ -230,7 +230,7 @@ def decode_chunk(
         status = jnp.concatenate([status, slots.recent], axis=1)
     result = dict(pool=pool, out=out, status=status)
     if drafts is not None:
-        result["emitted"], result["counts"] = spec[1], spec[2]
+        result["emitted"], result["counts"] = draft_state[1], draft_state[2]
     return result
 
 
