@@ -2,16 +2,16 @@
 replayed on its recorded rollouts, for several drafting rules.
 
 A drafted token is accepted exactly when it equals the token the sequence draws at that index
-with its own key (:mod:`delta_jax.sampling.speculate`): the draws do not depend on the drafts.
-So rollouts recorded once, without speculation, replay any drafting rule exactly, without the
-model. This records ``--epochs`` requests of the same prompts (``benchmarks/speculative.py``'s
+with its own key (:mod:`delta_jax.sampling.speculation.speculate`): the draws do not depend on the
+drafts. So rollouts recorded once, without speculation, replay any drafting rule exactly, without
+the model. This records ``--epochs`` requests of the same prompts (``benchmarks/speculative.py``'s
 workload: ``configs/smollm2_arith.yaml``, SmolLM2-135M-Instruct, reasoning-gym ``chain_sum``,
 temperature 0.7, ``--n`` samples per prompt; the first epoch only fills the history), then
 replays one verify step at a time, a prompt's samples advancing together (a sibling's text is
 what it has drawn so far), for each rule:
 
-* ``first``: the drafter's own rule (:meth:`~delta_jax.sampling.drafts.Drafter.propose`: the
-  continuation of the first occurrence of the longest matched suffix, sources in order) asked
+* ``first``: the drafter's own rule (:meth:`~delta_jax.sampling.speculation.drafts.Drafter.propose`:
+  the continuation of the first occurrence of the longest matched suffix, sources in order) asked
   afresh at every verify step. The engine renews its drafts once per decode chunk and follows
   them on the device in between (``benchmarks/speculative.py`` measures that);
 * ``frequent``: every occurrence of the longest matched suffix (up to ``max_ngram`` tokens) in
@@ -26,11 +26,11 @@ what it has drawn so far), for each rule:
   row's last token: the occurrence whose continuation matches the row's future the longest
   (a rule that knew the draws);
 * ``window``: what the engine drafts from. Every ``--chunk`` verify steps each row gets the
-  drafter's window (:meth:`~delta_jax.sampling.drafts.Drafter.window`, the sequences' texts as
-  the chunk starts); at every step its draft is the device's own lookup
-  (:func:`~delta_jax.sampling.speculate.lookup_drafts`, the vote of the first
-  :data:`~delta_jax.sampling.speculate.VOTERS` occurrences) in that window, or, for the tries,
-  the trie of the continuations of those occurrences (the ``tree`` rule's choice of nodes, in
+  drafter's window (:meth:`~delta_jax.sampling.speculation.drafts.Drafter.window`, the sequences'
+  texts as the chunk starts); at every step its draft is the device's own lookup
+  (:func:`~delta_jax.sampling.speculation.speculate.lookup_drafts`, the vote of the first
+  :data:`~delta_jax.sampling.speculation.speculate.VOTERS` occurrences) in that window, or, for the
+  tries, the trie of the continuations of those occurrences (the ``tree`` rule's choice of nodes, in
   the window).
 
     python benchmarks/draft_replay.py --prompts 16 --epochs 4 --max-new 128 [--rules tree] --set \\
@@ -51,8 +51,8 @@ import numpy as np
 from delta_jax.config import load_config
 from delta_jax.rl.setup import load_model, prompt_sets, special_token_ids
 from delta_jax.sampling import Sampler
-from delta_jax.sampling.drafts import MAX_NGRAM, Drafter
-from delta_jax.sampling.speculate import VOTERS, lookup_drafts
+from delta_jax.sampling.speculation.drafts import MAX_NGRAM, Drafter
+from delta_jax.sampling.speculation.speculate import VOTERS, lookup_drafts
 
 CONFIG = "configs/smollm2_arith.yaml"
 RULES = ("first", "frequent", "best-match", "tree", "window")

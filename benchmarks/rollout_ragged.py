@@ -189,8 +189,9 @@ def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int
     idle slot), and the number of sequences that joined (one page copied each). ``slots``
     counts every data group's.
     """
-    from delta_jax.sampling.engine import EngineSpec, pages_for, run_engine
-    from delta_jax.sampling.spec import SLOT_FIELDS
+    from delta_jax.sampling.attention import pages_for
+    from delta_jax.sampling.engine import EngineSpec, run_engine
+    from delta_jax.sampling.engine.requests import SLOT_FIELDS
 
     longest = pages_for(max(map(len, prompts)) + max(budgets), page)
     spec = EngineSpec(
@@ -210,7 +211,7 @@ def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int
     )
     lengths: list[np.ndarray] = []
 
-    class Programs:  # the device programs' stand-in (sampling.scheduler.DevicePrograms)
+    class Programs:  # the device programs' stand-in (sampling.engine.scheduler.DevicePrograms)
         def prefill(self, *arrays):
             return None
 
@@ -293,8 +294,8 @@ def tpu_bytes(args) -> None:
     from delta_jax import sharding as sh
     from delta_jax.plan import known_model_config
     from delta_jax.sampling import SAMPLING_RULES
-    from delta_jax.sampling.engine import pages_for
-    from delta_jax.sampling.paged import PALLAS_KV_PAGES_PER_BLOCK
+    from delta_jax.sampling.attention import pages_for
+    from delta_jax.sampling.attention.paged import PALLAS_KV_PAGES_PER_BLOCK
 
     cfg = known_model_config("Qwen3-8B")
     topo = topologies.get_topology_desc(topology_name=args.tpu_topology, platform="tpu")

@@ -40,8 +40,8 @@ import numpy as np
 from delta_jax.config import load_config
 from delta_jax.rl.setup import load_model, prompt_sets, special_token_ids
 from delta_jax.sampling import Sampler
-from delta_jax.sampling.drafts import SOURCES
-from delta_jax.sampling.speculate import DRAFT_OUTCOMES
+from delta_jax.sampling.speculation.drafts import SOURCES
+from delta_jax.sampling.speculation.speculate import DRAFT_OUTCOMES
 
 CONFIG = "configs/smollm2_arith.yaml"
 

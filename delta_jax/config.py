@@ -167,12 +167,12 @@ class RolloutConfigSection:
     # Wall-clock limit (> 0) of one call: python_tool's code runs; for any other environment,
     # its factory, reset and step (past it the episode ends, counted in episode/env_errors).
     tool_timeout_s: float = ranged(10.0, 0, bounds="(]")
-    # Speculative rollouts (continuous engine; delta_jax.sampling.drafts): true drafts up to
-    # draft_tokens tokens per sequence and step from the rollout's own text (its own, its
+    # Speculative rollouts (continuous engine; delta_jax.sampling.speculation.drafts): true drafts
+    # up to draft_tokens tokens per sequence and step from the rollout's own text (its own, its
     # siblings', earlier steps' rollouts of the same prompt) and verifies them in one forward
     # pass; the tokens are those of false (same seeds, same tokens). auto: never on CPU
     # (compute-bound decode); on accelerators, per sampler call, the faster of the two as
-    # measured in the run (delta_jax.sampling.auto_speculation).
+    # measured in the run (delta_jax.sampling.speculation.auto_speculation).
     speculate: bool | Literal["auto"] = False
     draft_tokens: int = ranged(4, 1)
     # 0: a line of draft_tokens drafts per verify step; d > 0: a trie of up to draft_tokens

@@ -59,7 +59,7 @@ from delta_jax.envs.base import (
     truncate_middle,
 )
 from delta_jax.rewards.custom import error_line
-from delta_jax.sampling.spec import Turns
+from delta_jax.sampling.engine import Turns
 
 log = logging.getLogger(__name__)
 

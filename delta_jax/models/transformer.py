@@ -10,8 +10,8 @@ Pallas splash on TPU, cuDNN on GPU); with a KV cache (sampling) it is the decode
 for XLA:CPU.
 
 The block exists once (:func:`decoder_block`), with the attention step passed in: the full
-forward, the cached decode and the paged rollout engine (:mod:`delta_jax.sampling.paged`) all
-run it through :meth:`Transformer.forward_with`.
+forward, the cached decode and the paged rollout engine (:mod:`delta_jax.sampling.attention.paged`)
+all run it through :meth:`Transformer.forward_with`.
 
 The L decoder blocks are stored stacked (every block parameter has a leading ``layers`` axis);
 ``config.scan_layers`` chooses ``lax.scan`` over that axis or an unrolled loop, so both variants
@@ -309,7 +309,7 @@ class Transformer(nnx.Module):
 
         Every caller runs the same blocks (:func:`decoder_block`): the full forward (attention
         within segments), the cached decode (a KV cache per layer) and the paged engine (K/V in
-        pages, :mod:`delta_jax.sampling.paged`); only ``attend`` differs.
+        pages, :mod:`delta_jax.sampling.attention.paged`); only ``attend`` differs.
 
         Args:
           input_ids: int[B, T] token ids.

@@ -4,11 +4,11 @@ A run's shapes follow its config, not its lengths (``docs/cli.md``, Compiled pro
 train step has one program per bucket of rows in a micro-batch
 (:func:`~delta_jax.rl.packing.row_buckets`; its window is a row wide whatever the responses),
 the engine's page tables one width per request shape. The engine adds its decode chunk at each
-slot bucket (:meth:`~delta_jax.sampling.spec.EngineSpec.chunk_slots`: a power of two from an
-eighth of a group's slots up to all of them, so the ragged tail of a rollout stops paying for
+slot bucket (:meth:`~delta_jax.sampling.engine.requests.EngineSpec.chunk_slots`: a power of two from
+an eighth of a group's slots up to all of them, so the ragged tail of a rollout stops paying for
 idle slots) and its prefill chunk at each length bucket
-(:meth:`~delta_jax.sampling.spec.EngineSpec.prefill_length`). This module lists that set for
-the plan's request and compiles each member, so the report gives the compile time of every
+(:meth:`~delta_jax.sampling.engine.requests.EngineSpec.prefill_length`). This module lists that set
+for the plan's request and compiles each member, so the report gives the compile time of every
 program a step can meet (the TPU compiler's, compile-only, on a TPU topology).
 """
 

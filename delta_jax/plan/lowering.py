@@ -16,11 +16,11 @@ from jax.sharding import PartitionSpec as P
 
 from delta_jax.models import Transformer
 from delta_jax.models.axes import logical_to_mesh
-from delta_jax.sampling.backends import backend_for
-from delta_jax.sampling.decode import decode_program, prefill_chunk, write_observations
-from delta_jax.sampling.drafts import MAX_NGRAM, Drafts
-from delta_jax.sampling.paged import PAGE_AXES, PageList, PagePool
-from delta_jax.sampling.spec import SLOT_FIELDS, Attention
+from delta_jax.sampling.attention.backends import backend_for
+from delta_jax.sampling.attention.paged import PAGE_AXES, PageList, PagePool
+from delta_jax.sampling.engine.decode import decode_program, prefill_chunk, write_observations
+from delta_jax.sampling.engine.requests import SLOT_FIELDS, Attention
+from delta_jax.sampling.speculation.drafts import MAX_NGRAM, Drafts
 from delta_jax.sampling.strategies import make_strategy
 from delta_jax.sharding import batch_divisor, param_shardings
 

@@ -25,10 +25,9 @@ from delta_jax.plan.report import ProgramMemory
 from delta_jax.rl.state import init_train_state, make_optimizer
 from delta_jax.rl.train_step import abstract_batch, make_train_step
 from delta_jax.rl.update_plan import UpdatePlan
-from delta_jax.sampling.backends import backend_for
+from delta_jax.sampling.attention import backend_for, pages_for, pow2
+from delta_jax.sampling.attention.paged import PAGE_AXES
 from delta_jax.sampling.buckets import Buckets, prepare_request
-from delta_jax.sampling.paged import PAGE_AXES
-from delta_jax.sampling.pages import pages_for, pow2
 from delta_jax.sampling.static import static_program
 from delta_jax.sampling.strategies import make_strategy
 

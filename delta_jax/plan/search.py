@@ -16,7 +16,7 @@ from delta_jax.plan.models import describe, resolve_model_config
 from delta_jax.plan.programs import Planner
 from delta_jax.plan.report import GiB, PlanReport, ProgramMemory
 from delta_jax.rl.packing import uniform_rows
-from delta_jax.sampling.backends import backend_for
+from delta_jax.sampling.attention import backend_for
 
 
 def compile_train_step(

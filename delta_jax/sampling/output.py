@@ -47,8 +47,9 @@ class SamplerOutput:
       action_mask_array: bool [R, G] for multi-turn requests (``turns``): True at the tokens the
         model sampled, False at observations (and after the length); None for one turn.
       drafted_array: int8 [R, G] for speculative requests (``draft_tokens > 0``): each token's
-        draft outcome (:data:`~delta_jax.sampling.speculate.DRAFT_OUTCOMES`: 0 none drafted at
-        its index, 1 a drafted token rejected there, 2 the drafted token accepted); else None.
+        draft outcome (:data:`~delta_jax.sampling.speculation.speculate.DRAFT_OUTCOMES`: 0 none
+        drafted at its index, 1 a drafted token rejected there, 2 the drafted token accepted);
+        else None.
     """
 
     token_array: Int[Array, "R G"]

@@ -25,9 +25,9 @@ accumulation.
 
 Compiled programs are keyed by (prompt batch bucket, ``n``, prompt bucket, generation bucket,
 stop-list width, the strategy's static fields, ``return_hidden``, parameter shapes/dtypes); each
-new one is logged (``logging``, logger ``delta_jax.sampling.programs``) and counted in
-:attr:`Sampler.num_compilations`, in one :class:`~delta_jax.sampling.programs.ProgramCache` with
-the continuous engine's programs. The program itself is :mod:`delta_jax.sampling.static`.
+new one is logged (``logging``, logger ``delta_jax.sampling.engine.programs``) and counted in
+:attr:`Sampler.num_compilations`, in one :class:`~delta_jax.sampling.engine.programs.ProgramCache`
+with the continuous engine's programs. The program itself is :mod:`delta_jax.sampling.static`.
 Sampling *values* (temperature, top-p, min-p, seed, stop ids, per-row lengths) are traced and
 never recompile.
 """
@@ -48,15 +48,11 @@ from jax.sharding import Mesh, NamedSharding
 
 from delta_jax.models import Transformer
 from delta_jax.models.axes import logical_to_mesh
-from delta_jax.sampling import dense_cpu, engine
-from delta_jax.sampling.auto_speculation import AutoSpeculation
-from delta_jax.sampling.backends import NAMES, resolve_attention
+from delta_jax.sampling.attention import NAMES, dense_cpu, pages_for, resolve_attention
 from delta_jax.sampling.buckets import Buckets, RequestArrays, prepare_request
-from delta_jax.sampling.drafts import Drafter
+from delta_jax.sampling.engine import EngineSpec, ProgramCache, Turns, generate_continuous
 from delta_jax.sampling.output import SamplerOutput
-from delta_jax.sampling.pages import pages_for
-from delta_jax.sampling.programs import ProgramCache
-from delta_jax.sampling.spec import EngineSpec, Turns
+from delta_jax.sampling.speculation import AutoSpeculation, Drafter
 from delta_jax.sampling.static import static_program
 from delta_jax.sampling.strategies import (
     make_strategy,
@@ -137,20 +133,20 @@ class Sampler:
       prefill_chunk: longest prompt chunk prefilled in one call.
       attention: paged attention: ``"auto"`` (the Pallas ragged paged attention kernel on TPU,
         the ``"dense"`` CPU path on CPU, else ``"xla"``), ``"xla"``, ``"pallas"`` or
-        ``"dense"`` (see :mod:`delta_jax.sampling.paged`).
+        ``"dense"`` (see :mod:`delta_jax.sampling.attention.paged`).
       draft_tokens: speculative decoding (continuous engine, every attention path): tokens
         drafted per sequence and verify step from the rollout's own text
-        (:mod:`delta_jax.sampling.drafts`: the sequence's own text, its siblings', earlier
-        calls' rollouts of the same prompt, kept by this sampler); 0 decodes one token per
+        (:mod:`delta_jax.sampling.speculation.drafts`: the sequence's own text, its siblings',
+        earlier calls' rollouts of the same prompt, kept by this sampler); 0 decodes one token per
         step. The tokens are the same either way (greedy and sampled): a drafted token is
         kept only where it equals the token drawn at its index with that index's key.
       draft_depth: 0 drafts one line of up to ``draft_tokens`` tokens per verify step; ``d >
         0`` a trie of up to ``draft_tokens`` nodes at most ``d`` deep (the continuations most
         of the occurrences go on with; each scored position attends to its ancestors), so a
         verify step may keep one of several ways the text goes on (every attention path; on
-        the TPU kernel's, :mod:`delta_jax.sampling.trie_kernel`).
+        the TPU kernel's, :mod:`delta_jax.sampling.attention.trie_kernel`).
       speculate: with ``draft_tokens > 0``, ``"always"`` (every request) or ``"auto"``
-        (:class:`~delta_jax.sampling.auto_speculation.AutoSpeculation`: never on CPU; on
+        (:class:`~delta_jax.sampling.speculation.auto_speculation.AutoSpeculation`: never on CPU; on
         accelerators the faster way as measured on this sampler's requests).
 
     Examples:
@@ -227,8 +223,8 @@ class Sampler:
             once it has ended: by the continuous engine as soon as that happens, while other
             rows still decode (so their rewards can be computed meanwhile); by the static
             sampler for every row, in row order, after the batch ends.
-          turns: a multi-turn request (:class:`~delta_jax.sampling.spec.Turns`: the ids and
-            id sequences that end a turn, the turn limit, and the host's ``submit(row, turn)``
+          turns: a multi-turn request (:class:`~delta_jax.sampling.engine.requests.Turns`: the ids
+            and id sequences that end a turn, the turn limit, and the host's ``submit(row, turn)``
             returning a future of the observation's ids); continuous engine only. Observations
             are written into the rows as context and marked in ``action_mask_array``.
 
@@ -328,7 +324,7 @@ class Sampler:
         arrays = [np.asarray(p, np.int32) for p in prompts]
         drafting = self._drafter is not None and (self._auto is None or self._auto.next())
         start = time.perf_counter()
-        out, stats = engine.generate_continuous(
+        out, stats = generate_continuous(
             self.model,
             request,
             arrays,

@@ -4,7 +4,7 @@ every source, over random requests (history and its bounds included)."""
 import numpy as np
 import pytest
 
-from delta_jax.sampling.drafts import SOURCES, Drafter
+from delta_jax.sampling.speculation.drafts import SOURCES, Drafter
 
 
 class Oracle:

@@ -11,7 +11,7 @@ from flax import nnx
 
 from delta_jax.models import ModelConfig, Transformer, from_pretrained, token_logprobs
 from delta_jax.sampling import Buckets, Sampler
-from delta_jax.sampling.engine import assign_groups
+from delta_jax.sampling.engine.requests import assign_groups
 from tests.sampling.helpers import (
     chisquare_pvalue,
     peaked_model,

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from delta_jax.sampling import dense_cpu, paged
+from delta_jax.sampling.attention import dense_cpu, paged
 
 
 def _oracle(q, kv, positions, tables, page_size, inside=None, valid=None):

@@ -23,7 +23,8 @@ import pytest
 from flax import nnx
 
 from delta_jax.models import ModelConfig, Transformer
-from delta_jax.sampling import Sampler, paged, smem
+from delta_jax.sampling import Sampler
+from delta_jax.sampling.attention import paged, smem
 from tests.sampling.test_paged import _flat, _oracle
 
 pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
@@ -114,7 +115,7 @@ def test_trie_kernel_matches_the_xla_path_and_the_oracle(interpret, monkeypatch,
     several blocks), a slot with only some nodes real and an idle one. Against the XLA path
     with the same mask and a float64 oracle; the 16-bit pool packs each key with its value (the
     kernel splits the words)."""
-    from delta_jax.sampling import trie_kernel
+    from delta_jax.sampling.attention import trie_kernel
 
     monkeypatch.setattr(trie_kernel, "KV_PAGES_PER_BLOCK", 2)
     rng = np.random.default_rng(3)
@@ -250,7 +251,7 @@ def test_speculative_steps_on_the_kernel_emit_the_xla_paths_plain_tokens(interpr
     """Verify steps (3 drafts a step, from windows of the plain run's text, partly corrupted)
     through the kernel, 4 queries per slot: the tokens and log-probs of plain decode steps on
     the XLA path, in fewer steps."""
-    from delta_jax.sampling.backends import PallasBackend, XlaBackend
+    from delta_jax.sampling.attention.backends import PallasBackend, XlaBackend
     from delta_jax.sampling.strategies import make_strategy
     from tests.sampling.test_verify import _decode_all
 
@@ -279,7 +280,7 @@ def test_trie_verify_steps_on_the_kernel_emit_the_xla_paths_plain_tokens(interpr
     """Verify steps of tries of 6 drafts 3 deep through the trie kernel (from windows where the
     kept path often leaves the first branch: its K/V move along the page tables): the tokens,
     log-probs and hidden states of plain decode steps on the XLA path, in fewer steps."""
-    from delta_jax.sampling.backends import PallasBackend, XlaBackend
+    from delta_jax.sampling.attention.backends import PallasBackend, XlaBackend
     from delta_jax.sampling.strategies import make_strategy
     from tests.sampling.test_verify import _decode_all, trie_windows
 

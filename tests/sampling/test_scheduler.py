@@ -4,9 +4,9 @@ for the device programs; nothing is compiled."""
 import numpy as np
 import pytest
 
+from delta_jax.sampling.attention.pages import SCRATCH_PAGE, pages_for
 from delta_jax.sampling.engine import run_engine
-from delta_jax.sampling.pages import SCRATCH_PAGE, pages_for
-from delta_jax.sampling.spec import SLOT_FIELDS, STATUS_FIELDS, EngineSpec
+from delta_jax.sampling.engine.requests import SLOT_FIELDS, STATUS_FIELDS, EngineSpec
 
 PAGE = 4
 

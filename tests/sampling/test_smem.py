@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from delta_jax.models import ModelConfig
-from delta_jax.sampling import smem
+from delta_jax.sampling.attention import smem
 
 
 def test_smem_bytes_by_hand():
@@ -34,7 +34,7 @@ def test_row_chunks_cover_the_slots_and_each_fits(rows, width):
 
 
 def _spec(attention: str, max_table: int):
-    from delta_jax.sampling.spec import EngineSpec
+    from delta_jax.sampling.engine.requests import EngineSpec
 
     # 64 slots in 2 data groups, every sequence at most ``max_table`` pages of 16 tokens.
     fields = dict(slots=64, steps=8, page_size=16, num_pages=4096, seq_pages=max_table)
@@ -43,7 +43,7 @@ def _spec(attention: str, max_table: int):
 
 
 def test_only_the_tpu_kernel_refuses_too_wide_a_table_in_one_line():
-    from delta_jax.sampling.backends import backend_for
+    from delta_jax.sampling.attention.backends import backend_for
 
     refusal = backend_for("pallas").refusal(_spec("pallas", 40000))
     assert refusal == smem.page_table_error(40000)
@@ -56,7 +56,7 @@ def test_only_the_tpu_kernel_refuses_too_wide_a_table_in_one_line():
 def test_the_attention_path_is_named_once():
     from delta_jax.models import Transformer
     from delta_jax.sampling import Sampler
-    from delta_jax.sampling.backends import backend_for, resolve_attention
+    from delta_jax.sampling.attention.backends import backend_for, resolve_attention
 
     auto = {p: resolve_attention("auto", p) for p in ("tpu", "cpu", "gpu")}
     assert auto == {"tpu": "pallas", "cpu": "dense", "gpu": "xla"}

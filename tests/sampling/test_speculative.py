@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from delta_jax.sampling import Sampler
-from delta_jax.sampling.auto_speculation import AutoSpeculation
-from delta_jax.sampling.speculate import DRAFT_OUTCOMES
+from delta_jax.sampling.speculation.auto_speculation import AutoSpeculation
+from delta_jax.sampling.speculation.speculate import DRAFT_OUTCOMES
 from tests.sampling.helpers import chisquare_pvalue, peaked_model, truncated_distribution
 from tests.sampling.test_sampler import ATOL, _forward
 
@@ -152,7 +152,7 @@ def test_a_tight_pool_never_preempts_an_older_sequence_for_a_younger_one(model, 
     ahead (a verify step's 7 per step): the younger one, not the one growing, gives way, so the
     oldest always runs and the call ends (before, the two preempted each other in turn and the
     call never ended: bounded here by the chunks run), with plain decoding's tokens."""
-    from delta_jax.sampling import scheduler
+    from delta_jax.sampling.engine import scheduler
 
     chunks, decode = [0], scheduler.Scheduler._decode
 

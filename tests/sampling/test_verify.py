@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from delta_jax.sampling.decode import SlotState, advance_by
-from delta_jax.sampling.paged import PageList
-from delta_jax.sampling.speculate import (
+from delta_jax.sampling.attention.paged import PageList
+from delta_jax.sampling.engine.decode import SlotState, advance_by
+from delta_jax.sampling.speculation.speculate import (
     accepted_path,
     line_trie,
     lookup_drafts,
@@ -217,8 +217,8 @@ def _decode_all(
     (a trie ``depth`` deep; 0: a line) from ``windows`` (k = 0: plain decode steps), in one
     decode chunk. Returns per slot its tokens, log-probs and hidden states, and the number of
     steps; ``stats`` (a dict) counts the steps whose kept path left the first branch."""
-    from delta_jax.sampling.decode import speculative_step, token_sampler
-    from delta_jax.sampling.paged import init_pool, paged_forward
+    from delta_jax.sampling.attention.paged import init_pool, paged_forward
+    from delta_jax.sampling.engine.decode import speculative_step, token_sampler
 
     # Room for every verify step's k + 1 columns in the dense path's views.
     S, page_size, per_seq = len(prompts), 4, 16 if backend.name != "dense" else 64
@@ -291,7 +291,7 @@ def test_speculative_steps_emit_the_tokens_of_plain_decoding(temperature):
     from flax import nnx
 
     from delta_jax.models import ModelConfig, Transformer
-    from delta_jax.sampling.backends import XlaBackend
+    from delta_jax.sampling.attention.backends import XlaBackend
     from delta_jax.sampling.strategies import make_strategy
 
     model = Transformer(ModelConfig.tiny("qwen3", vocab_size=24), rngs=nnx.Rngs(1))
@@ -329,7 +329,7 @@ def test_trie_verify_steps_emit_the_tokens_of_plain_decoding(attention):
     from flax import nnx
 
     from delta_jax.models import ModelConfig, Transformer
-    from delta_jax.sampling.backends import backend_for
+    from delta_jax.sampling.attention.backends import backend_for
     from delta_jax.sampling.strategies import make_strategy
 
     model = Transformer(ModelConfig.tiny("qwen3", vocab_size=24), rngs=nnx.Rngs(1))

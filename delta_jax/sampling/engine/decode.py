@@ -1,7 +1,7 @@
 """The continuous engine's device programs as pure functions of the parameters, the page pool
 and the output buffers: the decode chunk (the static decode loop, a ``lax.while_loop`` of
 decode steps over the slots), the prefill chunk and the observation write.
-:class:`~delta_jax.sampling.programs.EnginePrograms` compiles them and owns their state.
+:class:`~delta_jax.sampling.engine.programs.EnginePrograms` compiles them and owns their state.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from jaxtyping import Array, Bool, Int
 from delta_jax.models import Transformer, lm_head_weight
 from delta_jax.models import axes as ax
 from delta_jax.models.attention import accumulation_dtype
-from delta_jax.sampling.backends import PagedBackend
-from delta_jax.sampling.drafts import SOURCES, Drafts
-from delta_jax.sampling.paged import (
+from delta_jax.sampling.attention.backends import PagedBackend
+from delta_jax.sampling.attention.paged import (
     PagedAttention,
     PageList,
     PagePool,
@@ -29,8 +28,9 @@ from delta_jax.sampling.paged import (
     write_rows,
     xla_attention,
 )
-from delta_jax.sampling.spec import SLOT_FIELDS, STATUS_FIELDS
-from delta_jax.sampling.speculate import (
+from delta_jax.sampling.engine.requests import SLOT_FIELDS, STATUS_FIELDS
+from delta_jax.sampling.speculation.drafts import SOURCES, Drafts
+from delta_jax.sampling.speculation.speculate import (
     DRAFT_ACCEPTED,
     DRAFT_NONE,
     DRAFT_REJECTED,
@@ -169,12 +169,12 @@ def decode_chunk(
     only when a sequence may read them again: one still live after the chunk, or a resumable
     one; the last chunk of a request skips the write-back.
 
-    ``backend``: the paged attention path (:mod:`delta_jax.sampling.backends`): what a step
-    attends with, and what a chunk's start and end do (the CPU path's views and chunk-local
+    ``backend``: the paged attention path (:mod:`delta_jax.sampling.attention.backends`): what a
+    step attends with, and what a chunk's start and end do (the CPU path's views and chunk-local
     buffers).
 
     ``layers`` (on CPU): each layer's weights, sliced once per request
-    (:class:`~delta_jax.sampling.programs.EnginePrograms`) instead of at every step, which
+    (:class:`~delta_jax.sampling.engine.programs.EnginePrograms`) instead of at every step, which
     XLA:CPU does not reliably hoist out of the loop; None (accelerators) slices them inside the
     loop, where the slices fuse into the matmuls (a copy would hold every weight twice).
 
@@ -192,14 +192,14 @@ def decode_chunk(
     start, first = slots.pos, slots.count
 
     def body(carry):
-        i, state, s, written, spec = carry
+        i, state, s, written, draft_state = carry
         weights = model.layer_params() if layers is None else layers
         if drafts is None:
             h, state = backend.step(model, weights, s, state, mesh)
             cols = draw(h[:, 0], s)
             written = backend.write(written, cols, s, i, mesh, K)
-            return i + 1, state, _advance(s, cols["tokens"], stop_sequences), written, spec
-        tail, emitted, counts = spec
+            return i + 1, state, _advance(s, cols["tokens"], stop_sequences), written, draft_state
+        tail, emitted, counts = draft_state
         new, state, v = speculative_step(
             model, weights, backend, draw, s, state, drafts.window, tail,
             draft_tokens, stop_sequences, mesh, draft_depth,
@@ -213,15 +213,15 @@ def decode_chunk(
         i, _, s, _, _ = carry
         return (i < limit) & jnp.any(s.active)
 
-    spec = ()
+    draft_state = ()  # a speculative chunk's carry: each slot's tail, emitted tokens, counters
     if drafts is not None:
         S = slots.last.shape[0]
         emitted = jnp.full((S, emitted_width), -1, jnp.int32)
         counts = jnp.zeros((S, 1 + 2 * len(SOURCES)), jnp.int32)
-        spec = (drafts.tail, emitted, counts)
+        draft_state = (drafts.tail, emitted, counts)
     state, written = backend.begin_chunk(pool, slots, out, mesh, K, drafts is not None)
-    _, state, slots, written, spec = jax.lax.while_loop(
-        cond, body, (jnp.zeros((), jnp.int32), state, slots, written, spec)
+    _, state, slots, written, draft_state = jax.lax.while_loop(
+        cond, body, (jnp.zeros((), jnp.int32), state, slots, written, draft_state)
     )
     keep = resumable | jnp.any(slots.active)
     pool, out = backend.end_chunk(state, written, out, first, start, slots, keep, mesh, K)
@@ -230,7 +230,7 @@ def decode_chunk(
         status = jnp.concatenate([status, slots.recent], axis=1)
     result = dict(pool=pool, out=out, status=status)
     if drafts is not None:
-        result["emitted"], result["counts"] = spec[1], spec[2]
+        result["emitted"], result["counts"] = draft_state[1], draft_state[2]
     return result
 
 
@@ -287,8 +287,8 @@ def token_sampler(model: Transformer, strategy, seed, return_hidden: bool, pad_i
 @dataclasses.dataclass
 class Verified:
     """What one verify step did, per slot: the drafts it scored (``trie``), the positions it
-    kept (``path``, :func:`~delta_jax.sampling.speculate.accepted_path`), the drawn columns
-    along the path ``cols`` (``[S, depth + 1]``: tokens, log-probs, hidden, draft outcomes),
+    kept (``path``, :func:`~delta_jax.sampling.speculation.speculate.accepted_path`), the drawn
+    columns along the path ``cols`` (``[S, depth + 1]``: tokens, log-probs, hidden, draft outcomes),
     the tokens emitted (the first ``taken`` columns), and the slot's last tokens after them."""
 
     trie: Trie
@@ -317,9 +317,9 @@ def speculative_step(
     with the key of its index, the drafts kept down the path of the drawn tokens.
 
     The drafts: with ``depth = 0`` one line of up to ``k`` tokens
-    (:func:`~delta_jax.sampling.speculate.lookup_drafts`); else a trie of up to ``k`` nodes at
-    most ``depth`` deep (:func:`~delta_jax.sampling.speculate.lookup_tree`), each node
-    attending to its ancestors only. ``draw``: :func:`token_sampler`'s ``draw(h [S, H],
+    (:func:`~delta_jax.sampling.speculation.speculate.lookup_drafts`); else a trie of up to ``k``
+    nodes at most ``depth`` deep (:func:`~delta_jax.sampling.speculation.speculate.lookup_tree`),
+    each node attending to its ancestors only. ``draw``: :func:`token_sampler`'s ``draw(h [S, H],
     slots)``. A slot drafts no further than one token short of its budget, at positions its
     pages hold.
 
@@ -455,7 +455,7 @@ def init_outputs(
 ):
     """The output buffers of one request (call inside ``jit``: created sharded by rows);
     ``drafted`` (speculative requests): each token's draft outcome
-    (:data:`~delta_jax.sampling.speculate.DRAFT_OUTCOMES`)."""
+    (:data:`~delta_jax.sampling.speculation.speculate.DRAFT_OUTCOMES`)."""
     names = (ax.BATCH, None)
     out = dict(
         tokens=ax.constrain(jnp.full((rows, gen_len), pad_id, jnp.int32), names),
@@ -508,10 +508,10 @@ def prefill_chunk(
     """Writes the K/V of a chunk of prompt tokens into the prompts' pages (no LM head).
 
     ``pages``: the rows' pages as ``attend`` reads them: a flat list
-    (:func:`~delta_jax.sampling.paged.xla_attention`), or page tables from position 0 (the CPU
-    path's :func:`~delta_jax.sampling.dense_cpu.dense_attention`: each row's pages gathered
-    once per layer and attended to in one batched attention, where the list's block loop runs
-    as many small steps); ``layers``: the per-layer weights sliced once per request (CPU), or
+    (:func:`~delta_jax.sampling.attention.paged.xla_attention`), or page tables from position 0 (the
+    CPU path's :func:`~delta_jax.sampling.attention.dense_cpu.dense_attention`: each row's pages
+    gathered once per layer and attended to in one batched attention, where the list's block loop
+    runs as many small steps); ``layers``: the per-layer weights sliced once per request (CPU), or
     None.
     """
     model: Transformer = nnx.merge(graphdef, params, rest)

@@ -16,14 +16,14 @@ with a paged attention, all of one signature (:data:`PagedAttention`):
   the pool; used on GPU, and for prefill on accelerators;
 * :func:`pallas_attention`: JAX's ``ragged_paged_attention`` TPU kernel (decode: one query
   per sequence, or a few at consecutive positions); a verify step of a trie of drafts, whose
-  mask that kernel does not take, runs on :mod:`delta_jax.sampling.trie_kernel`'s;
-* :func:`~delta_jax.sampling.dense_cpu.dense_attention`: the CPU path (XLA:CPU, where per-op
-  overheads dominate small steps): every sequence's page-table pages gathered into one
+  mask that kernel does not take, runs on :mod:`delta_jax.sampling.attention.trie_kernel`'s;
+* :func:`~delta_jax.sampling.attention.dense_cpu.dense_attention`: the CPU path (XLA:CPU, where
+  per-op overheads dominate small steps): every sequence's page-table pages gathered into one
   contiguous view and attended to at once with the static sampler's attention; its decode runs
-  on views gathered once per chunk (:mod:`delta_jax.sampling.dense_cpu`).
+  on views gathered once per chunk (:mod:`delta_jax.sampling.attention.dense_cpu`).
 
 Which one an engine uses, with the page layout the host sends it, is its backend
-(:mod:`delta_jax.sampling.backends`), picked once.
+(:mod:`delta_jax.sampling.attention.backends`), picked once.
 
 On a mesh the pool is split like the sequences: the page axis over the row (data) axes, so each
 data group of the sampling mesh holds its own share of the pages next to its own slots, and the
@@ -49,8 +49,8 @@ from jaxtyping import Array, Bool, Float, Int
 from delta_jax.models import Transformer
 from delta_jax.models import axes as ax
 from delta_jax.models.attention import accumulation_dtype
-from delta_jax.sampling import smem
-from delta_jax.sampling.pages import SCRATCH_PAGE, PageAllocator
+from delta_jax.sampling.attention import smem
+from delta_jax.sampling.attention.pages import SCRATCH_PAGE, PageAllocator
 
 __all__ = [
     "PAGE_AXES",
@@ -355,7 +355,7 @@ def paged_forward(
     ``<= positions[b, t]`` of its sequence, which must all have been written before or in this
     call, with the paged attention ``attend`` (:data:`PagedAttention`: :func:`xla_attention`,
     :func:`pallas_attention`, or the CPU path's
-    :func:`~delta_jax.sampling.dense_cpu.dense_attention`). The sequences' pages come as
+    :func:`~delta_jax.sampling.attention.dense_cpu.dense_attention`). The sequences' pages come as
     ``attend`` reads them: a flat :class:`PageList`, or page tables ``[B, NB]`` listing each
     sequence's pages from position 0 on, in group-local page indices: with a ``mesh``, rows,
     page lists and pool pages are split over the data groups (the ``batch`` rule) and each

@@ -17,7 +17,7 @@ keeps, per ``n``, where the first few occurrences of each n-gram were followed (
 the most text after them; for ``history``, the latest ones, newest first), updated as tokens
 arrive. A decode chunk's window holds the continuations of several of these occurrences, then
 the whole texts themselves, so the device can draft afresh at every verify step
-(:mod:`delta_jax.sampling.speculate`).
+(:mod:`delta_jax.sampling.speculation.speculate`).
 
 A draft changes only how fast tokens come, never which: the engine accepts a drafted token
 exactly when it equals the token it draws at that index with the sequence's own key, as it
@@ -53,7 +53,7 @@ _NONE = Draft(np.zeros(0, np.int32), None)
 
 class Drafts(NamedTuple):
     """A speculative decode chunk's drafts, one row per slot (NumPy on the host; the device
-    programs take the same tuple of arrays, :mod:`delta_jax.sampling.speculate`).
+    programs take the same tuple of arrays, :mod:`delta_jax.sampling.speculation.speculate`).
 
     Attributes:
       window: int32 ``[S, D]``, the text the slot's sequence may go on with
@@ -271,7 +271,7 @@ class Drafter:
         led by the tokens it matched and followed by a -1; in the rest, whole texts in lookup
         order (:meth:`_texts_of`), each followed by a -1, as many as fit. The device looks the
         sequence's last tokens up in the window at every verify step
-        (:func:`~delta_jax.sampling.speculate.lookup_drafts`, a vote among the first
+        (:func:`~delta_jax.sampling.speculation.speculate.lookup_drafts`, a vote among the first
         occurrences): at the chunk's start the longest suffix it finds is :meth:`propose`'s
         and its first occurrence is :meth:`propose`'s draft (no longer suffix occurs in the
         sources, and the first piece starts with the match); once the sequence has drawn

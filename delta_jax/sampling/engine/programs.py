@@ -27,18 +27,18 @@ from jax.sharding import PartitionSpec as P
 
 from delta_jax.models import Transformer
 from delta_jax.models.axes import logical_to_mesh
-from delta_jax.sampling import dense_cpu
-from delta_jax.sampling.backends import PagedBackend
-from delta_jax.sampling.decode import (
+from delta_jax.sampling.attention import dense_cpu
+from delta_jax.sampling.attention.backends import PagedBackend
+from delta_jax.sampling.attention.paged import init_pool
+from delta_jax.sampling.engine.decode import (
     decode_program,
     init_outputs,
     prefill_chunk,
     write_observations,
 )
-from delta_jax.sampling.drafts import Drafts
+from delta_jax.sampling.engine.requests import EngineSpec
 from delta_jax.sampling.output import to_host
-from delta_jax.sampling.paged import init_pool
-from delta_jax.sampling.spec import EngineSpec
+from delta_jax.sampling.speculation.drafts import Drafts
 from delta_jax.sampling.strategies import strategy_signature
 
 __all__ = ["EnginePrograms", "ProgramCache"]
@@ -111,7 +111,8 @@ class EnginePrograms:
       cache: the sampler's :class:`ProgramCache`.
       model: the model (its config and dtypes).
       spec: the engine call's static configuration.
-      backend: its paged attention backend (:func:`~delta_jax.sampling.backends.backend_for`).
+      backend: its paged attention backend
+        (:func:`~delta_jax.sampling.attention.backends.backend_for`).
       graphdef, params, rest: the model split (``nnx.split(model, nnx.Param, ...)``), with the
         parameters sampled with.
       cache_dtype: the page pool's dtype.
@@ -172,7 +173,7 @@ class EnginePrograms:
 
     def _setup(self, model: Transformer, cache_dtype):
         """The pool, the output buffers and, on CPU, each layer's weights sliced once for every
-        program of the request (see :func:`~delta_jax.sampling.decode.decode_chunk`): one
+        program of the request (see :func:`~delta_jax.sampling.engine.decode.decode_chunk`): one
         call."""
         spec, mesh, graphdef = self.spec, self.cache.mesh, self.graphdef
         make_pool = functools.partial(init_pool, model, spec.num_pages, spec.page_size, cache_dtype)

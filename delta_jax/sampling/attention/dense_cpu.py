@@ -18,8 +18,8 @@ decode chunk and decodes on that:
 * a prefill chunk gathers each row's table pages once per layer and attends in one batched
   attention (:func:`dense_attention`), where the XLA path's page-block loop runs many small steps.
 
-The views are this path's state only: the pool (:class:`~delta_jax.sampling.paged.PagePool`)
-holds pages, nothing else.
+The views are this path's state only: the pool
+(:class:`~delta_jax.sampling.attention.paged.PagePool`) holds pages, nothing else.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from jaxtyping import Array, Bool, Float, Int
 from delta_jax.models import Transformer
 from delta_jax.models import axes as ax
 from delta_jax.models.attention import slot_attention
-from delta_jax.sampling.paged import PagePool, combined, per_group, write_rows
+from delta_jax.sampling.attention.paged import PagePool, combined, per_group, write_rows
 
 __all__ = [
     "Columns",

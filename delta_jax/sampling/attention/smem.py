@@ -10,7 +10,7 @@ compiler take 1,168 bytes. So a call over ``B`` slots with a page table ``W`` pa
 
     4 * (ceil8(B) * ceil128(W) + ceil128(B) + ceil128(B + 1) + 128 + 128) + 1168  <=  2**20
 
-Measured with libtpu 0.0.42.1, compile-only (``tests/sampling/test_smem_tpu.py`` checks the
+Measured with libtpu 0.0.42.1, compile-only (``tests/sampling/test_smem.py`` checks the
 boundary on the compiler itself: the largest ``B`` this allows compiles, one more is refused).
 Qwen3-8B's paper recipe (22,528-token sequences in 16-token pages: a 2,048-page table) fits 120
 slots per call; its 214 slots per data group did not (1,769,472 bytes of page table alone).

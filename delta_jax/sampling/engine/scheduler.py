@@ -3,8 +3,8 @@
 :class:`Scheduler` runs one engine call: a queue, slots and a page allocator per data group,
 admission and preemption, the prefill jobs, the decode chunks' slot matrices and page lists,
 multi-turn hand-overs. The device programs are an object with three named methods
-(:class:`DevicePrograms`; :class:`~delta_jax.sampling.programs.EnginePrograms` on a device), so
-the scheduler runs, and is tested, without compiling anything.
+(:class:`DevicePrograms`; :class:`~delta_jax.sampling.engine.programs.EnginePrograms` on a device),
+so the scheduler runs, and is tested, without compiling anything.
 """
 
 from __future__ import annotations
@@ -16,21 +16,21 @@ from typing import Protocol
 
 import numpy as np
 
-from delta_jax.sampling.backends import PagedBackend
-from delta_jax.sampling.drafts import Drafter
-from delta_jax.sampling.pages import (
+from delta_jax.sampling.attention.backends import PagedBackend
+from delta_jax.sampling.attention.pages import (
     SCRATCH_PAGE,
     PageAllocator,
     pages_for,
     pow2,
 )
-from delta_jax.sampling.spec import (
+from delta_jax.sampling.engine.requests import (
     EngineSpec,
     HostSlots,
     Seq,
     Turns,
     turn_stops,
 )
+from delta_jax.sampling.speculation.drafts import Drafter
 
 __all__ = ["DevicePrograms", "Scheduler"]
 
@@ -62,9 +62,9 @@ class DevicePrograms(Protocol):
 
     def verify(self, packed, pages, steps: int, drafts):
         """As :meth:`decode`, in speculative verify steps with each slot's ``drafts``
-        (:class:`~delta_jax.sampling.drafts.Drafts`); returns the status, the tokens each slot
-        emitted ``[S, E]`` (-1 after them) and its counters ``[S, 1 + 2 * sources]`` (verify
-        steps, drafted and accepted tokens by draft source)."""
+        (:class:`~delta_jax.sampling.speculation.drafts.Drafts`); returns the status, the tokens
+        each slot emitted ``[S, E]`` (-1 after them) and its counters ``[S, 1 + 2 * sources]``
+        (verify steps, drafted and accepted tokens by draft source)."""
 
 
 class _Group:

@@ -1,11 +1,11 @@
 """Speculative decoding on device: drafts looked up in the windows the host prepares, and which
 drafted tokens a verify step keeps.
 
-Once per decode chunk the host's drafter (:meth:`~delta_jax.sampling.drafts.Drafter.window`)
-gives every slot a *window*: text its sequence may go on with (continuations of several
-occurrences of its last tokens in its own text, its siblings', earlier steps' rollouts, then
-those texts whole), each piece led by the tokens before it and followed by a -1. Inside the
-chunk, at every verify step:
+Once per decode chunk the host's drafter
+(:meth:`~delta_jax.sampling.speculation.drafts.Drafter.window`) gives every slot a *window*: text
+its sequence may go on with (continuations of several occurrences of its last tokens in its own
+text, its siblings', earlier steps' rollouts, then those texts whole), each piece led by the tokens
+before it and followed by a -1. Inside the chunk, at every verify step:
 
 * :func:`lookup_drafts`: the slot's last ``m`` tokens (its *tail*) are looked up in its window,
   the longest suffix that occurs (``m`` tokens down to one); the continuations of its first

@@ -3,7 +3,7 @@ tables and flat page lists the device programs read (NumPy only).
 
 A sequence owns a *page table*, the list of pages that hold its positions ``0, page_size,
 2 page_size, ...``; page 0 of every data group's share of the pool is its scratch page: padding
-tokens write there and unused entries point there (:mod:`delta_jax.sampling.paged`).
+tokens write there and unused entries point there (:mod:`delta_jax.sampling.attention.paged`).
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def page_tables(tables: list[list[list[int]]], rows: int, width: int) -> np.ndar
 
 
 def page_lists(tables: list[list[list[int]]], rows: int, size: int) -> np.ndarray:
-    """Flat :class:`~delta_jax.sampling.paged.PageList` entries ``[U, 3]`` (page, seq, index),
-    one list of ``size`` entries per data group, concatenated (the list is split over the
+    """Flat :class:`~delta_jax.sampling.attention.paged.PageList` entries ``[U, 3]`` (page, seq,
+    index), one list of ``size`` entries per data group, concatenated (the list is split over the
     groups like the rows): group ``g``'s per-row page lists in
     group-local rows and pages, padded (row ``rows``: out of range) up to ``size``."""
     page = np.full((len(tables), size), SCRATCH_PAGE, np.int32)

@@ -12,8 +12,8 @@ from typing import Literal
 
 import numpy as np
 
-from delta_jax.sampling.drafts import SOURCES
-from delta_jax.sampling.pages import pages_for, pow2
+from delta_jax.sampling.attention.pages import pages_for, pow2
+from delta_jax.sampling.speculation.drafts import SOURCES
 
 __all__ = [
     "SLOT_FIELDS",
@@ -31,7 +31,7 @@ __all__ = [
     "validate_engine_request",
 ]
 
-# The paged attention paths (:mod:`delta_jax.sampling.paged`).
+# The paged attention paths (:mod:`delta_jax.sampling.attention.paged`).
 Attention = Literal["xla", "pallas", "dense"]
 
 # Per-slot integer fields of the decode program's slot state, packed with the stop ids, the
@@ -50,7 +50,7 @@ class HostSlots:
 
     Attributes:
       last, pos, count, active, max_new, prompt, sample, row, copy_src, copy_dst: int32 [S],
-        the fields of :data:`SLOT_FIELDS` (see ``delta_jax.sampling.decode.SlotState``).
+        the fields of :data:`SLOT_FIELDS` (see ``delta_jax.sampling.engine.decode.SlotState``).
       stops: int32 [S, W], each slot's stop ids, padded with -1.
       recent: int32 [S, L], multi-turn stop sequences' window (-1: none yet).
     """
@@ -146,8 +146,8 @@ class Turns:
     Token ``t`` of a sequence is still drawn with the key of its column ``t``, so the tokens do
     not depend on the slot count, on how long the host takes or on preemptions. Stop sequences
     are matched on device, at the step that draws their last id (a window of the turn's last
-    ids per slot, see :func:`~delta_jax.sampling.decode.decode_chunk`); a one-id sequence is a
-    stop id.
+    ids per slot, see :func:`~delta_jax.sampling.engine.decode.decode_chunk`); a one-id sequence is
+    a stop id.
     """
 
     stop_ids: tuple[int, ...]
@@ -193,7 +193,7 @@ class EngineStats:
     free_pages_after: tuple[int, ...] = ()  # per group: free pages after the call
     group_pages: int = 0  # pages in one group's share of the pool (its scratch page included)
     # Speculative decoding: live slots' verify steps, and drafted and accepted tokens by draft
-    # source (``delta_jax.sampling.drafts.SOURCES``).
+    # source (``delta_jax.sampling.speculation.drafts.SOURCES``).
     verify_steps: int = 0
     drafted: dict[str, int] = dataclasses.field(default_factory=dict)
     accepted: dict[str, int] = dataclasses.field(default_factory=dict)

@@ -6,23 +6,24 @@ the device programs do with them (the prefill's attention, a decode step, the st
 a decode chunk). The scheduler and the programs call the same methods whatever the backend;
 none of them branches on the platform or the attention path.
 
-* :class:`XlaBackend`: flat page lists and :func:`~delta_jax.sampling.paged.xla_attention`
+* :class:`XlaBackend`: flat page lists and :func:`~delta_jax.sampling.attention.paged.xla_attention`
   (GPU; the prefill on accelerators);
 * :class:`PallasBackend`: page tables and the TPU kernel for decode, the XLA path for prefill;
-* :class:`DenseCpuBackend`: page tables and the CPU path (:mod:`delta_jax.sampling.dense_cpu`),
-  whose views and chunk-local buffers stay inside it.
+* :class:`DenseCpuBackend`: page tables and the CPU path
+  (:mod:`delta_jax.sampling.attention.dense_cpu`), whose views and chunk-local buffers stay
+  inside it.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import jax.numpy as jnp
 import numpy as np
 
 from delta_jax.models import Transformer
-from delta_jax.sampling import dense_cpu, smem
-from delta_jax.sampling.paged import (
+from delta_jax.sampling.attention import dense_cpu, smem
+from delta_jax.sampling.attention.paged import (
     PagedAttention,
     PageList,
     PagePool,
@@ -32,19 +33,33 @@ from delta_jax.sampling.paged import (
     write_rows,
     xla_attention,
 )
-from delta_jax.sampling.pages import page_lists, page_tables, pages_for, pow2
-from delta_jax.sampling.spec import EngineSpec
-from delta_jax.sampling.trie_kernel import trie_attention
+from delta_jax.sampling.attention.pages import page_lists, page_tables, pages_for, pow2
+from delta_jax.sampling.attention.trie_kernel import trie_attention
 
 __all__ = [
     "NAMES",
     "DenseCpuBackend",
+    "EngineShape",
     "PagedBackend",
     "PallasBackend",
     "XlaBackend",
     "backend_for",
     "resolve_attention",
 ]
+
+
+class EngineShape(Protocol):
+    """What a backend's host half reads of an engine call's static configuration (the engine's
+    :class:`~delta_jax.sampling.engine.requests.EngineSpec`, which sits above this package)."""
+
+    page_size: int
+    steps: int
+    seq_pages: int  # pages of the longest sequence
+    max_table: int  # page-table width cap
+    draft_tokens: int  # tokens drafted per slot and verify step (0: plain decode steps)
+
+    @property
+    def group_slots(self) -> int: ...
 
 
 class PagedBackend:
@@ -62,32 +77,32 @@ class PagedBackend:
 
     # ---- host ------------------------------------------------------------------------------
 
-    def refusal(self, spec: EngineSpec) -> str | None:
+    def refusal(self, spec: EngineShape) -> str | None:
         """Why this path cannot run ``spec`` whatever the request (one line), or None."""
         return None
 
-    def decode_list_pages(self, spec: EngineSpec) -> int:
+    def decode_list_pages(self, spec: EngineShape) -> int:
         """The length of one data group's flat page list in a decode program (every slot at the
         longest sequence; 1, unused, for the paths that read page tables)."""
         return spec.group_slots * spec.seq_pages
 
-    def table(self, spec: EngineSpec, tables, rows: int) -> np.ndarray:
+    def table(self, spec: EngineShape, tables, rows: int) -> np.ndarray:
         """Every group's per-row page tables, one width per request (``max_table``, or what the
         path reads at most): the decode and prefill programs keep one shape whatever the
         sequences' lengths (the kernels read a row's pages up to its length only)."""
         return page_tables(tables, rows, self._widest(spec))
 
-    def _widest(self, spec: EngineSpec) -> int:
+    def _widest(self, spec: EngineShape) -> int:
         return spec.max_table
 
-    def prefill_pages(self, spec: EngineSpec, tables, rows: int, length: int) -> np.ndarray:
+    def prefill_pages(self, spec: EngineShape, tables, rows: int, length: int) -> np.ndarray:
         """The pages a prefill call of ``length`` tokens per row reads: flat page lists, one
         length per group (a power of two)."""
         used = max(sum(map(len, t)) for t in tables)
         size = pow2(max(used, rows * pages_for(length, spec.page_size)))
         return page_lists(tables, rows, size)
 
-    def decode_pages(self, spec: EngineSpec, tables, rows: int, pos, left, steps: int):
+    def decode_pages(self, spec: EngineShape, tables, rows: int, pos, left, steps: int):
         """``(steps, page table, page list)`` of a decode chunk over ``rows`` rows per group
         (``pos``, ``left``: the live rows' positions and token budgets left). One list length
         per row bucket (every row at the longest sequence): the XLA path reads only the real
@@ -179,13 +194,13 @@ class PagedBackend:
 
 
 class XlaBackend(PagedBackend):
-    """Flat page lists, :func:`~delta_jax.sampling.paged.xla_attention` (GPU)."""
+    """Flat page lists, :func:`~delta_jax.sampling.attention.paged.xla_attention` (GPU)."""
 
 
 class PallasBackend(PagedBackend):
     """Page tables and the ragged paged attention TPU kernel for decode (verify steps of tries:
-    :mod:`~delta_jax.sampling.trie_kernel`); the prefill (several tokens per row) on the XLA
-    path."""
+    :mod:`~delta_jax.sampling.attention.trie_kernel`); the prefill (several tokens per row) on the
+    XLA path."""
 
     name = "pallas"
     decode_attention = staticmethod(pallas_attention)
@@ -208,8 +223,8 @@ class PallasBackend(PagedBackend):
 
 
 class DenseCpuBackend(PagedBackend):
-    """The CPU path (:mod:`delta_jax.sampling.dense_cpu`): page tables, gathered into views once
-    per chunk; a prefill gathers each row's table once per layer."""
+    """The CPU path (:mod:`delta_jax.sampling.attention.dense_cpu`): page tables, gathered into
+    views once per chunk; a prefill gathers each row's table once per layer."""
 
     name = "dense"
     prefill_attention = staticmethod(dense_cpu.dense_attention)

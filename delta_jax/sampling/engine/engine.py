@@ -46,11 +46,11 @@ tables are as wide as the request's longest sequence (the kernels read a row's p
 length), a decode chunk runs one of at most five slot buckets and prefill lengths are
 power-of-two buckets; each program compiles once.
 
-The engine is cut along its seams: :mod:`~delta_jax.sampling.scheduler` is the host side
-(requests, slots, pages, turns, stats; NumPy only), :mod:`~delta_jax.sampling.decode` the device
-programs as pure functions, :mod:`~delta_jax.sampling.programs` compiles them and owns their
-state, :mod:`~delta_jax.sampling.paged` is the paged forward pass and its attention paths. This
-module puts them together for one request.
+The engine is cut along its seams: :mod:`~delta_jax.sampling.engine.scheduler` is the host side
+(requests, slots, pages, turns, stats; NumPy only), :mod:`~delta_jax.sampling.engine.decode` the
+device programs as pure functions, :mod:`~delta_jax.sampling.engine.programs` compiles them and owns
+their state, :mod:`~delta_jax.sampling.attention.paged` is the paged forward pass and its attention
+paths. This module puts them together for one request.
 """
 
 from __future__ import annotations
@@ -64,15 +64,10 @@ import numpy as np
 from flax import nnx
 
 from delta_jax.models import Transformer
-from delta_jax.sampling.backends import PagedBackend, backend_for
+from delta_jax.sampling.attention.backends import PagedBackend, backend_for
 from delta_jax.sampling.buckets import RequestArrays
-from delta_jax.sampling.decode import SlotState, decode_chunk, prefill_chunk
-from delta_jax.sampling.drafts import Drafter
-from delta_jax.sampling.output import SamplerOutput
-from delta_jax.sampling.pages import pages_for
-from delta_jax.sampling.programs import EnginePrograms, ProgramCache
-from delta_jax.sampling.scheduler import DevicePrograms, Scheduler
-from delta_jax.sampling.spec import (
+from delta_jax.sampling.engine.programs import EnginePrograms, ProgramCache
+from delta_jax.sampling.engine.requests import (
     EngineSpec,
     EngineStats,
     Prompt,
@@ -83,19 +78,11 @@ from delta_jax.sampling.spec import (
     turn_stops,
     validate_engine_request,
 )
+from delta_jax.sampling.engine.scheduler import DevicePrograms, Scheduler
+from delta_jax.sampling.output import SamplerOutput
+from delta_jax.sampling.speculation.drafts import Drafter
 
-__all__ = [
-    "EngineSpec",
-    "EngineStats",
-    "SlotState",
-    "Turns",
-    "decode_chunk",
-    "generate_continuous",
-    "pages_for",
-    "prefill_chunk",
-    "run_engine",
-    "validate_engine_request",
-]
+__all__ = ["generate_continuous", "run_engine"]
 
 
 @functools.partial(jax.jit, static_argnames="pad_id")
@@ -143,8 +130,8 @@ def run_engine(
     output tokens ``[:length]`` as lists, read when their turns end.
 
     ``drafter`` (speculative decoding, ``spec.draft_tokens > 0``): drafts each chunk's windows
-    for this request (:meth:`~delta_jax.sampling.drafts.Drafter.begin` here, ``finish`` at the
-    end: the request's texts join its history).
+    for this request (:meth:`~delta_jax.sampling.speculation.drafts.Drafter.begin` here, ``finish``
+    at the end: the request's texts join its history).
     """
     stats = EngineStats(group_pages=spec.group_pages)
     owner = assign_groups(prompts, n, max_new, spec.groups)
@@ -202,7 +189,7 @@ def generate_continuous(
     each request row's generated ids as soon as it ends, while the others decode. ``turns``: a
     multi-turn request (:class:`Turns`); the output's ``action_mask_array`` then marks the
     sampled tokens. ``drafter``: speculative decoding's drafts (``spec.draft_tokens > 0``), a
-    :class:`~delta_jax.sampling.drafts.Drafter` kept across requests (its history).
+    :class:`~delta_jax.sampling.speculation.drafts.Drafter` kept across requests (its history).
 
     Returns:
       ``(SamplerOutput, EngineStats)``.

@@ -31,8 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Bool, Float, Int
 
-from delta_jax.sampling import smem
-from delta_jax.sampling.paged import write_slots
+from delta_jax.sampling.attention import smem
+from delta_jax.sampling.attention.paged import write_slots
 
 __all__ = ["KV_PAGES_PER_BLOCK", "trie_attention"]
 

@@ -1,0 +1,19 @@
+"""The continuous-batching engine: a host scheduler over requests, slots and pages
+(:mod:`~delta_jax.sampling.engine.scheduler`), the device programs as pure functions
+(:mod:`~delta_jax.sampling.engine.decode`), their compilation and state
+(:mod:`~delta_jax.sampling.engine.programs`), one request's types
+(:mod:`~delta_jax.sampling.engine.requests`), and the engine that puts them together for one
+request (:mod:`~delta_jax.sampling.engine.engine`)."""
+
+from delta_jax.sampling.engine.engine import generate_continuous, run_engine
+from delta_jax.sampling.engine.programs import ProgramCache
+from delta_jax.sampling.engine.requests import EngineSpec, EngineStats, Turns
+
+__all__ = [
+    "EngineSpec",
+    "EngineStats",
+    "ProgramCache",
+    "Turns",
+    "generate_continuous",
+    "run_engine",
+]
