@@ -6,9 +6,11 @@ chunk's logits instead of storing them. Peak memory is therefore O(chunk_size * 
 instead of O(B * T * V), in the forward and in the backward pass.
 
 Listed positions (``score_positions``, packed rows) are scored in chunks of a few slots of every
-row at once, and a chunk with no live slot in any row (``-1`` entries, which rows put last) is
-skipped (``lax.cond``), forward and backward: a window as wide as a row costs the LM head of the
-slots the fullest row uses, so one compiled program serves every step whatever its lengths.
+row at once. On XLA:CPU (``skip_empty_slots``, which the update plan sets there) a chunk with no
+live slot in any row (``-1`` entries, which rows put last) is skipped (``lax.cond``), forward
+and backward: a window as wide as a row costs the LM head of the slots the fullest row uses, so
+one compiled program serves every step whatever its lengths. On the TPU compiler the skip cost
+memory (see :func:`slot_logprobs`), so there every chunk is computed.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def token_logprobs(
     chunk_size: int | None = None,
     score_from: int = 0,
     score_positions: Int[Array, "B W"] | None = None,
+    skip_empty_slots: bool = False,
 ) -> LogprobOutput:
     """Log-probabilities of ``targets`` under the model, chunked over tokens.
 
@@ -86,6 +89,8 @@ def token_logprobs(
         response positions of rows packed with several sequences); a negative entry is a
         padding slot (scored at position 0, meaningless). Every output covers these ``W``
         slots; the LM head runs on nothing else.
+      skip_empty_slots: with ``score_positions``, skip the chunks of slots that no row uses
+        (their outputs 0): the XLA:CPU path (:func:`slot_logprobs`).
 
     Returns:
       :class:`LogprobOutput`; values at padded positions are finite but meaningless.
@@ -118,7 +123,7 @@ def token_logprobs(
         at = jnp.maximum(score_positions, 0)
         hidden = jnp.take_along_axis(out.hidden, at[..., None], axis=1)
         live = score_positions >= 0
-        options = dict(temperature=temperature, chunk_size=chunk_size)
+        options = dict(temperature=temperature, chunk_size=chunk_size, skip=skip_empty_slots)
         lp, ent = slot_logprobs(hidden, w, targets, live, return_entropy=return_entropy, **options)
         return LogprobOutput(lp, ent, hidden if return_hidden else None)
     hidden, targets = out.hidden[:, score_from:], targets[:, score_from:]
@@ -199,9 +204,12 @@ def slot_logprobs(
     temperature: float | Float[Array, ""] = 1.0,
     return_entropy: bool = False,
     chunk_size: int | None = None,
+    skip: bool = False,
 ) -> tuple[Float[Array, "B W"], Float[Array, "B W"] | None]:
-    """:func:`chunked_logprobs` of ``W`` slots per row, chunk by chunk of slots, skipping chunks
-    with no ``live`` slot in any row (their outputs are 0).
+    """:func:`chunked_logprobs` of ``W`` slots per row, chunk by chunk of slots; with ``skip``,
+    chunks with no ``live`` slot in any row are skipped (their outputs are 0). The skip is for
+    XLA:CPU: on the TPU compiler its ``lax.cond`` inside the map raised the train step's
+    temporaries of ``configs/qwen3_8b_delta.yaml`` on v5p-64 from 72 to 97 GiB.
 
     A chunk is ``c`` slots of every row (rows stay whole, so a row-sharded batch stays sharded):
     ``c`` is a :data:`SLOT_CHUNKS`-th of the window (a window filled to a fraction of its width
@@ -228,8 +236,10 @@ def slot_logprobs(
 
     def one(args):
         hc, tc, lc = args
-        skip = lambda hc, tc: (jnp.zeros(B * c, acc), jnp.zeros(B * c, acc))
-        return jax.lax.cond(jnp.any(lc), scored, skip, hc, tc)
+        if not skip:
+            return scored(hc, tc)
+        empty = lambda hc, tc: (jnp.zeros(B * c, acc), jnp.zeros(B * c, acc))
+        return jax.lax.cond(jnp.any(lc), scored, empty, hc, tc)
 
     lp, ent = jax.lax.map(one, (split(hidden), split(targets), split(live)))
     join = lambda x: jnp.moveaxis(x.reshape(-1, B, c), 0, 1).reshape(B, -1)[:, :W]

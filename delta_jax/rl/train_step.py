@@ -127,6 +127,7 @@ def window_logprobs(model, mb: TrainBatch, plan: UpdatePlan, *, entropy, hidden)
         return_hidden=hidden,
         score_from=plan.score_from,
         score_positions=mb.score_positions,
+        skip_empty_slots=plan.skip_empty_slots,
     )
     return out.logprobs, out.entropy, out.hidden
 

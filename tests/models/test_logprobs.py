@@ -192,7 +192,9 @@ def test_a_wide_window_skips_its_empty_chunks_and_changes_no_live_slot():
         return jnp.sum(jnp.where(live, out.logprobs, 0)), out
 
     params = nnx.state(model)
-    (_, part), grads = jax.value_and_grad(scored, has_aux=True)(params, score_positions=at)
+    skipping = dict(score_positions=at, skip_empty_slots=True)
+    (_, part), grads = jax.value_and_grad(scored, has_aux=True)(params, **skipping)
+    _, whole = scored(params, score_positions=at)  # no skip (the TPU path): every chunk computed
 
     def gathered(params):
         m = nnx.merge(nnx.graphdef(model), params)
@@ -204,5 +206,7 @@ def test_a_wide_window_skips_its_empty_chunks_and_changes_no_live_slot():
     for ours, theirs in ((part.logprobs, pick(full.logprobs)), (part.entropy, pick(full.entropy))):
         np.testing.assert_allclose(np.where(live, ours, 0), np.where(live, theirs, 0), atol=1e-6)
         assert np.all(np.asarray(ours)[:, 6:] == 0) and np.any(np.asarray(theirs)[:, 6:] != 0)
+    np.testing.assert_allclose(np.where(live, whole.logprobs, 0), np.where(live, part.logprobs, 0))
+    assert np.any(np.asarray(whole.logprobs)[:, 6:] != 0)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
