@@ -19,8 +19,8 @@ rows of ``tokens_per_row`` positions, longest first, each into the first row wit
 (first-fit-decreasing), numbered 1, 2, ... in its row (``segment_ids``). Responses of no tokens
 carry no loss and are left out. The LM head then runs only on the positions that predict a
 response token: each packed row lists them (``Layout.score``) first in a window of as many
-slots as the row has positions, empty slots last, and the LM head skips the chunks of slots
-that no row uses (:func:`delta_jax.models.logprobs.slot_logprobs`). The padded layout's window
+slots as the row has positions, empty slots last, and on CPU the LM head skips the chunks of
+slots that no row uses (:func:`delta_jax.models.logprobs.slot_logprobs`). The padded layout's window
 is the row's last ``W`` positions, as the prompt ends at the same place in every row.
 
 A mini-batch has ``algo.micro_batches`` micro-batches (the train step skips the empty ones)
