@@ -60,15 +60,7 @@ class ModelConfigSection:
     # trains adapters of rank r on `lora_targets` (PEFT module names), scaled by alpha / r.
     lora_rank: int = ranged(0, 0)
     lora_alpha: float = ranged(32.0, 0, bounds="(]")
-    lora_targets: tuple[LoraTarget, ...] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    )
+    lora_targets: tuple[LoraTarget, ...] = typing.get_args(LoraTarget)  # every projection
     dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     scan_layers: bool = False
@@ -167,12 +159,11 @@ class RolloutConfigSection:
     # Wall-clock limit (> 0) of one call: python_tool's code runs; for any other environment,
     # its factory, reset and step (past it the episode ends, counted in episode/env_errors).
     tool_timeout_s: float = ranged(10.0, 0, bounds="(]")
-    # Speculative rollouts (continuous engine; delta_jax.sampling.speculation.drafts): true drafts
-    # up to draft_tokens tokens per sequence and step from the rollout's own text (its own, its
-    # siblings', earlier steps' rollouts of the same prompt) and verifies them in one forward
-    # pass; the tokens are those of false (same seeds, same tokens). auto: never on CPU
-    # (compute-bound decode); on accelerators, per sampler call, the faster of the two as
-    # measured in the run (delta_jax.sampling.speculation.auto_speculation).
+    # Speculative rollouts (continuous engine; delta_jax.sampling.speculation): true drafts up
+    # to draft_tokens tokens per sequence and step from the rollout's own text (its own, its
+    # siblings', earlier steps' of the same prompt), verified in one forward pass; the tokens
+    # are those of false (same seeds). auto: never on CPU (compute-bound decode); on
+    # accelerators, per sampler call, the faster of the two as measured in the run.
     speculate: bool | Literal["auto"] = False
     draft_tokens: int = ranged(4, 1)
     # 0: a line of draft_tokens drafts per verify step; d > 0: a trie of up to draft_tokens
@@ -238,9 +229,13 @@ class AlgoConfigSection:
     entropy_coef: float = ranged(0.0, 0)  # 0: no entropy bonus
     # Truncated importance weights against the sampler's log-probs, capped here (None: off).
     tis_cap: float | None = ranged(None, 0, bounds="(]")
-    # Optimiser updates per rollout batch (DELTA_SPEC §7: 4); accumulated micro-batches each.
+    # Optimiser updates per rollout batch (DELTA_SPEC §7: 4); accumulated micro-batches each
+    # (micro_batches: the rows of one are at most the mini-batch's / it, a memory bound).
     mini_batches: int = ranged(1, 1)
     micro_batches: int = ranged(1, 1)
+    # Packed rows per micro-batch: one update shape per run (rl.packing); auto: about 256 tokens
+    # (CPU) or 2,048 (TPU, GPU) per batch shard; bucketed: a step's rows in one micro-batch.
+    micro_batch_rows: int | Literal["auto", "bucketed"] = "auto"
     # Pack sequences first-fit-decreasing into rows of `tokens_per_row` positions (false: one
     # padded per row); share_prompts: a prompt once per row for its responses there, exact
     # (rl.packing); auto: on unless splash attention would run twice for less (rl.update_plan).
@@ -472,9 +467,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
 def validate(config: Config) -> None:
     """Cross-field checks that single field types cannot express."""
-    r, a, run = config.rollout, config.algo, config.run
+    r, a, run, d = config.rollout, config.algo, config.run, config.data
     _check_ranges(config)
-    d = config.data
     _check_gym(d)
     if config.model.path == "demo:tiny" and d.source in ("demo:arithmetic", "demo:products"):
         if (d.demo_template == "tool") != (d.source == "demo:products"):
@@ -482,7 +476,7 @@ def validate(config: Config) -> None:
                 f"data.demo_template={d.demo_template} does not fit data.source={d.source} "
                 "(demo:products goes with the tool template, demo:arithmetic with short / long)"
             )
-    if config.data.extra_eval_sources and not run.eval_every:
+    if d.extra_eval_sources and not run.eval_every:
         raise ConfigError(
             "data.extra_eval_sources are evaluated every run.eval_every steps: set run.eval_every"
         )
@@ -521,6 +515,12 @@ def validate(config: Config) -> None:
         )
     if a.lam_min > a.lam_max:
         raise ConfigError(f"algo.lam_min={a.lam_min} > algo.lam_max={a.lam_max}: need min <= max")
+    budget = rows // a.mini_batches // a.micro_batches
+    if isinstance(a.micro_batch_rows, int) and not 1 <= a.micro_batch_rows <= budget:
+        raise ConfigError(
+            f"algo.micro_batch_rows={a.micro_batch_rows} must be in [1, {budget}] (the "
+            "mini-batch's rows / algo.micro_batches)"
+        )
     if a.share_prompts is True and not a.packing:
         raise ConfigError("algo.share_prompts=true needs algo.packing=true (shared in packed rows)")
     longest = config.data.max_prompt_length + r.max_new_tokens - 1

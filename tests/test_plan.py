@@ -613,9 +613,10 @@ def test_roofline_arithmetic_by_hand():
 
 @pytest.mark.slow  # compiles every program of the run
 def test_programs_lists_every_program_a_run_compiles():
-    """``--programs``: the train step at every bucket of rows in a micro-batch (the rows of
-    shards, up to the padded layout's), the engine's decode chunk at every slot bucket and its
-    prefill chunk at every length it compiles at a request's first call, each with its time."""
+    """``--programs``: the train step at its one shape (or every bucket of rows in a
+    micro-batch, ``algo.micro_batch_rows=bucketed``), the engine's decode chunk at every slot
+    bucket and its prefill chunk at every length it compiles at a request's first call, each
+    with its time."""
     overrides = ["run.mesh=[2, 2, 2]", "rollout.prompts_per_step=4"]
     overrides += ["rollout.samples_per_prompt=4", "data.max_prompt_length=16"]
     config = load_config(DEMO, [*overrides, "rollout.max_new_tokens=16"])
@@ -623,8 +624,9 @@ def test_programs_lists_every_program_a_run_compiles():
         config, "v5e-8", search=False, compiler="cpu", roofline=False, programs=True
     )
     names = [name for name, _ in report.programs]
-    # 16 rows per micro-batch on 4 batch shards (data 2 x fsdp 2): buckets of 4, 8, 12, 16.
-    train = [f"train step, {r} rows per micro-batch" for r in (4, 8, 12, 16)]
+    # Rows of 31 tokens, about 256 per micro-batch on CPU: 9, rounded up to the 4 batch shards
+    # (data 2 x fsdp 2): 12.
+    train = ["train step, 12 rows per micro-batch"]
     # 4 decode slots per group (16 sequences over 4 data groups): an eighth (1) up to 4.
     decode = [f"decode chunk, {s} slots per group" for s in (1, 2, 4)]
     prefill = ["prefill chunk, 16 tokens per row", "prefill chunk, 32 tokens per row"]

@@ -1,8 +1,9 @@
 """Every program a run compiles, known from its config (``delta-jax plan --programs``).
 
 A run's shapes follow its config, not its lengths (``docs/cli.md``, Compiled programs): the
-train step has one program per bucket of rows in a micro-batch
-(:func:`~delta_jax.rl.packing.row_buckets`; its window is a row wide whatever the responses),
+train step has one program (micro-batches of ``algo.micro_batch_rows``; or, ``bucketed``, one
+per bucket of rows in a micro-batch: :func:`~delta_jax.rl.packing.row_buckets`; its window is a
+row wide whatever the responses),
 the engine's page tables one width per request shape. The engine adds its decode chunk at each
 slot bucket (:meth:`~delta_jax.sampling.engine.requests.EngineSpec.chunk_slots`: a power of two from
 an eighth of a group's slots up to all of them, so the ragged tail of a rollout stops paying for

@@ -15,7 +15,7 @@ from delta_jax.plan.compiler import plan_mesh
 from delta_jax.plan.models import describe, resolve_model_config
 from delta_jax.plan.programs import Planner
 from delta_jax.plan.report import GiB, PlanReport, ProgramMemory
-from delta_jax.rl.packing import uniform_rows
+from delta_jax.rl.packing import micro_batch_shape, uniform_rows
 from delta_jax.sampling.attention import backend_for
 
 
@@ -29,9 +29,10 @@ def compile_train_step(
     """
     mesh, _ = plan_mesh(config, topology_name, compiler)
     model_config = (model_config or resolve_model_config(config)).replace(**model_changes)
-    c = config
-    rows = c.rollout.prompts_per_step * c.rollout.samples_per_prompt // c.algo.mini_batches
-    return Planner(config, mesh, model_config).train(rows // c.algo.micro_batches)
+    planner = Planner(config, mesh, model_config)
+    plan = planner.update_plan
+    _, rows = micro_batch_shape(plan, plan.rows_per_update, sh.batch_divisor(mesh))
+    return planner.train(rows)
 
 
 def largest_fitting(
@@ -126,13 +127,10 @@ def _bound(found: int, measured: dict[int, ProgramMemory | None], budget: int, u
     return f"{x} {unit}: {at_least}{m.peak / GiB:.2f} GiB > budget {budget / GiB:.2f} GiB"
 
 
-def _batch_shape(c, mesh, mean_new_tokens) -> tuple[int, int, int, float]:
+def _batch_shape(c, plan, mesh, mean_new_tokens) -> tuple[int, int, int, float]:
     """``(rows per update, rows per micro-batch, batch shards, mean new tokens)``, checked."""
-    rows_per_update = (
-        c.rollout.prompts_per_step * c.rollout.samples_per_prompt // c.algo.mini_batches
-    )
-    micro_rows = rows_per_update // c.algo.micro_batches
-    divisor = sh.batch_divisor(mesh)
+    rows_per_update, divisor = plan.rows_per_update, sh.batch_divisor(mesh)
+    micro_rows = micro_batch_shape(plan, rows_per_update, divisor)[1]
     if micro_rows % divisor:
         raise ValueError(
             f"micro-batch of {micro_rows} rows (rollout {rows_per_update} rows per update / "
@@ -203,7 +201,9 @@ def plan(
     model_config = model_config or resolve_model_config(config, log)
     planner = Planner(config, mesh, model_config)
     c = config
-    rows_per_update, micro_rows, divisor, mean_new = _batch_shape(c, mesh, mean_new_tokens)
+    rows_per_update, micro_rows, divisor, mean_new = _batch_shape(
+        c, planner.update_plan, mesh, mean_new_tokens
+    )
     train = ProgramMemory(0, 0, 0, 0, 0.0)
     if compile_train:
         log(f"compiling train step ({micro_rows} rows per micro-batch) on {len(devices)} devices")
@@ -365,7 +365,7 @@ def _step_time(planner: Planner, report: PlanReport, slots: int, mean_new, per_s
         train_one=layers[1],
         train_two=layers[2],
         attention_block=mc.attention_block,
-        micro_batches=c.algo.micro_batches,
+        micro_batches=micro_batch_shape(plan, plan.rows_per_update, shards)[0],
         mini_batches=c.algo.mini_batches,
         micro_rows=report.micro_batch_rows,
         useful_tokens=rows["batch/positions"] / rows["batch/packed_rows"] / plan.mini_batches,

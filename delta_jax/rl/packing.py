@@ -23,11 +23,12 @@ slots as the row has positions, empty slots last, and on CPU the LM head skips t
 slots that no row uses (:func:`delta_jax.models.logprobs.slot_logprobs`). The padded layout's window
 is the row's last ``W`` positions, as the prompt ends at the same place in every row.
 
-A mini-batch has ``algo.micro_batches`` micro-batches (the train step skips the empty ones)
-of at most the padded layout's rows each (a micro-batch is a token budget, so its memory is
-as configured); packed rows fill them in order, and the rows per micro-batch are bucketed
-(:func:`micro_batch_shape`): a run compiles one update program per bucket of rows at most
-(:func:`row_buckets`), whatever its lengths do to the window.
+Packed rows fill micro-batches of ``algo.micro_batch_rows`` rows in order, as many as the
+step's rows need (the train step and the passes before it skip the empty ones): one update
+program per run, whatever the lengths do to the rows or the window (:func:`micro_batch_shape`).
+A micro-batch holds at most the padded layout's rows / ``algo.micro_batches`` (a token budget,
+so its memory is as configured). ``bucketed``: a step's rows in one micro-batch, its rows
+bucketed: one update program per bucket a run meets (:func:`row_buckets`).
 
 Shared prompts (``algo.share_prompts``, packed rows; ``auto``: in the steps where it takes
 fewer rows, :attr:`UpdatePlan.share_if_fewer_rows`): the responses of one prompt go into a row
@@ -193,13 +194,20 @@ def layout(
 
 
 def micro_batch_shape(plan: UpdatePlan, rows: int, shards: int) -> tuple[int, int]:
-    """``(micro-batches, rows per micro-batch)`` holding ``rows`` packed rows: the plan's
-    micro-batches (the train step skips those left empty), each of at most the padded layout's
-    rows (``rows_per_update / micro_batches`` rows of ``tokens_per_row``, so its memory is
-    bounded as configured); rows fill them in order, and when they fit in one, its rows are
-    bucketed (:func:`bucket_rows`, a multiple of ``shards``).
+    """``(micro-batches, rows per micro-batch)`` holding ``rows`` packed rows; rows fill the
+    micro-batches in order and the train step skips those left empty. Each holds at most the
+    padded layout's rows (``rows_per_update / micro_batches`` rows of ``tokens_per_row``, so
+    its memory is bounded as configured).
+
+    One shape per run (``plan.micro_batch_rows``): micro-batches of that many rows (a multiple
+    of ``shards``), as many as the most rows a step can lay out (one sequence per row) need.
+    Bucketed (0): the plan's micro-batches, and when the rows fit in one, its rows bucketed
+    (:func:`bucket_rows`, a multiple of ``shards``).
     """
     budget = plan.rows_per_update // plan.micro_batches
+    if plan.packing and plan.micro_batch_rows:
+        size = min(-(-plan.micro_batch_rows // shards) * shards, budget)
+        return -(-plan.rows_per_update // size), size
     if not plan.packing or rows > budget:
         return plan.micro_batches, budget
     return plan.micro_batches, bucket_rows(rows, shards, limit=budget)

@@ -24,12 +24,13 @@ from delta_jax.losses import (
     delta_coefficients_microbatched,
     forking_tokens_mask,
 )
-from delta_jax.rl.train_step import TrainBatch, delta_kwargs, window_logprobs
+from delta_jax.rl.train_step import TrainBatch, delta_kwargs, unless_padding, window_logprobs
 from delta_jax.rl.update_plan import UpdatePlan
 
 
 def forward_chunks(graphdef, plan: UpdatePlan, params, batch: TrainBatch, *, entropy, hidden):
-    """Log-probs (entropy, hidden) of every micro-batch of ``batch [mini, M, b, ...]``, in turn."""
+    """Log-probs (entropy, hidden) of every micro-batch of ``batch [mini, M, b, ...]``, in turn
+    (packed micro-batches of padding only: zeros, skipped as the train step skips them)."""
     lead = batch.tokens.shape[:2]
     flat = lambda x: x.reshape(-1, *x.shape[2:])
 
@@ -37,7 +38,9 @@ def forward_chunks(graphdef, plan: UpdatePlan, params, batch: TrainBatch, *, ent
         model = nnx.merge(graphdef, params)
         return window_logprobs(model, mb, plan, entropy=entropy, hidden=hidden)
 
-    out = jax.lax.map(one, jax.tree.map(flat, batch))
+    skips = plan.packing and batch.tokens.shape[1] > 1
+    live_only = lambda mb: unless_padding(one, mb, mb)
+    out = jax.lax.map(live_only if skips else one, jax.tree.map(flat, batch))
     return jax.tree.map(lambda x: x.reshape(*lead, *x.shape[1:]), out)
 
 

@@ -88,8 +88,11 @@ def check_batch(plan: UpdatePlan, batch: TrainBatch) -> None:
 
 def abstract_batch(plan: UpdatePlan, rows: int, sharding=None) -> TrainBatch:
     """Shapes of one mini-batch of ``rows`` rows per micro-batch, as the plan feeds it (packed
-    rows at their widest window, ``plan.window``)."""
+    rows at their widest window, ``plan.window``; with one shape per run, as many
+    micro-batches as the mini-batch's rows need at most)."""
     M, T, W = plan.micro_batches, plan.row_len, plan.window
+    if plan.packing and plan.micro_batch_rows:
+        M = -(-plan.rows_per_update // rows)
     sds = lambda width, dtype: jax.ShapeDtypeStruct((M, rows, width), dtype, sharding=sharding)
     ints = ("score_positions", "score_segments", "positions", "parent_ids")
     dtypes = {"token_mask": jnp.bool_} | dict.fromkeys(ints, jnp.int32)
@@ -243,15 +246,11 @@ def make_train_step(
         params, frozen = lora.split_trainable(state.params)
 
         def accumulate(grads_sum, mb):
+            args = (params, frozen, mb, normalizer)
             if plan.packing and batch.tokens.shape[0] > 1:  # micro-batches of padding: skipped
-                result = jax.eval_shape(grad_fn, params, frozen, mb, normalizer)
-                skip = lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), result)
-                live = jnp.any(mb.segment_ids > 0)
-                (loss, metrics), grads = jax.lax.cond(
-                    live, grad_fn, skip, params, frozen, mb, normalizer
-                )
+                (loss, metrics), grads = unless_padding(grad_fn, mb, *args)
             else:
-                (loss, metrics), grads = grad_fn(params, frozen, mb, normalizer)
+                (loss, metrics), grads = grad_fn(*args)
             return jax.tree.map(jnp.add, grads_sum, grads), (loss, metrics)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
@@ -274,6 +273,14 @@ def make_train_step(
         return new_state, metrics
 
     return jax.jit(step, donate_argnums=(0,) if donate else (), **(jit_kwargs or {}))
+
+
+def unless_padding(fn, mb: TrainBatch, *args):
+    """``fn(*args)`` where the micro-batch ``mb`` holds a sequence; where it is padding only,
+    zeros of the same shapes, ``fn`` skipped (``lax.cond``)."""
+    out = jax.eval_shape(fn, *args)
+    zeros = lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out)
+    return jax.lax.cond(jnp.any(mb.segment_ids > 0), fn, zeros, *args)
 
 
 def combine_metrics(

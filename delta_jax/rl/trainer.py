@@ -16,8 +16,9 @@ One RL step (:meth:`Trainer.step`), each stage a function below, in this order:
    hidden states, or the old-policy pass (old log-probs, coefficients once per rollout batch),
    and the reference pass (:mod:`delta_jax.rl.prepare`);
 3. **update(s)** (:meth:`~delta_jax.rl.update.Updater.update`): ``algo.mini_batches``
-   optimiser updates, each accumulating ``algo.micro_batches`` micro-batches; metrics reduced
-   by meaning;
+   optimiser updates, each accumulating its micro-batches (of ``algo.micro_batch_rows`` packed
+   rows, as many as the rows need: one program whatever the lengths); metrics reduced by
+   meaning;
 4. **log / evaluate / save** (:meth:`Trainer._finish`).
 
 Resume is exact: sampling seeds derive from (seed, step), the prompt source's state is saved
@@ -368,12 +369,12 @@ class Trainer:
         return row
 
     def _compile_ahead(self) -> None:
-        """``run.compile_ahead``: the train step at every bucket of rows (into the persistent
-        cache) and the rollout engine's programs (:func:`warm_up_rollout`), before the first
+        """``run.compile_ahead``: the train step at every shape of rows a step can meet (one;
+        ``bucketed``: each bucket), into the persistent cache, and the rollout engine's programs (:func:`warm_up_rollout`), before the first
         step. Multi-turn and speculative engines compile theirs in the first rollout."""
         cfg, parts = self.config, self.parts
         start, before = time.perf_counter(), CompileCounter.snapshot()
-        log.info("compiling ahead: the update at every bucket of rows, the rollout's engine")
+        log.info("compiling ahead: the update at every shape of rows, the rollout's engine")
         self.updater.compile_ahead(
             self.state, self._stand_in, self.state.params, self.ref_params, log=log.info
         )

@@ -65,8 +65,8 @@ class Updater:
         self._coefficients = make_sampler_coefficients(plan, mesh=mesh if sharded else None)
 
     def compile_ahead(self, state: TrainState, rollout_like, params, ref_params=None, log=None):
-        """Compiles every program of the update ahead, once per bucket of rows a step can lay
-        out (:func:`~delta_jax.rl.packing.row_buckets`): the row assembly, the plan's passes
+        """Compiles every program of the update ahead, at each shape of rows a step can lay
+        out (one, or each bucket: :func:`~delta_jax.rl.packing.row_buckets`): the row assembly, the plan's passes
         before the update and the mini-batch slices by running them on a stand-in rollout
         whose long responses fill that many rows; the train step, which would change the
         state, lowered and compiled into JAX's persistent cache (its first call with that shape

@@ -57,6 +57,10 @@ class UpdatePlan:
         into fewer rows (:func:`shares_prompts` decides whether it may).
       group_size: responses per prompt (consecutive rollout sequences share their prompt).
       tokens_per_row: T of a packed row.
+      micro_batch_rows: packed rows per micro-batch (``algo.micro_batch_rows``, rounded up to
+        the batch shards), a step running as many micro-batches as its rows need: one update
+        shape whatever the lengths. 0: a step's rows in one micro-batch, in buckets
+        (:func:`~delta_jax.rl.packing.micro_batch_shape`).
       delta_scope: ``"global"`` or ``"per_shard"`` DelTA statistics.
       skip_empty_slots: the LM head skips chunks of scored slots that no row uses (a CPU path:
         on the TPU compiler the skip's ``lax.cond`` costs the train step of
@@ -79,6 +83,7 @@ class UpdatePlan:
     group_size: int
     tokens_per_row: int
     delta_scope: str
+    micro_batch_rows: int = 0
     skip_empty_slots: bool = False
 
     @classmethod
@@ -106,20 +111,24 @@ class UpdatePlan:
         """The plan of ``config`` on ``platform`` (default: JAX's default backend)."""
         r, a = config.rollout, config.algo
         objective = resolve_objective(a, max_response_length=r.max_new_tokens)
-        mini, micro = a.mini_batches, a.micro_batches
-        coefficients: CoefficientSource = "none"
-        if objective.uses_delta:
-            coefficients = "old_pass" if mini > 1 else "sampler" if micro > 1 else "in_loss"
         P, G = config.data.max_prompt_length, r.max_new_tokens
         T = a.tokens_per_row or longest_sequence(P, G)
         platform = platform or jax.default_backend()
         share = shares_prompts(config, T, platform)
+        rows = r.prompts_per_step * r.samples_per_prompt
+        mini, micro = a.mini_batches, a.micro_batches
+        micro_rows = micro_batch_rows(config, T, platform)
+        # Several micro-batches: the coefficients come from outside the loss (DELTA_SPEC §4).
+        several = micro > 1 or 0 < micro_rows < rows // mini
+        coefficients: CoefficientSource = "none"
+        if objective.uses_delta:
+            coefficients = "old_pass" if mini > 1 else "sampler" if several else "in_loss"
         return cls(
             objective=objective,
             prompt_len=P,
             gen_len=G,
             temperature=r.temperature or 1.0,
-            rows=r.prompts_per_step * r.samples_per_prompt,
+            rows=rows,
             mini_batches=mini,
             micro_batches=micro,
             coefficients=coefficients,
@@ -131,6 +140,7 @@ class UpdatePlan:
             group_size=r.samples_per_prompt,
             tokens_per_row=T,
             delta_scope=a.delta_scope,
+            micro_batch_rows=micro_rows,
             skip_empty_slots=platform == "cpu",
         )
 
@@ -166,6 +176,27 @@ class UpdatePlan:
     @property
     def rows_per_update(self) -> int:
         return self.rows // self.mini_batches
+
+
+# Tokens per batch shard of a micro-batch that ``algo.micro_batch_rows: auto`` aims at: on a
+# TPU or GPU each micro-batch reads every weight again (HBM), so a few thousand tokens keep
+# that a small part of its matmuls; XLA:CPU's memory is slower against its matmuls, and there
+# small micro-batches cost little while rounding a step's rows up to fewer (benchmarks/
+# micro_batch_rows.py).
+MICRO_BATCH_TOKENS = {"cpu": 256}
+MICRO_BATCH_TOKENS_ACCELERATOR = 2048
+
+
+def micro_batch_rows(config: Config, row_len: int, platform: str) -> int:
+    """Packed rows per micro-batch (``algo.micro_batch_rows``; 0: bucketed, or padded rows)."""
+    a, r = config.algo, config.rollout
+    if not a.packing or a.micro_batch_rows == "bucketed":
+        return 0
+    budget = r.prompts_per_step * r.samples_per_prompt // a.mini_batches // a.micro_batches
+    if a.micro_batch_rows != "auto":
+        return a.micro_batch_rows
+    tokens = MICRO_BATCH_TOKENS.get(platform, MICRO_BATCH_TOKENS_ACCELERATOR)
+    return min(budget, -(-tokens // row_len))
 
 
 def shares_prompts(config: Config, row_len: int, platform: str) -> bool:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from delta_jax.diagnostics.metrics_log import read_metrics
+from delta_jax.rl.packing import bucket_rows
 from tests.rl.conftest import tiny_overrides
 
 ROOT = Path(__file__).parents[2]
@@ -90,17 +91,19 @@ MOVING += ["algo.tokens_per_row=64", "algo.share_prompts=false"]
 
 @pytest.mark.slow  # a CLI run
 def test_steps_whose_lengths_move_compile_nothing_after_the_first(tmp_path, demo_model_dir):
-    """Six steps whose response lengths move the packed rows across buckets, the scored slots
-    and the sampling rounds from step to step, compiled ahead (``run.compile_ahead``): nothing
-    compiles after the first step and the first evaluation (evaluations at steps 0, 3, 6)."""
+    """Six steps whose response lengths move the packed rows (across what would be buckets of
+    rows in one micro-batch), the scored slots and the sampling rounds from step to step, as
+    configured by default (one update shape, nothing compiled ahead): nothing compiles after
+    the first step and the first evaluation (evaluations at steps 0, 3, 6)."""
     cache = f"run.compile_cache={tmp_path / 'xla'}"
-    # One device: rows in buckets of one row (on the suite's 8 devices they come in eights).
+    # One device: micro-batches of 4 rows (256 tokens; on the suite's 8 devices, of 8 rows).
     one = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ["XLA_FLAGS"])
-    ahead = (*MOVING, cache, "run.compile_ahead=true")
-    rows, _ = _cli_run(tmp_path, "moving", demo_model_dir, *ahead, XLA_FLAGS=one)
+    rows, _ = _cli_run(tmp_path, "moving", demo_model_dir, *MOVING, cache, XLA_FLAGS=one)
     steps = [r for r in rows if "loss" in r]
     moved = lambda key: len({r[key] for r in steps})
-    assert moved("batch/packed_rows") > 1 and moved("batch/scored_positions") > 1, steps
+    assert moved("batch/micro_batches") > 1 and moved("batch/scored_positions") > 1, steps
+    buckets = {bucket_rows(int(r["batch/packed_rows"]), 1, 64) for r in steps}
+    assert len(buckets) > 1, steps  # a bucketed update would have compiled each
     assert moved("dynamic/rounds") > 1 or moved("response_length_max") > 1
     assert [r["compiles"] for r in steps[1:]] == [0] * 5, steps
     assert sum("eval/avg@1" in r for r in steps) == 2  # the evaluations at steps 3 and 6

@@ -113,14 +113,16 @@ def _assert_same(a, b, atol):
 
 
 @pytest.mark.parametrize("multi_turn", [False, True], ids=["single_turn", "multi_turn"])
-@pytest.mark.parametrize("mini,micro", CASES)
+@pytest.mark.parametrize("mini,micro,rows", CASES)
 @pytest.mark.parametrize("loss", ["delta", "gspo"])
-def test_shared_update_equals_unshared(setup, update, loss, mini, micro, multi_turn):
+def test_shared_update_equals_unshared(setup, update, loss, mini, micro, rows, multi_turn):
     """The same rollout, prompts shared or not: the same update. With 4 mini-batches the chain
     of four SGD steps amplifies float32 rounding (as packed vs padded rows,
     ``test_packed_update_equals_padded``): there each update is replayed from the shared run's
     parameters, within 1e-5; float64 below."""
-    shared, unshared = (update(s, loss, mini, micro, multi_turn) for s in (True, False))
+    shared, unshared = (
+        update(s, loss, mini, micro, multi_turn, micro_batch_rows=rows) for s in (True, False)
+    )
     assert shared[1]["batch/positions"] < unshared[1]["batch/positions"]
     if mini == 1:
         _assert_same(shared, unshared, atol=1e-5)
@@ -239,11 +241,9 @@ def test_auto_shares_a_step_only_where_it_takes_fewer_rows(response, shared, row
     rows: with one sequence per row either way, the unshared rows (narrower window) stay."""
     from delta_jax.rl.update_plan import UpdatePlan
 
-    config = load_config(
-        None,
-        ["data.max_prompt_length=16", "rollout.max_new_tokens=24", "rollout.prompts_per_step=4",
-         "rollout.samples_per_prompt=4"],
-    )  # fmt: skip
+    shape = ["data.max_prompt_length=16", "rollout.max_new_tokens=24"]
+    groups = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4"]
+    config = load_config(None, [*shape, *groups, "algo.micro_batch_rows=1"])
     plan = UpdatePlan.from_config(config, "cpu")
     plens, glens = np.full(16, 12), np.full(16, response)
     _, stats = plan_rows(plan, np.arange(16), plens, glens, 1)

@@ -196,7 +196,10 @@ def _max_diff(a, b):
     )
 
 
-CASES = [(1, 1), (1, 4), (4, 1)]
+# (mini-batches, micro-batches, packed rows per micro-batch): a step's rows in one micro-batch
+# (bucketed), or micro-batches of 2 rows, as many as the rows need (one shape per run; DelTA's
+# coefficients then from the sampler's hidden states, here the trainer's own).
+CASES = [(1, 1, "bucketed"), (1, 4, "bucketed"), (4, 1, "bucketed"), (1, 1, 2), (4, 1, 2)]
 
 
 @pytest.mark.parametrize("share", [False, True])
@@ -214,7 +217,7 @@ def test_packed_rows_score_only_response_positions(setup, share):
     targets = np.asarray(batch.targets)  # each slot's
     assert slots.shape[-1] == plan.row_len
     used = (slots >= 0).sum(-1)
-    assert stats["batch/scored_positions"] == used.max() * used.size
+    assert stats["batch/scored_positions"] == used.max() * stats["batch/packed_rows"]
     # Each row's slots come first, its empty ones after them.
     rows = slots.reshape(-1, plan.row_len)
     assert all((row[:n] >= 0).all() for row, n in zip(rows, used.flat, strict=True))
@@ -342,9 +345,9 @@ def test_observations_get_no_gradient(setup_multi, name):
 
 
 @pytest.mark.parametrize("multi_turn", [False, True], ids=["single_turn", "multi_turn"])
-@pytest.mark.parametrize("mini,micro", CASES)
+@pytest.mark.parametrize("mini,micro,rows", CASES)
 @pytest.mark.parametrize("loss", ["delta", "dapo"])
-def test_packed_update_equals_padded(setup, results, loss, mini, micro, multi_turn):
+def test_packed_update_equals_padded(setup, results, loss, mini, micro, rows, multi_turn):
     """Same rollout, packed vs padded rows: same parameters, coefficients, loss and metrics;
     also when it is multi-turn (observation tokens inside some responses, no loss on them).
 
@@ -360,14 +363,16 @@ def test_packed_update_equals_padded(setup, results, loss, mini, micro, multi_tu
     parameters.
     """
     _, params, _ = setup
-    run = lambda packing: results(loss, packing, mini, micro, multi_turn)
-    packed, padded = run(True), run(False)
+    packed = results(loss, True, mini, micro, multi_turn, micro_batch_rows=rows)
+    padded = results(loss, False, mini, micro, multi_turn)
     # Every micro-batch of the plan (those of padding only skipped), the window a row wide.
-    assert packed[2].tokens.shape[1] == micro and packed[2].targets.shape[-1] == 30
+    shape = (micro, B // mini) if rows == "bucketed" else (B // mini // rows, rows)
+    assert packed[2].tokens.shape[1] == shape[0] and packed[2].targets.shape[-1] == 30
+    assert rows == "bucketed" or packed[2].tokens.shape[2] == shape[1]
     if mini == 1:
         assert _max_diff(packed[0].params, padded[0].params) <= 1e-5
     else:
-        step_packed = results.train_step(loss, True, mini, micro, multi_turn)
+        step_packed = results.train_step(loss, True, mini, micro, multi_turn, micro_batch_rows=rows)
         step_padded = results.train_step(loss, False, mini, micro, multi_turn)
         state = _initial_state(params, SGD)
         for m in range(mini):
@@ -384,7 +389,7 @@ def test_packed_update_equals_padded(setup, results, loss, mini, micro, multi_tu
         lengths = setup[2].lengths
         actions = 1 - _observations(lengths).sum() / lengths.sum()
         assert packed[1]["batch/action_fraction"] == pytest.approx(actions, rel=1e-6)
-        single_turn = results(loss, True, mini, micro)[0]
+        single_turn = results(loss, True, mini, micro, micro_batch_rows=rows)[0]
         assert _max_diff(packed[0].params, single_turn.params) > 1e-3
     else:
         assert "batch/action_fraction" not in packed[1]
@@ -397,7 +402,8 @@ def test_packed_chained_updates_equal_padded_in_float64(setup64, loss):
     2.7e-15, DAPO 8.8e-15), so the float32 gap of the chain is rounding amplified by the steps,
     not layout."""
     with jax.enable_x64(True):  # this test only: every array and program below is float64
-        packed, padded = (_rl_update(setup64, *_plan(loss, p, 4, 1)) for p in (True, False))
+        plans = (_plan(loss, p, 4, 1, micro_batch_rows=2) for p in (True, False))
+        packed, padded = (_rl_update(setup64, *plan) for plan in plans)
         assert jax.tree.leaves(packed[0].params)[0].dtype == jnp.float64
         assert packed[2].old_logprobs.dtype == jnp.float64
         assert _max_diff(packed[0].params, padded[0].params) <= 1e-5
@@ -411,7 +417,8 @@ def _assert_same_update(params, packed, padded):
     assert m_packed["batch/packed_rows"] < m_padded["batch/packed_rows"]
     assert m_packed["batch/pad_fraction"] <= m_padded["batch/pad_fraction"]
     assert _max_diff(state.params, params) > 1e-2
-    same = lambda k: not k.startswith(("batch/", "time/"))
+    # (where the coefficients were computed aside: in the loss, or from the sampler's hidden)
+    same = lambda k: not k.startswith(("batch/", "time/", "delta/computed_"))
     assert {k for k in m_packed if same(k)} == {k for k in m_padded if same(k)}
     for key in filter(same, m_padded):
         np.testing.assert_allclose(m_packed[key], m_padded[key], rtol=1e-5, atol=1e-6, err_msg=key)
@@ -479,12 +486,16 @@ def test_non_finite_gradient_skips_the_update_and_the_step_compiles_once(setup):
 
 def test_the_plan_decides_the_inputs(results):
     """A batch without the coefficients the plan expects is refused (no None-means-a-mode)."""
-    _, sampler_plan = _plan("delta", micro=4)
-    _, in_loss_plan = _plan("delta")
+    _, sampler_plan = _plan("delta", micro=4, micro_batch_rows="bucketed")
+    _, in_loss_plan = _plan("delta", micro_batch_rows="bucketed")
     assert (sampler_plan.coefficients, in_loss_plan.coefficients) == ("sampler", "in_loss")
+    # One shape per run: several micro-batches of packed rows unless one holds every row.
+    assert _plan("delta", micro_batch_rows=8)[1].coefficients == "sampler"
+    assert _plan("delta", micro_batch_rows=B)[1].coefficients == "in_loss"
+    assert _plan("delta", packing=False)[1].coefficients == "in_loss"
     assert _plan("delta", mini=2)[1].coefficients == "old_pass"
     assert _plan("dapo", mini=2)[1].coefficients == "none"
-    _, _, batch = results("delta")
+    _, _, batch = results("delta", micro_batch_rows="bucketed")
     with pytest.raises(ValueError, match="needs TrainBatch.coefficients"):
         check_batch(sampler_plan, batch)
 

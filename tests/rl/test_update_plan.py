@@ -22,7 +22,13 @@ def test_plan_from_config():
     padded = _plan("algo.packing=false", "data.max_prompt_length=16", "rollout.max_new_tokens=24")
     assert (padded.row_len, padded.score_from, padded.window) == (39, 15, 24)
     assert _plan("algo.tokens_per_row=128").row_len == 128
-    assert (plan.old_pass, plan.reference, plan.prepares) == (False, False, False)
+    assert (plan.old_pass, plan.reference, plan.prepares) == (False, False, True)
+    # The demo's DelTA update runs micro-batches of 7 packed rows (273 tokens, about 256 on
+    # CPU): its coefficients come from the sampler's hidden states, before the update.
+    assert (plan.micro_batch_rows, plan.coefficients) == (7, "sampler")
+    bucketed = _plan("data.max_prompt_length=16", "algo.micro_batch_rows=bucketed")
+    assert bucketed.micro_batch_rows == 0 and bucketed.coefficients == "in_loss"
+    assert not bucketed.prepares
     paper = _plan("algo.mini_batches=4", "algo.kl_coef=0.1", "algo.loss=dapo_forking_tokens")
     assert (paper.old_pass, paper.reference, paper.fixed_token_mask) == (True, True, True)
 
@@ -51,13 +57,27 @@ def test_micro_batches_are_a_token_budget():
         "algo.mini_batches=4",
         "algo.micro_batches=16",
     )
-    packed, padded = _plan(*paper), _plan(*paper, "algo.packing=false")
+    packed = _plan(*paper, "algo.micro_batch_rows=bucketed")
+    padded = _plan(*paper, "algo.packing=false")
     assert micro_batch_shape(padded, 100, 4) == (16, 32)  # the padded layout never changes
     assert micro_batch_shape(packed, 512, 4) == (16, 32)
     assert micro_batch_shape(packed, 100, 4) == (16, 32)  # 4 micro-batches run, 12 skipped
     assert micro_batch_shape(packed, 20, 4) == (16, 24)  # one, its rows a bucket
     assert row_buckets(packed, 4) == [4, 8, 12, 16, 24, 32]
     assert row_buckets(padded, 4) == [32]
+    # One shape per run: micro-batches of micro_batch_rows (rounded up to the shards), as many
+    # as one sequence per row needs; its rows never change.
+    for rows, want in ((1, (128, 4)), (6, (64, 8)), (32, (16, 32))):
+        one = _plan(*paper, f"algo.micro_batch_rows={rows}")
+        assert {micro_batch_shape(one, r, 4) for r in (1, 20, 100, 512)} == {want}
+        assert row_buckets(one, 4) == [want[1]]
+    # auto: 2,048 tokens per shard on TPU, 256 on CPU, at most the micro-batch's rows.
+    long = _plan(*paper, "data.max_prompt_length=64", "rollout.max_new_tokens=64")
+    assert long.micro_batch_rows == 3  # rows of 127 tokens on CPU
+    tpu = UpdatePlan.from_config(load_config(None, list(paper)), "tpu")
+    assert tpu.micro_batch_rows == 32  # at most the budget (2,048 tokens: 53 rows of 39)
+    with pytest.raises(ConfigError, match=r"algo.micro_batch_rows=33 must be in \[1, 32\]"):
+        _plan(*paper, "algo.micro_batch_rows=33")
 
 
 def test_delta_scope_per_shard_reaches_the_losses():
