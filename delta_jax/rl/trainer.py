@@ -370,8 +370,9 @@ class Trainer:
 
     def _compile_ahead(self) -> None:
         """``run.compile_ahead``: the train step at every shape of rows a step can meet (one;
-        ``bucketed``: each bucket), into the persistent cache, and the rollout engine's programs (:func:`warm_up_rollout`), before the first
-        step. Multi-turn and speculative engines compile theirs in the first rollout."""
+        ``bucketed``: each bucket), into the persistent cache, and the rollout engine's programs
+        (:func:`warm_up_rollout`), before the first step. Multi-turn and speculative engines
+        compile theirs in the first rollout."""
         cfg, parts = self.config, self.parts
         start, before = time.perf_counter(), CompileCounter.snapshot()
         log.info("compiling ahead: the update at every shape of rows, the rollout's engine")

@@ -66,12 +66,12 @@ class Updater:
 
     def compile_ahead(self, state: TrainState, rollout_like, params, ref_params=None, log=None):
         """Compiles every program of the update ahead, at each shape of rows a step can lay
-        out (one, or each bucket: :func:`~delta_jax.rl.packing.row_buckets`): the row assembly, the plan's passes
-        before the update and the mini-batch slices by running them on a stand-in rollout
-        whose long responses fill that many rows; the train step, which would change the
-        state, lowered and compiled into JAX's persistent cache (its first call with that shape
-        loads it). ``rollout_like(lengths)``: a stand-in :class:`Rollout` with those response
-        lengths, placed as the trainer's. Returns the buckets compiled."""
+        out (one, or each bucket: :func:`~delta_jax.rl.packing.row_buckets`): the row
+        assembly, the plan's passes before the update and the mini-batch slices by running them
+        on a stand-in rollout whose long responses fill that many rows; the train step, which
+        would change the state, lowered and compiled into JAX's persistent cache (its first
+        call with that shape loads it). ``rollout_like(lengths)``: a stand-in :class:`Rollout`
+        with those response lengths, placed as the trainer's. Returns the shapes compiled."""
         if not jax.config.jax_enable_compilation_cache:
             raise ValueError("compiling ahead keeps the programs in run.compile_cache: turn it on")
         plan, log = self.plan, log or (lambda message: None)
