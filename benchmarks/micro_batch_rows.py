@@ -13,6 +13,15 @@ own forward where it runs one).
 
     python benchmarks/micro_batch_rows.py --config configs/demo.yaml [--steps 20] [--repeats 1]
     python benchmarks/micro_batch_rows.py --config configs/demo_tool.yaml --steps 12
+
+``--update``: the update alone of ``configs/smollm2_arith.yaml`` (SmolLM2-135M's shapes, random
+weights: ``bench_models`` ``smollm2``; 6 prompts of ``--prompt`` tokens x 8 samples, responses
+uniform in ``[--min-response, --max-response]``, as ``compile_once.py`` makes them) through the
+trainer's ``Updater`` (rows, the passes before the update, the update; AdamW), at each
+``--rows`` setting of ``algo.micro_batch_rows`` and ``--loss``; compiled first, then alternating,
+the median of ``--repeats``:
+
+    python benchmarks/micro_batch_rows.py --update [--rows bucketed 2 3 6] [--loss dapo delta]
 """
 
 from __future__ import annotations
@@ -57,13 +66,79 @@ def run(config: str, mode: str, steps: int, extra: list[str]) -> dict[str, float
     }
 
 
+def update_only(args) -> None:
+    """The smollm2-shaped update at each ``--rows`` setting (see the module)."""
+    import jax
+    import numpy as np
+    from bench_models import alternate, bench_config
+    from compile_once import rollout_arrays
+    from flax import nnx
+
+    from delta_jax import sharding as sh
+    from delta_jax.config import load_config
+    from delta_jax.models import Transformer
+    from delta_jax.rl.rollout import Rollout
+    from delta_jax.rl.state import init_train_state, make_optimizer
+    from delta_jax.rl.update import Updater
+    from delta_jax.rl.update_plan import UpdatePlan
+
+    model_config = bench_config("smollm2")
+    graphdef, params = nnx.split(Transformer(model_config, rngs=nnx.Rngs(0)), nnx.Param)
+    rng = np.random.default_rng(0)
+    (sequences, logprobs, advantages), plens, glens = rollout_arrays(model_config, rng, args)
+    hidden = rng.normal(size=(*logprobs.shape, model_config.hidden_size)).astype(np.float32)
+    rollout = Rollout(
+        sequences, logprobs, jax.numpy.asarray(hidden), plens, glens,
+        rewards=np.zeros(len(glens), np.float32), advantages=np.asarray(advantages),
+        records=[], responses=[], stats={},
+    )  # fmt: skip
+    mesh = sh.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    calls = {}
+    for loss in args.loss:
+        for rows in args.rows:
+            overrides = [f"algo.loss={loss}", f"algo.micro_batch_rows={rows}"]
+            config = load_config("configs/smollm2_arith.yaml", overrides)
+            plan = UpdatePlan.from_config(config)
+            optimizer = make_optimizer(config.optim, 10)
+            updater = Updater(graphdef, optimizer, plan, mesh, donate=False)
+            state = jax.device_put(init_train_state(params, optimizer), jax.devices()[0])
+
+            def call(updater=updater, state=state):
+                batch, metrics = updater.prepare(rollout, 1, params)
+                return updater.update(state, batch)[1]["loss"], metrics
+
+            _, metrics = call()  # compiles
+            name = f"{loss} rows={rows}"
+            print(
+                f"{name}: {metrics['batch/packed_rows']} rows in {metrics['batch/micro_batches']} "
+                f"micro-batches (plan {plan.micro_batch_rows} rows each; coefficients "
+                f"{plan.coefficients})",
+                flush=True,
+            )
+            calls[name] = call
+    medians = alternate(calls, args.repeats)
+    for loss in args.loss:
+        base = medians[f"{loss} rows={args.rows[0]}"]
+        for rows in args.rows:
+            median = medians[f"{loss} rows={rows}"]
+            print(f"{loss} rows={rows}: {median:.2f} s, {median / base:.3f}x rows={args.rows[0]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/demo.yaml")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--update", action="store_true", help="the update alone (see above)")
+    parser.add_argument("--rows", nargs="+", default=["bucketed", "2", "3", "6"])
+    parser.add_argument("--loss", nargs="+", default=["dapo", "delta"])
+    parser.add_argument("--prompt", type=int, default=120)
+    parser.add_argument("--min-response", type=int, default=6)
+    parser.add_argument("--max-response", type=int, default=22)
     parser.add_argument("overrides", nargs="*", help="more section.key=value overrides")
     args = parser.parse_args()
+    if args.update:
+        return update_only(args)
     print(f"{args.config}, {args.steps} steps per run, {' '.join(args.overrides)}", flush=True)
     results = {mode: [] for mode in MODES}
     for _ in range(args.repeats):

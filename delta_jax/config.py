@@ -233,7 +233,7 @@ class AlgoConfigSection:
     # (micro_batches: the rows of one are at most the mini-batch's / it, a memory bound).
     mini_batches: int = ranged(1, 1)
     micro_batches: int = ranged(1, 1)
-    # Packed rows per micro-batch: one update shape per run (rl.packing); auto: about 256 tokens
+    # Packed rows per micro-batch: one update shape per run (rl.packing); auto: about 512 tokens
     # (CPU) or 2,048 (TPU, GPU) per batch shard; bucketed: a step's rows in one micro-batch.
     micro_batch_rows: int | Literal["auto", "bucketed"] = "auto"
     # Pack sequences first-fit-decreasing into rows of `tokens_per_row` positions (false: one

@@ -39,7 +39,7 @@ def forward_chunks(graphdef, plan: UpdatePlan, params, batch: TrainBatch, *, ent
         return window_logprobs(model, mb, plan, entropy=entropy, hidden=hidden)
 
     skips = plan.packing and batch.tokens.shape[1] > 1
-    live_only = lambda mb: unless_padding(one, mb, mb)
+    live_only = lambda mb: unless_padding(lambda carry: (carry, one(mb)), mb)[1]
     out = jax.lax.map(live_only if skips else one, jax.tree.map(flat, batch))
     return jax.tree.map(lambda x: x.reshape(*lead, *x.shape[1:]), out)
 
@@ -79,8 +79,10 @@ def _forking(plan: UpdatePlan, entropy, mask):
 
 
 def _rollout_coefficients(plan: UpdatePlan, mesh, batch: TrainBatch, hidden):
-    """DelTA coefficients of the whole rollout batch, from every micro-batch's hidden states."""
-    chunks = lambda x: [x[i, j] for i in range(x.shape[0]) for j in range(x.shape[1])]
+    """DelTA coefficients of the whole rollout batch, from every micro-batch's hidden states
+    (taken a mini-batch at a time: the statistics are sums over tokens, and the program stays
+    small however many micro-batches a mini-batch has)."""
+    chunks = lambda x: [x[i].reshape(-1, *x.shape[3:]) for i in range(x.shape[0])]
     coefficients, diagnostics = delta_coefficients_microbatched(
         chunks(hidden),
         chunks(batch.old_logprobs),

@@ -246,12 +246,13 @@ def make_train_step(
         params, frozen = lora.split_trainable(state.params)
 
         def accumulate(grads_sum, mb):
-            args = (params, frozen, mb, normalizer)
+            def add(grads_sum):
+                (loss, metrics), grads = grad_fn(params, frozen, mb, normalizer)
+                return jax.tree.map(jnp.add, grads_sum, grads), (loss, metrics)
+
             if plan.packing and batch.tokens.shape[0] > 1:  # micro-batches of padding: skipped
-                (loss, metrics), grads = unless_padding(grad_fn, mb, *args)
-            else:
-                (loss, metrics), grads = grad_fn(*args)
-            return jax.tree.map(jnp.add, grads_sum, grads), (loss, metrics)
+                return unless_padding(add, mb, grads_sum)
+            return add(grads_sum)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, batch)
@@ -275,12 +276,13 @@ def make_train_step(
     return jax.jit(step, donate_argnums=(0,) if donate else (), **(jit_kwargs or {}))
 
 
-def unless_padding(fn, mb: TrainBatch, *args):
-    """``fn(*args)`` where the micro-batch ``mb`` holds a sequence; where it is padding only,
-    zeros of the same shapes, ``fn`` skipped (``lax.cond``)."""
-    out = jax.eval_shape(fn, *args)
-    zeros = lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out)
-    return jax.lax.cond(jnp.any(mb.segment_ids > 0), fn, zeros, *args)
+def unless_padding(fn, mb: TrainBatch, carry=()):
+    """``fn(carry) -> (carry, out)`` where the micro-batch ``mb`` holds a sequence; where it is
+    padding only, ``fn`` is skipped (``lax.cond``): ``carry`` passes through untouched (an
+    accumulator is neither rewritten nor added to) and ``out`` is zeros of its shapes."""
+    out = jax.eval_shape(fn, carry)[1]
+    skip = lambda carry: (carry, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out))
+    return jax.lax.cond(jnp.any(mb.segment_ids > 0), fn, skip, carry)
 
 
 def combine_metrics(

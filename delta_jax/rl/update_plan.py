@@ -12,9 +12,11 @@ alone (``TrainBatch.loss_mask``).
 
 Where the DelTA coefficients come from (:attr:`UpdatePlan.coefficients`), DELTA_SPEC §4:
 
-* ``"in_loss"``: one update on the whole rollout batch in one micro-batch: the jitted loss
-  computes them from the stop-gradient hidden states of its own forward pass (no extra pass);
-* ``"sampler"``: one update, gradient accumulation: from the hidden states the sampler kept
+* ``"in_loss"``: one update on the whole rollout batch in one micro-batch (padded rows, or
+  packed ones ``bucketed`` or in micro-batches that hold every row): the jitted loss computes
+  them from the stop-gradient hidden states of its own forward pass (no extra pass);
+* ``"sampler"``: one update that can run several micro-batches (``algo.micro_batches``, or
+  packed micro-batches of ``algo.micro_batch_rows``): from the hidden states the sampler kept
   while generating (again no extra pass), held fixed across the micro-batches;
 * ``"old_pass"``: several updates per rollout batch: one old-policy pass (which also gives the
   old log-probs) before the first update; held fixed for every update;
@@ -178,12 +180,12 @@ class UpdatePlan:
         return self.rows // self.mini_batches
 
 
-# Tokens per batch shard of a micro-batch that ``algo.micro_batch_rows: auto`` aims at: on a
-# TPU or GPU each micro-batch reads every weight again (HBM), so a few thousand tokens keep
-# that a small part of its matmuls; XLA:CPU's memory is slower against its matmuls, and there
-# small micro-batches cost little while rounding a step's rows up to fewer (benchmarks/
-# micro_batch_rows.py).
-MICRO_BATCH_TOKENS = {"cpu": 256}
+# Tokens per batch shard of a micro-batch that ``algo.micro_batch_rows: auto`` aims at: each
+# micro-batch writes and accumulates a gradient of every weight (and on a TPU or GPU reads
+# every weight again from HBM), so a few thousand tokens keep that a small part of its matmuls
+# there; on XLA:CPU, where a step's rows are few, about 512 balance that cost against the
+# padding of a step's last micro-batch (benchmarks/micro_batch_rows.py --update).
+MICRO_BATCH_TOKENS = {"cpu": 512}
 MICRO_BATCH_TOKENS_ACCELERATOR = 2048
 
 

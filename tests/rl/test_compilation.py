@@ -92,13 +92,14 @@ MOVING += ["algo.tokens_per_row=64", "algo.share_prompts=false"]
 @pytest.mark.slow  # a CLI run
 def test_steps_whose_lengths_move_compile_nothing_after_the_first(tmp_path, demo_model_dir):
     """Six steps whose response lengths move the packed rows (across what would be buckets of
-    rows in one micro-batch), the scored slots and the sampling rounds from step to step, as
-    configured by default (one update shape, nothing compiled ahead): nothing compiles after
-    the first step and the first evaluation (evaluations at steps 0, 3, 6)."""
+    rows in one micro-batch), the scored slots and the sampling rounds from step to step, in
+    one update shape (micro-batches of 4 rows here, as many as a step needs; nothing compiled
+    ahead): nothing compiles after the first step and the first evaluation (evaluations at
+    steps 0, 3, 6)."""
     cache = f"run.compile_cache={tmp_path / 'xla'}"
-    # One device: micro-batches of 4 rows (256 tokens; on the suite's 8 devices, of 8 rows).
     one = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ["XLA_FLAGS"])
-    rows, _ = _cli_run(tmp_path, "moving", demo_model_dir, *MOVING, cache, XLA_FLAGS=one)
+    shape = (*MOVING, cache, "algo.micro_batch_rows=4")  # one device: rows in fours
+    rows, _ = _cli_run(tmp_path, "moving", demo_model_dir, *shape, XLA_FLAGS=one)
     steps = [r for r in rows if "loss" in r]
     moved = lambda key: len({r[key] for r in steps})
     assert moved("batch/micro_batches") > 1 and moved("batch/scored_positions") > 1, steps
