@@ -218,9 +218,10 @@ class Trainer:
         graphdef, params = nnx.split(parts.model, nnx.Param)
         self.state, _ = init_sharded_state(params, optimizer, mesh)
         self.checkpointer = Checkpointer(
-            parts.run_dir / "checkpoints", keep_last=cfg.run.keep_last,
+            parts.run_dir / "checkpoints",
+            keep_last=cfg.run.keep_last,
             best_metric=cfg.run.best_metric,
-        )  # fmt: skip
+        )
         # The reference is the initial policy, also when resuming.
         self.ref_params = jax.tree.map(jnp.copy, self.state.params) if plan.reference else None
         # The newest intact checkpoint (damaged newer ones are named in a warning).

@@ -54,15 +54,15 @@ class Updater:
     ):
         self.plan, self.mesh, self.seed = plan, mesh, seed
         sharded = placed_like is not None
+        placed = mesh if sharded else None  # the mesh the programs place their outputs on
+        jit_kwargs = sh.train_jit_kwargs(placed_like, mesh) if sharded else None
         self.train_step = make_train_step(
-            graphdef, optimizer, plan, mesh=mesh if sharded else None, donate=donate,
-            jit_kwargs=sh.train_jit_kwargs(placed_like, mesh) if sharded else None,
-        )  # fmt: skip
-        self._prepare = make_prepare(graphdef, plan, mesh=mesh if sharded else None)
-        self._assemble = make_assemble(
-            plan, sh.rows_sharding(mesh, row_axis=2) if sharded else None
+            graphdef, optimizer, plan, mesh=placed, donate=donate, jit_kwargs=jit_kwargs
         )
-        self._coefficients = make_sampler_coefficients(plan, mesh=mesh if sharded else None)
+        self._prepare = make_prepare(graphdef, plan, mesh=placed)
+        rows = sh.rows_sharding(mesh, row_axis=2) if sharded else None
+        self._assemble = make_assemble(plan, rows)
+        self._coefficients = make_sampler_coefficients(plan, mesh=placed)
 
     def compile_ahead(self, state: TrainState, rollout_like, params, ref_params=None, log=None):
         """Compiles every program of the update ahead, at each shape of rows a step can lay
