@@ -8,7 +8,9 @@ compiling. ``run.compile_cache`` (:func:`use_persistent_cache`): ``auto`` is
 ``JAX_COMPILATION_CACHE_DIR`` when that is set, else ``<project cache>/xla`` (the project cache
 is ``$DELTA_JAX_CACHE``, default ``~/.cache/delta_jax``); a path puts it there; null turns it
 off. Every program is cached, however quickly it compiled (JAX's default skips those under a
-second; ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` still sets it). JAX caches on CPU, GPU
+second; ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` still sets it). Off the GPU the keys do
+not depend on the directory's path, so a cache copied elsewhere (another machine of the same
+kind, a Kaggle data set) is found there too. JAX caches on CPU, GPU
 and TPU alike when the backend can serialise its executables (jaxlib's CPU, CUDA and TPU
 clients do). The cache is trusted: whoever can write to its directory can run code in the
 processes that read it.
@@ -49,6 +51,12 @@ def use_persistent_cache(setting: str | None) -> str | None:
         compilation_cache.set_cache_dir(path)
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    # JAX also points XLA's GPU autotuning cache at a folder inside this one, through the
+    # compile options, which are part of every key: a copied or moved cache would miss. Off the
+    # GPU that cache does nothing, and without it the keys do not name the folder.
+    keep = os.environ.get("JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES")
+    if keep is None and jax.default_backend() != "gpu":
+        jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
     return path
 
 

@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -55,10 +56,13 @@ def test_the_cache_directory_each_setting_chooses(tmp_path):
 @pytest.mark.slow  # two CLI runs
 def test_a_second_process_loads_every_program_from_the_cache(tmp_path, demo_model_dir):
     """The same tiny run twice in fresh processes: the second compiles nothing (every program
-    its steps need is loaded from the cache the first wrote) and learns the same."""
-    cache = tmp_path / "xla"
+    its steps need is loaded from the cache the first wrote, copied to another directory: the
+    keys do not name it) and learns the same."""
     rows = []
     for name in ("first", "second"):
+        cache = tmp_path / "xla"
+        if name == "second":
+            cache = shutil.copytree(cache, tmp_path / "copied" / "xla")
         overrides = tiny_overrides(
             tmp_path / name, demo_model_dir, "run.steps=3", "run.eval_every=2",
             "run.eval_prompts=8", f"run.compile_cache={cache}",
