@@ -87,11 +87,11 @@ def update_only(args) -> None:
     rng = np.random.default_rng(0)
     (sequences, logprobs, advantages), plens, glens = rollout_arrays(model_config, rng, args)
     hidden = rng.normal(size=(*logprobs.shape, model_config.hidden_size)).astype(np.float32)
+    scores = {"rewards": np.zeros(len(glens), np.float32), "advantages": np.asarray(advantages)}
+    texts = {"records": [], "responses": [], "stats": {}}
     rollout = Rollout(
-        sequences, logprobs, jax.numpy.asarray(hidden), plens, glens,
-        rewards=np.zeros(len(glens), np.float32), advantages=np.asarray(advantages),
-        records=[], responses=[], stats={},
-    )  # fmt: skip
+        sequences, logprobs, jax.numpy.asarray(hidden), plens, glens, **scores, **texts
+    )
     mesh = sh.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     calls = {}
     for loss in args.loss:

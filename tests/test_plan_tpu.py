@@ -22,6 +22,7 @@ OVERRIDES = [
     f"rollout.max_new_tokens={NEW}",
     "algo.mini_batches=1",
     "algo.micro_batches=1",
+    f"algo.micro_batch_rows={ROWS}",  # the 8 rows in one micro-batch (auto: 2,048 tokens, 4)
 ]
 
 
