@@ -89,9 +89,10 @@ def check_batch(plan: UpdatePlan, batch: TrainBatch) -> None:
 def abstract_batch(plan: UpdatePlan, rows: int, sharding=None) -> TrainBatch:
     """Shapes of one mini-batch of ``rows`` rows per micro-batch, as the plan feeds it (packed
     rows at their widest window, ``plan.window``; with one shape per run, as many
-    micro-batches as the mini-batch's rows need at most)."""
+    micro-batches as the mini-batch's rows need at most, unless DelTA's coefficients are
+    computed in the loss, which needs the one)."""
     M, T, W = plan.micro_batches, plan.row_len, plan.window
-    if plan.packing and plan.micro_batch_rows:
+    if plan.packing and plan.micro_batch_rows and plan.coefficients != "in_loss":
         M = -(-plan.rows_per_update // rows)
     sds = lambda width, dtype: jax.ShapeDtypeStruct((M, rows, width), dtype, sharding=sharding)
     ints = ("score_positions", "score_segments", "positions", "parent_ids")
