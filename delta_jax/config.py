@@ -233,9 +233,9 @@ class AlgoConfigSection:
     # (micro_batches: the rows of one are at most the mini-batch's / it, a memory bound).
     mini_batches: int = ranged(1, 1)
     micro_batches: int = ranged(1, 1)
-    # Packed rows per micro-batch: one update shape per run (rl.packing); auto: about 512 tokens
+    # Packed rows per micro-batch, one update shape per run (rl.packing): auto, about 512 tokens
     # (CPU) or 2,048 (TPU, GPU) per batch shard; bucketed: a step's rows in one micro-batch.
-    micro_batch_rows: int | Literal["auto", "bucketed"] = "auto"
+    micro_batch_rows: int | Literal["auto", "bucketed"] = "bucketed"
     # Pack sequences first-fit-decreasing into rows of `tokens_per_row` positions (false: one
     # padded per row); share_prompts: a prompt once per row for its responses there, exact
     # (rl.packing); auto: on unless splash attention would run twice for less (rl.update_plan).

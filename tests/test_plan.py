@@ -624,9 +624,8 @@ def test_programs_lists_every_program_a_run_compiles():
         config, "v5e-8", search=False, compiler="cpu", roofline=False, programs=True
     )
     names = [name for name, _ in report.programs]
-    # Rows of 31 tokens, about 512 per micro-batch on CPU: 17, rounded up to the 4 batch shards
-    # (data 2 x fsdp 2) and at most the mini-batch's 16.
-    train = ["train step, 16 rows per micro-batch"]
+    # 16 rows per micro-batch on 4 batch shards (data 2 x fsdp 2): buckets of 4, 8, 12, 16.
+    train = [f"train step, {r} rows per micro-batch" for r in (4, 8, 12, 16)]
     # 4 decode slots per group (16 sequences over 4 data groups): an eighth (1) up to 4.
     decode = [f"decode chunk, {s} slots per group" for s in (1, 2, 4)]
     prefill = ["prefill chunk, 16 tokens per row", "prefill chunk, 32 tokens per row"]

@@ -22,13 +22,12 @@ def test_plan_from_config():
     padded = _plan("algo.packing=false", "data.max_prompt_length=16", "rollout.max_new_tokens=24")
     assert (padded.row_len, padded.score_from, padded.window) == (39, 15, 24)
     assert _plan("algo.tokens_per_row=128").row_len == 128
-    assert (plan.old_pass, plan.reference, plan.prepares) == (False, False, True)
-    # The demo's DelTA update runs micro-batches of 14 packed rows (546 tokens, about 512 on
-    # CPU): its coefficients come from the sampler's hidden states, before the update.
-    assert (plan.micro_batch_rows, plan.coefficients) == (14, "sampler")
-    bucketed = _plan("data.max_prompt_length=16", "algo.micro_batch_rows=bucketed")
-    assert bucketed.micro_batch_rows == 0 and bucketed.coefficients == "in_loss"
-    assert not bucketed.prepares
+    assert (plan.old_pass, plan.reference, plan.prepares) == (False, False, False)
+    assert plan.micro_batch_rows == 0 and plan.coefficients == "in_loss"  # bucketed
+    # auto: the demo's DelTA update in micro-batches of 14 packed rows (546 tokens, about 512
+    # on CPU): its coefficients come from the sampler's hidden states, before the update.
+    one = _plan("data.max_prompt_length=16", "algo.micro_batch_rows=auto")
+    assert (one.micro_batch_rows, one.coefficients, one.prepares) == (14, "sampler", True)
     paper = _plan("algo.mini_batches=4", "algo.kl_coef=0.1", "algo.loss=dapo_forking_tokens")
     assert (paper.old_pass, paper.reference, paper.fixed_token_mask) == (True, True, True)
 
@@ -72,9 +71,14 @@ def test_micro_batches_are_a_token_budget():
         assert {micro_batch_shape(one, r, 4) for r in (1, 20, 100, 512)} == {want}
         assert row_buckets(one, 4) == [want[1]]
     # auto: 2,048 tokens per shard on TPU, 512 on CPU, at most the micro-batch's rows.
-    long = _plan(*paper, "data.max_prompt_length=64", "rollout.max_new_tokens=64")
+    long = _plan(
+        *paper,
+        "data.max_prompt_length=64",
+        "rollout.max_new_tokens=64",
+        "algo.micro_batch_rows=auto",
+    )
     assert long.micro_batch_rows == 5  # rows of 127 tokens on CPU
-    tpu = UpdatePlan.from_config(load_config(None, list(paper)), "tpu")
+    tpu = UpdatePlan.from_config(load_config(None, [*paper, "algo.micro_batch_rows=auto"]), "tpu")
     assert tpu.micro_batch_rows == 32  # at most the budget (2,048 tokens: 53 rows of 39)
     with pytest.raises(ConfigError, match=r"algo.micro_batch_rows=33 must be in \[1, 32\]"):
         _plan(*paper, "algo.micro_batch_rows=33")
