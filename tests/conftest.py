@@ -7,12 +7,12 @@ runs on device 0.
 
 import os
 
-from tests.compile_flags import with_fast_compile
+from tests.compile_flags import FAKE_DEVICES, with_fast_compile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-    _flags += " --xla_force_host_platform_device_count=8"
+    _flags += f" {FAKE_DEVICES}"
 # XLA:CPU at optimisation level 0: the suite's tiny programs compile faster (tests.compile_flags).
 os.environ["XLA_FLAGS"] = with_fast_compile(_flags.strip())
 # The compile-only TPU tests load libtpu, which by default takes a machine-wide lock: another

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.compile_flags import optimized
+from tests.compile_flags import as_a_user
 
 ROOT = Path(__file__).parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -59,7 +59,7 @@ def test_readme_trainer_snippet_runs(tmp_path):
     code = _section_code("Use the trainer from Python")
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
-        timeout=900, env=optimized(),  # a 100-step warm-up: XLA's default optimisation
+        timeout=900, env=as_a_user(),  # a 100-step warm-up: as a user's shell runs it
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line.split() for line in proc.stdout.splitlines() if line[:2] in ("1 ", "2 ")]
@@ -74,7 +74,7 @@ def test_readme_environment_snippet_runs(tmp_path):
     code = _section_code("Multi-turn episodes and tools", "docs/multiturn.md")
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
-        timeout=900, env=optimized(),  # a 100-step warm-up: XLA's default optimisation
+        timeout=900, env=as_a_user(),  # a 100-step warm-up: as a user's shell runs it
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line.split() for line in proc.stdout.splitlines() if line[:2] in ("1 ", "2 ")]
