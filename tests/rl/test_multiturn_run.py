@@ -64,11 +64,20 @@ def test_every_loss_trains_on_multi_turn_episodes(tmp_path, demo_model_dir, loss
     assert 0.0 <= row["time/tool_wait"] <= row["time/rollout"]
 
 
+# Values computed from the sampler's hidden states (DelTA's coefficients where the update can
+# run several micro-batches, `algo.micro_batch_rows=auto`) and what follows from them: the
+# multi-turn engine's decode is another XLA program, whose float32 hidden states round
+# differently (relative differences of 1e-7 to 2e-7 seen at step 2; step 1 exact).
+FROM_SAMPLER_HIDDEN = ("delta/", "loss", "pg_loss", "grad_norm")
+
+
 @pytest.mark.slow  # two trainers
-def test_turns_that_never_end_leave_the_single_turn_run_unchanged(tmp_path, demo_model_dir):
-    with _trainer(tmp_path / "one", demo_model_dir) as trainer:
+@pytest.mark.parametrize("rows", ["bucketed", "auto"])
+def test_turns_that_never_end_leave_the_single_turn_run_unchanged(tmp_path, demo_model_dir, rows):
+    extra = (f"algo.micro_batch_rows={rows}",)
+    with _trainer(tmp_path / "one", demo_model_dir, *extra) as trainer:
         single = [trainer.step(), trainer.step()]
-    extra = ("rollout.max_turns=2",)
+    extra += ("rollout.max_turns=2",)
     with _trainer(tmp_path / "multi", demo_model_dir, *extra, environment=Echo("ZZZ")) as trainer:
         multi = [trainer.step(), trainer.step()]
     assert all(r["episode/turns"] == 1.0 for r in multi)
@@ -77,9 +86,12 @@ def test_turns_that_never_end_leave_the_single_turn_run_unchanged(tmp_path, demo
     new = ("episode/", "rollout/observation_share", "batch/action_fraction", "time/")
     drop = lambda rows: [{k: v for k, v in r.items() if not k.startswith(new)} for r in rows]
     got, want = drop(_strip(multi)), _strip(single)  # the same keys but the new ones
-    diff = [{k: (r.get(k), w.get(k)) for k in r.keys() | w.keys() if r.get(k) != w.get(k)}
-            for r, w in zip(got, want, strict=True)]  # fmt: skip
-    assert got == want, diff
+    assert [r.keys() for r in got] == [r.keys() for r in want]
+    assert ("delta/computed_in_loss" in want[0]) == (rows == "bucketed")
+    for r, w in zip(got, want, strict=True):
+        near = [k for k in r if rows == "auto" and k.startswith(FROM_SAMPLER_HIDDEN)]
+        assert {k: r[k] for k in r if k not in near} == {k: w[k] for k in w if k not in near}
+        np.testing.assert_allclose([r[k] for k in near], [w[k] for k in near], rtol=1e-6)
 
 
 def test_bad_environments_are_one_line_errors(tmp_path, demo_model_dir):
