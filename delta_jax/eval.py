@@ -29,11 +29,14 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from math import comb
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from delta_jax.eval_sets import PAPER_SUITE, Benchmark, parse_benchmark_args, resolve_benchmark
+
+if TYPE_CHECKING:
+    from delta_jax.data import EncodedPrompts
 
 log = logging.getLogger(__name__)
 
@@ -152,21 +155,41 @@ class SampleScores:
     texts: list[str]
 
 
+@dataclasses.dataclass(frozen=True)
+class EvalSampling:
+    """How an evaluation samples: ``k`` responses per prompt, drawn with these settings.
+
+    The defaults are the paper's protocol (DELTA_SPEC §7), ``batch_prompts`` that of
+    ``delta-jax eval``.
+
+    Attributes:
+      k: samples per prompt.
+      max_new_tokens: response budget.
+      temperature: sampling temperature.
+      top_p: nucleus mass.
+      seed: sampling seed; the ``j``-th sampler call uses ``seed + j``.
+      stop_token_ids: ids that end a response; None: :func:`evaluate_benchmarks` takes the
+        tokenizer's and the model's EOS ids (:func:`sample_and_score` needs them given).
+      batch_prompts: prompts per sampler call (None: all at once).
+    """
+
+    k: int = PAPER_K
+    max_new_tokens: int = PAPER_MAX_NEW_TOKENS
+    temperature: float = PAPER_TEMPERATURE
+    top_p: float = PAPER_TOP_P
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] | None = None
+    batch_prompts: int | None = 64
+
+
 def sample_and_score(
     *,
     sampler,
     params,
     scorer,
     tokenizer,
-    prompt_ids: Sequence[Sequence[int]],
-    records: Sequence,
-    k: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    stop_token_ids: Sequence[int],
-    seed: int,
-    batch_prompts: int | None = None,
+    prompts: EncodedPrompts,
+    sampling: EvalSampling,
     episodes=None,
 ) -> SampleScores:
     """Samples ``k`` responses per prompt (``batch_prompts`` per sampler call) and scores them.
@@ -176,15 +199,9 @@ def sample_and_score(
       params: the parameters to sample with (None: the sampler's model's own).
       scorer: a :class:`~delta_jax.rewards.RewardScorer`.
       tokenizer: decodes the sampled ids (``batch_decode``).
-      prompt_ids: ``P`` token-id lists.
-      records: ``P`` :class:`~delta_jax.data.PromptRecord` (answer, tests, extra -> the item).
-      k: samples per prompt.
-      max_new_tokens: response budget.
-      temperature: sampling temperature.
-      top_p: nucleus mass.
-      stop_token_ids: ids that end a response.
-      seed: sampling seed; chunk ``j`` uses ``seed + j``.
-      batch_prompts: prompts per sampler call (None: all at once).
+      prompts: ``P`` prompts: their token ids and :class:`~delta_jax.data.PromptRecord`
+        (answer, tests, extra -> the item).
+      sampling: :class:`EvalSampling`, with its ``stop_token_ids``.
       episodes: an :class:`~delta_jax.envs.episodes.EpisodeRunner`: each response is a
         multi-turn episode (observations included in the scored text).
 
@@ -193,15 +210,18 @@ def sample_and_score(
     """
     from delta_jax.rewards import extract_last_boxed
 
+    prompt_ids, records, k = prompts.ids, prompts.records, sampling.k
     if len(prompt_ids) != len(records) or not prompt_ids:
         raise ValueError(
             f"need as many prompt_ids as records (> 0), got {len(prompt_ids)} and {len(records)}"
         )
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    step = batch_prompts or len(prompt_ids)
+    if sampling.stop_token_ids is None:
+        raise ValueError("sampling.stop_token_ids is None: give the ids that end a response")
+    step = sampling.batch_prompts or len(prompt_ids)
     if step < 1:
-        raise ValueError(f"batch_prompts must be >= 1 or None, got {batch_prompts}")
+        raise ValueError(f"batch_prompts must be >= 1 or None, got {sampling.batch_prompts}")
     texts: list[str] = []
     lengths: list[int] = []
     for j, start in enumerate(range(0, len(prompt_ids), step)):
@@ -214,11 +234,11 @@ def sample_and_score(
         out = sampler.generate(
             [list(p) for p in prompt_ids[start : start + step]],
             n=k,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            stop_token_ids=tuple(stop_token_ids),
-            seed=seed + j,
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            stop_token_ids=tuple(sampling.stop_token_ids),
+            seed=sampling.seed + j,
             params=params,
             turns=turns,
         )
@@ -268,18 +288,11 @@ def evaluate_prompts(
     params,
     scorer,
     tokenizer,
-    prompt_ids: Sequence[Sequence[int]],
-    records: Sequence,
-    k: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    stop_token_ids: Sequence[int],
-    seed: int,
+    prompts: EncodedPrompts,
+    sampling: EvalSampling,
     prefix: str = "",
     pass_ks: Sequence[int] | None = None,
     majority: bool | None = None,
-    batch_prompts: int | None = None,
     episodes=None,
 ) -> dict[str, float]:
     """Sample ``k`` responses per prompt, score them; return avg@k, pass@k (and maj@k).
@@ -301,19 +314,12 @@ def evaluate_prompts(
         params=params,
         scorer=scorer,
         tokenizer=tokenizer,
-        prompt_ids=prompt_ids,
-        records=records,
-        k=k,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        stop_token_ids=stop_token_ids,
-        seed=seed,
-        batch_prompts=batch_prompts,
+        prompts=prompts,
+        sampling=sampling,
         episodes=episodes,
     )
     if majority is None:
-        majority = k > 1 and getattr(scorer, "kind", None) == "math"
+        majority = sampling.k > 1 and getattr(scorer, "kind", None) == "math"
     return summarize(scores, pass_ks=pass_ks, majority=majority, prefix=prefix)
 
 
@@ -323,9 +329,26 @@ def default_pass_ks(k: int) -> tuple[int, ...]:
     return tuple(sorted(ks | {k}))
 
 
-def _load_benchmark(bench: Benchmark, path: str, tokenizer, *, split, limit, max_prompt_length):
+@dataclasses.dataclass(frozen=True)
+class BenchmarkLoading:
+    """Which problems of each benchmark file are read, and how their prompts are cut.
+
+    Attributes:
+      limit: the first ``limit`` problems of each set (None: all).
+      max_prompt_length: longer prompts are cut from the left.
+      split: split of a benchmark directory (None: ``"test"``, else ``"train"`` when the
+        directory has no test split; a single file is read whole).
+    """
+
+    limit: int | None = None
+    max_prompt_length: int = 2048
+    split: str | None = None
+
+
+def _load_benchmark(bench: Benchmark, path: str, tokenizer, loading: BenchmarkLoading):
     from delta_jax.data import encode_prompts, load_records
 
+    split, limit, max_prompt_length = loading.split, loading.limit, loading.max_prompt_length
     try:
         loaded = load_records(path, adapter=bench.adapter, split=split or "test", limit=limit)
     except ValueError as e:
@@ -382,17 +405,10 @@ def evaluate_benchmarks(
     model_dir: str | Path | None,
     benchmarks: Mapping[str, str | tuple[Benchmark, str]],
     *,
-    k: int = PAPER_K,
-    max_new_tokens: int = PAPER_MAX_NEW_TOKENS,
-    temperature: float = PAPER_TEMPERATURE,
-    top_p: float = PAPER_TOP_P,
-    seed: int = 0,
+    sampling: EvalSampling = EvalSampling(),
+    loading: BenchmarkLoading = BenchmarkLoading(),
     num_workers: int = 2,
-    limit: int | None = None,
-    max_prompt_length: int = 2048,
-    batch_prompts: int | None = 64,
     pass_ks: Sequence[int] | None = None,
-    split: str | None = None,
     out_path: str | Path | None = None,
     model=None,
     tokenizer=None,
@@ -403,19 +419,12 @@ def evaluate_benchmarks(
       model_dir: Hugging Face model directory (ignored when ``model`` and ``tokenizer`` given).
       benchmarks: ``{name: path}`` for names of :data:`~delta_jax.eval_sets.BENCHMARKS`, or
         ``{name: (Benchmark, path)}``.
-      k: samples per problem (paper: 16).
-      max_new_tokens: response budget (paper: 30000); capped to what the model's context holds
+      sampling: :class:`EvalSampling` (default: the paper's, ``k=16`` at temperature 1.0, top-p
+        0.7, 30000 new tokens); ``max_new_tokens`` is capped to what the model's context holds
         after the longest prompt, with a warning.
-      temperature: sampling temperature (paper: 1.0).
-      top_p: nucleus mass (paper: 0.7).
-      seed: sampling seed.
+      loading: :class:`BenchmarkLoading`: problems per set, prompt length, split.
       num_workers: reward-scoring processes.
-      limit: first ``limit`` problems of each set (None: all).
-      max_prompt_length: longer prompts are cut from the left.
-      batch_prompts: prompts per sampler call.
       pass_ks: k values of pass@k (default: 1, 2, 4, ..., k).
-      split: split of a benchmark directory (None: ``"test"``, else ``"train"`` when the
-        directory has no test split; a single file is read whole).
       out_path: also write the results there as JSON.
       model: an already loaded model (with ``tokenizer``) instead of ``model_dir``.
       tokenizer: its tokenizer.
@@ -434,30 +443,26 @@ def evaluate_benchmarks(
         from delta_jax.models import from_pretrained, load_tokenizer
 
         model, tokenizer = from_pretrained(str(model_dir)), load_tokenizer(str(model_dir))
+    k = sampling.k
     pass_ks = tuple(pass_ks or default_pass_ks(k))
-    eos = {tokenizer.eos_token_id, getattr(model.config, "eos_token_id", None)}
-    stop_ids = tuple(sorted(int(s) for s in eos if isinstance(s, int | np.integer)))
+    if sampling.stop_token_ids is None:
+        eos = {tokenizer.eos_token_id, getattr(model.config, "eos_token_id", None)}
+        stop_ids = tuple(sorted(int(s) for s in eos if isinstance(s, int | np.integer)))
+        sampling = dataclasses.replace(sampling, stop_token_ids=stop_ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     sampler = Sampler(model, pad_token_id=pad)
-    settings = dict(k=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+    settings = {f: getattr(sampling, f) for f in ("k", "temperature", "top_p", "max_new_tokens")}
     results: dict[str, Any] = {
-        "settings": dict(model=str(model_dir), **settings, seed=seed, limit=limit),
+        "settings": dict(model=str(model_dir), **settings, seed=sampling.seed, limit=loading.limit),
         "benchmarks": {},
     }
     for name, spec in benchmarks.items():
         bench, path = spec if isinstance(spec, tuple) else (resolve_benchmark(name), spec)
-        enc = _load_benchmark(
-            bench,
-            str(path),
-            tokenizer,
-            split=split,
-            limit=limit,
-            max_prompt_length=max_prompt_length,
-        )
+        enc = _load_benchmark(bench, str(path), tokenizer, loading)
         if not enc.ids:
             raise ValueError(f"benchmark {name!r}: {path} has no usable problems")
         budget = _response_budget(
-            name, enc.ids, model.config.max_position_embeddings, max_new_tokens
+            name, enc.ids, model.config.max_position_embeddings, sampling.max_new_tokens
         )
         timeout = 10.0 if bench.is_math else 30.0
         with RewardScorer(bench.reward, num_workers=num_workers, timeout_s=timeout) as scorer:
@@ -466,15 +471,8 @@ def evaluate_benchmarks(
                 params=None,
                 scorer=scorer,
                 tokenizer=tokenizer,
-                prompt_ids=enc.ids,
-                records=enc.records,
-                k=k,
-                max_new_tokens=budget,
-                temperature=temperature,
-                top_p=top_p,
-                stop_token_ids=stop_ids,
-                seed=seed,
-                batch_prompts=batch_prompts,
+                prompts=enc,
+                sampling=dataclasses.replace(sampling, max_new_tokens=budget),
             )
         row = {"problems": len(enc.ids), "path": str(path)}
         row |= summarize(scores, pass_ks=[j for j in pass_ks if j <= k], majority=bench.is_math)
@@ -564,16 +562,18 @@ def run_eval_cli(args) -> int:
     results = evaluate_benchmarks(
         args.model,
         parse_benchmark_args(args.bench),
-        k=args.k,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
+        sampling=EvalSampling(
+            k=args.k,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            batch_prompts=args.batch_prompts,
+        ),
+        loading=BenchmarkLoading(
+            limit=args.limit, max_prompt_length=args.max_prompt_length, split=args.split
+        ),
         num_workers=args.workers,
-        limit=args.limit,
-        max_prompt_length=args.max_prompt_length,
-        batch_prompts=args.batch_prompts,
-        split=args.split,
         out_path=args.out,
     )
     print(format_table(results))

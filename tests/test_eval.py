@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from delta_jax.data import PromptRecord, load_records
+from delta_jax.data import EncodedPrompts, PromptRecord, load_records
 from delta_jax.eval import (
+    EvalSampling,
     add_eval_arguments,
     default_pass_ks,
     evaluate_benchmarks,
@@ -204,20 +205,23 @@ def math_scorer():
         yield scorer
 
 
-def _run(policy, records, k, scorer, **kw):
+def _run(policy, records, k, scorer, batch_prompts=None, **kw):
+    sampling = EvalSampling(
+        k=k,
+        max_new_tokens=8,
+        temperature=1.0,
+        top_p=0.7,
+        seed=5,
+        stop_token_ids=(2,),
+        batch_prompts=batch_prompts,
+    )
     return evaluate_prompts(
         sampler=policy,
         params=None,
         scorer=scorer,
         tokenizer=policy,
-        prompt_ids=[[i] for i in range(len(records))],
-        records=records,
-        k=k,
-        max_new_tokens=8,
-        temperature=1.0,
-        top_p=0.7,
-        stop_token_ids=(2,),
-        seed=5,
+        prompts=EncodedPrompts([[i] for i in range(len(records))], records, dropped=0),
+        sampling=sampling,
         **kw,
     )
 

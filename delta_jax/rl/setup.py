@@ -24,7 +24,7 @@ from delta_jax import distributed
 from delta_jax import sharding as sh
 from delta_jax.checkpoint import Checkpointer
 from delta_jax.config import Config, ConfigError, load_config
-from delta_jax.data import PromptRecord
+from delta_jax.data import EncodedPrompts, PromptRecord
 from delta_jax.data import prompt_sets as prompt_data
 from delta_jax.data.gym import GYM_ENTRY
 from delta_jax.data.objects import StreamPrompts
@@ -39,7 +39,7 @@ from delta_jax.envs.episodes import (
     episode_row,
     error_line,
 )
-from delta_jax.eval import evaluate_prompts
+from delta_jax.eval import EvalSampling, evaluate_prompts
 from delta_jax.models import Transformer, from_pretrained, load_tokenizer, lora, resolve_model_dir
 from delta_jax.rewards import FlippedRewards, RewardSet
 from delta_jax.rewards.custom import load_callable
@@ -76,23 +76,27 @@ class RunParts:
         """Mean reward on the held-out prompts (the sampling settings of the run), then on
         each extra held-out set under its own prefix."""
         cfg = self.config
-        sets = [("eval/", self.eval_prompt_ids, self.eval_records)]
-        sets += [(f"eval_{name}/", s.ids, s.records) for name, s in self.extra_evals.items()]
+        sampling = EvalSampling(
+            k=1,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            seed=cfg.run.seed * 31 + step,
+            stop_token_ids=self.stop_token_ids,
+            batch_prompts=None,
+        )
+        held_out = EncodedPrompts(self.eval_prompt_ids, self.eval_records, dropped=0)
+        sets = [("eval/", held_out)]
+        sets += [(f"eval_{name}/", s) for name, s in self.extra_evals.items()]
         metrics: dict[str, float] = {}
-        for prefix, prompt_ids, records in sets:
+        for prefix, prompts in sets:
             metrics |= evaluate_prompts(
                 sampler=self.sampler,
                 params=params,
                 scorer=self.eval_scorer,
                 tokenizer=self.tokenizer,
-                prompt_ids=prompt_ids,
-                records=records,
-                k=1,
-                max_new_tokens=cfg.rollout.max_new_tokens,
-                temperature=cfg.rollout.temperature,
-                top_p=cfg.rollout.top_p,
-                stop_token_ids=self.stop_token_ids,
-                seed=cfg.run.seed * 31 + step,
+                prompts=prompts,
+                sampling=sampling,
                 prefix=prefix,
                 episodes=self.episodes,
             )
