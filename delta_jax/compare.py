@@ -286,6 +286,7 @@ def coefficient_stats(rdir: Path, *, prompts: int = 32, n: int = 8) -> dict[str,
     """
     from delta_jax.config import load_config
     from delta_jax.diagnostics import (
+        CaptureSampling,
         answer_token_share,
         capture_batch,
         group_shared_share,
@@ -310,10 +311,12 @@ def coefficient_stats(rdir: Path, *, prompts: int = 32, n: int = 8) -> dict[str,
             tokenizer,
             parts.eval_prompt_ids[:prompts],
             parts.eval_records[:prompts],
-            n=n,
-            max_new_tokens=config.rollout.max_new_tokens,
-            temperature=config.rollout.temperature,
-            seed=config.run.seed,
+            sampling=CaptureSampling(
+                n=n,
+                max_new_tokens=config.rollout.max_new_tokens,
+                temperature=config.rollout.temperature,
+                seed=config.run.seed,
+            ),
             reward=config.reward.kind,
             delta_options=options,
         )

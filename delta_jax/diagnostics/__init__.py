@@ -3,13 +3,19 @@ training, learning curves.
 
 Typical use::
 
-  batch = capture_batch(model, tokenizer, enc.ids[:4], enc.records[:4], n=8)
+  sampling = CaptureSampling(n=8)
+  batch = capture_batch(model, tokenizer, enc.ids[:4], enc.records[:4], sampling=sampling)
   render_heatmap(batch, "runs/demo/diagnostics/heatmap.html")
   plot_delta_stats(["runs/demo"], "runs/demo/delta_stats.png", batches=[batch])
   plot_runs(["runs/delta", "runs/dapo"], "curves.png")
 """
 
-from delta_jax.diagnostics.capture import CoefficientBatch, capture_batch, token_pieces
+from delta_jax.diagnostics.capture import (
+    CaptureSampling,
+    CoefficientBatch,
+    capture_batch,
+    token_pieces,
+)
 from delta_jax.diagnostics.heatmap import coefficient_color, heatmap_html, render_heatmap
 from delta_jax.diagnostics.plots import plot_runs
 from delta_jax.diagnostics.stats import (
@@ -26,6 +32,7 @@ from delta_jax.diagnostics.stats import (
 
 __all__ = [
     "DELTA_KEYS",
+    "CaptureSampling",
     "CoefficientBatch",
     "answer_token_mask",
     "answer_token_share",

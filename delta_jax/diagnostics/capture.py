@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -176,21 +177,37 @@ class CoefficientBatch:
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class CaptureSampling:
+    """How :func:`capture_batch` samples its responses.
+
+    Attributes:
+      n: responses per prompt (the GRPO group).
+      max_new_tokens: response budget.
+      temperature: sampling temperature (the log-probs are taken at it, as in training).
+      top_p: nucleus mass.
+      seed: sampling seed.
+    """
+
+    n: int = 4
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
 def capture_batch(
     model: Any,
     tokenizer: Any,
     prompt_ids: Sequence[Sequence[int]],
     records: Sequence,
     *,
-    n: int = 4,
-    max_new_tokens: int = 64,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    seed: int = 0,
+    sampling: CaptureSampling = CaptureSampling(),
     reward: Any = "math",
     step: int = 0,
     params: Any = None,
     delta_options: DeltaOptions | None = None,
+    **legacy: Any,
 ) -> CoefficientBatch:
     """Samples, scores and computes the DelTA coefficients of one batch, as a DelTA step would.
 
@@ -199,15 +216,14 @@ def capture_batch(
       tokenizer: its tokenizer.
       prompt_ids: ``P`` prompts as token ids.
       records: ``P`` :class:`~delta_jax.data.PromptRecord` (the rewards' answers/tests).
-      n: responses per prompt (the GRPO group).
-      max_new_tokens: response budget.
-      temperature: sampling temperature (the log-probs are taken at it, as in training).
-      top_p: nucleus mass.
-      seed: sampling seed.
+      sampling: :class:`CaptureSampling`: responses per prompt, budget, temperature, top-p,
+        seed.
       reward: a :class:`~delta_jax.rewards.RewardScorer` kind (scored in-process).
       step: recorded in the batch.
       params: parameters to sample with (None: the model's own).
       delta_options: the :class:`~delta_jax.losses.DeltaOptions` (None: the defaults).
+      **legacy: the fields of :class:`CaptureSampling` as keywords (``n=8``), the call form of
+        earlier releases: deprecated, they replace those of ``sampling``.
 
     Returns:
       A :class:`CoefficientBatch` of ``P · n`` rows.
@@ -218,6 +234,9 @@ def capture_batch(
     from delta_jax.rewards import RewardScorer
     from delta_jax.sampling import Sampler
 
+    if legacy:
+        sampling = _legacy_sampling(sampling, legacy)
+    n = sampling.n
     if len(prompt_ids) != len(records) or not records:
         raise ValueError(
             f"need as many prompt_ids as records (> 0), got {len(prompt_ids)} and {len(records)}"
@@ -228,10 +247,10 @@ def capture_batch(
     out = Sampler(model, pad_token_id=pad).generate(
         [list(p) for p in prompt_ids],
         n=n,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
         stop_token_ids=stops,
         return_hidden=True,
         params=params,
@@ -264,3 +283,17 @@ def capture_batch(
         group_size=n,
         step=step,
     )
+
+
+def _legacy_sampling(sampling: CaptureSampling, legacy: dict[str, Any]) -> CaptureSampling:
+    """``sampling`` with the keywords of the old call form (``capture_batch(..., n=8)``)."""
+    unknown = sorted(set(legacy) - {f.name for f in dataclasses.fields(CaptureSampling)})
+    if unknown:
+        raise TypeError(f"capture_batch() got unexpected keyword arguments {unknown}")
+    warnings.warn(
+        f"capture_batch({', '.join(f'{k}=...' for k in legacy)}) is deprecated and will be "
+        "removed in the next release: pass sampling=CaptureSampling(...)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return dataclasses.replace(sampling, **legacy)

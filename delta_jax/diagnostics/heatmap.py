@@ -185,7 +185,8 @@ def render_heatmap(
 
     Example::
 
-      batch = capture_batch(model, tok, enc.ids[:4], enc.records[:4], n=8)
+      sampling = CaptureSampling(n=8)
+      batch = capture_batch(model, tok, enc.ids[:4], enc.records[:4], sampling=sampling)
       render_heatmap(batch, "runs/demo/diagnostics/heatmap.html")
     """
     if not isinstance(batch, CoefficientBatch):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from delta_jax.data import PromptRecord
-from delta_jax.diagnostics import CoefficientBatch, capture_batch, token_pieces
+from delta_jax.diagnostics import CaptureSampling, CoefficientBatch, capture_batch, token_pieces
 from delta_jax.losses import grpo_advantages
 from tests.diagnostics.helpers import RESPONSES, odd_length_reward, synthetic_batch
 from tests.losses.delta_oracle import delta_oracle, lm_head_row_vectors
@@ -95,17 +95,9 @@ def test_capture_batch_matches_forward_pass_oracle(tiny_model):
     prompts = ["Q: 12+30=?\nA: ", "Q: 5+77=?\nA: "]
     records = [PromptRecord(prompt=p, answer="0") for p in prompts]
     ids = [tok.encode(p) for p in prompts]
+    sampling = CaptureSampling(n=4, max_new_tokens=10, temperature=1.0, seed=3)
     batch = capture_batch(
-        model,
-        tok,
-        ids,
-        records,
-        n=4,
-        max_new_tokens=10,
-        temperature=1.0,
-        seed=3,
-        reward=odd_length_reward,
-        step=7,
+        model, tok, ids, records, sampling=sampling, reward=odd_length_reward, step=7
     )
     assert batch.token_ids.shape[0] == 8 and batch.step == 7 and batch.group_size == 4
     # The reward sees the text without special tokens (as in training); the pieces keep them.
@@ -143,3 +135,19 @@ def test_capture_batch_matches_forward_pass_oracle(tiny_model):
     np.testing.assert_allclose(batch.coefficients, want, atol=2e-4)
     assert np.all(batch.coefficients[~batch.mask] == 0)
     assert batch.coefficients[batch.mask].mean() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_capture_batch_old_keywords_warn_and_give_the_same_batch(tiny_model):
+    model, tok = tiny_model
+    ids = [tok.encode("Q: 1+2=?\nA: ")]
+    records = [PromptRecord(prompt="Q: 1+2=?\nA: ", answer="3")]
+    sampling = CaptureSampling(n=2, max_new_tokens=6)
+    new = capture_batch(model, tok, ids, records, sampling=sampling, reward=odd_length_reward)
+    with pytest.warns(DeprecationWarning, match="sampling=CaptureSampling"):
+        old = capture_batch(
+            model, tok, ids, records, n=2, max_new_tokens=6, reward=odd_length_reward
+        )
+    np.testing.assert_array_equal(old.token_ids, new.token_ids)
+    np.testing.assert_array_equal(old.coefficients, new.coefficients)
+    with pytest.raises(TypeError, match="unexpected keyword arguments"):
+        capture_batch(model, tok, ids, records, samples=2)
