@@ -29,7 +29,7 @@ from flax import nnx
 from delta_jax.data import PromptRecord
 from delta_jax.models import Transformer
 from delta_jax.rewards import RewardScorer
-from delta_jax.rl.rollout import collect_rollout
+from delta_jax.rl.rollout import RolloutSpec, collect_rollout
 from delta_jax.sampling import Sampler
 
 
@@ -59,10 +59,7 @@ def main() -> None:
     prompts = [rng.integers(1, config.vocab_size, 32).tolist() for _ in range(args.prompts)]
     batch = [(p, PromptRecord(prompt=f"q{i}", answer="0")) for i, p in enumerate(prompts)]
     stops = tuple(range(config.vocab_size - args.stop_ids, config.vocab_size))
-    kw = dict(
-        sampler=sampler,
-        params=None,
-        tokenizer=IdText(),
+    spec = RolloutSpec(
         n=args.n,
         prompt_len=32,
         gen_len=args.new_tokens,
@@ -72,6 +69,7 @@ def main() -> None:
         dynamic_rounds=0,
         return_hidden=False,
     )
+    kw = dict(sampler=sampler, params=None, tokenizer=IdText(), spec=spec)
     with RewardScorer("bench_models:one_second_program", num_workers=args.workers) as scorer:
         scorer.wait_ready()
         collect_rollout(scorer=scorer, prompt_batches=iter([batch]), seed=0, **kw)  # compile

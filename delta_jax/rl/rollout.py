@@ -66,6 +66,32 @@ ADVANTAGE_FNS: dict[str, Callable] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+    """What each rollout batch is: its layout, how it is sampled, and how it is scored.
+
+    Attributes:
+      n: samples per prompt (a group).
+      prompt_len: ``P``, the prompt width of the layout (prompts are left-padded or cut to it).
+      gen_len: ``G``, the response budget and width.
+      sampling: the further ``Sampler.generate`` keywords (temperature, top_p, top_k,
+        stop_token_ids).
+      advantage: the group advantage, a key of :data:`ADVANTAGE_FNS`.
+      overlong: DAPO's overlong penalty ``(buffer, factor)``; None or a buffer of 0: none.
+      dynamic_rounds: further sampling rounds of dynamic sampling (0: none).
+      return_hidden: keep the sampler's hidden states (DelTA's coefficients from the sampler).
+    """
+
+    n: int
+    prompt_len: int
+    gen_len: int
+    sampling: dict
+    advantage: str
+    overlong: tuple[int, float] | None
+    dynamic_rounds: int
+    return_hidden: bool
+
+
 @functools.partial(jax.jit, static_argnames=("prompt_len", "gen_len"))
 def _padded_rows(outputs, rows, *, prompt_len: int, gen_len: int):
     """Rows ``rows`` of the sampler outputs of every round, in the fixed ``P`` / ``G`` layout."""
@@ -98,19 +124,13 @@ def collect_rollout(
     scorer,
     tokenizer,
     prompt_batches: Iterator[list[tuple[list[int], PromptRecord]]],
-    n: int,
-    prompt_len: int,
-    gen_len: int,
-    sampling: dict,
+    spec: RolloutSpec,
     seed: int,
-    advantage: str,
-    overlong: tuple[int, float] | None,
-    dynamic_rounds: int,
-    return_hidden: bool,
     episodes: EpisodeRunner | None = None,
 ) -> Rollout:
-    """Sample, score and assemble one rollout batch (see module docstring); with ``episodes``
-    each response is a multi-turn episode (:mod:`delta_jax.envs.episodes`)."""
+    """Sample, score and assemble one rollout batch (see module docstring) as ``spec`` says;
+    with ``episodes`` each response is a multi-turn episode (:mod:`delta_jax.envs.episodes`)."""
+    n, dynamic_rounds = spec.n, spec.dynamic_rounds
     stats: Counter = Counter()
     kept: list[Group] = []
     spare: list[Group] = []
@@ -122,9 +142,8 @@ def collect_rollout(
         stats["data/skipped"] += take_skipped()
         wanted = wanted or len(pairs)
         out, groups = _sample_and_score(
-            sampler, params, scorer, tokenizer, pairs, n, gen_len, sampling,
-            seed * 1000 + round_, overlong, return_hidden, stats, episodes,
-        )  # fmt: skip
+            sampler, params, scorer, tokenizer, pairs, spec, seed * 1000 + round_, stats, episodes
+        )
         outputs.append(
             (
                 out.prompt_array,
@@ -160,14 +179,15 @@ def collect_rollout(
     # Every round's slot filled (the first round's arrays stand in for the rounds not run, and
     # no kept row points at them), so the assembly compiles once whatever the rounds taken.
     outputs += outputs[:1] * (dynamic_rounds + 1 - len(outputs))
-    return _assemble(kept, tuple(outputs), n, prompt_len, gen_len, advantage, dict(stats))
+    return _assemble(kept, tuple(outputs), spec, dict(stats))
 
 
-def _assemble(kept: list[Group], outputs, n, prompt_len, gen_len, advantage, stats) -> Rollout:
+def _assemble(kept: list[Group], outputs, spec: RolloutSpec, stats) -> Rollout:
     """The kept groups' rows in the fixed layout (on device), with advantages and statistics."""
+    n, gen_len = spec.n, spec.gen_len
     rows = np.concatenate([g.rows for g in kept])
     sequences, logprobs, hidden, action_mask = _padded_rows(
-        outputs, rows, prompt_len=prompt_len, gen_len=gen_len
+        outputs, rows, prompt_len=spec.prompt_len, gen_len=gen_len
     )
     joined = lambda key: [x for g in kept for x in getattr(g, key)]
     rewards = np.concatenate([g.rewards for g in kept]).astype(np.float32)
@@ -190,7 +210,7 @@ def _assemble(kept: list[Group], outputs, n, prompt_len, gen_len, advantage, sta
         prompt_lengths=np.asarray([len(g.prompt_ids) for g in kept for _ in range(n)], np.int32),
         lengths=lengths,
         rewards=rewards,
-        advantages=np.asarray(ADVANTAGE_FNS[advantage](jnp.asarray(rewards), n), np.float32),
+        advantages=np.asarray(ADVANTAGE_FNS[spec.advantage](jnp.asarray(rewards), n), np.float32),
         records=joined("records"),
         responses=joined("texts"),
         stats=stats,
@@ -295,10 +315,10 @@ def _speculation_stats(stats: Counter) -> None:
 
 
 def _sample_and_score(
-    sampler, params, scorer, tokenizer, pairs, n, gen_len, sampling, seed, overlong, hidden, stats,
-    runner,
-):  # fmt: skip
+    sampler, params, scorer, tokenizer, pairs, spec: RolloutSpec, seed: int, stats, runner
+):
     """One sampler call and its rewards; returns the output and its prompts' groups."""
+    n, gen_len, overlong = spec.n, spec.gen_len, spec.overlong
     t0, compiling = time.perf_counter(), CompileCounter.seconds
     records = [rec for _, rec in pairs for _ in range(n)]
     episodes = None if runner is None else runner.start([episode_row(r) for r in records])
@@ -308,11 +328,11 @@ def _sample_and_score(
         n=n,
         max_new_tokens=gen_len,
         seed=seed,
-        return_hidden=hidden,
+        return_hidden=spec.return_hidden,
         params=params,
         on_sample_done=stream.sample_done,
         turns=None if episodes is None else episodes.turns,
-        **sampling,
+        **spec.sampling,
     )
     t1 = time.perf_counter()
     scored = stream.finish()

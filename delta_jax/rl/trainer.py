@@ -50,7 +50,7 @@ from delta_jax.config import Config, ConfigError, build_config, load_config
 from delta_jax.diagnostics.metrics_log import MetricsLog
 from delta_jax.diagnostics.plots import plot_runs
 from delta_jax.rl.compilation import CompileCounter, use_persistent_cache, warm_up_rollout
-from delta_jax.rl.rollout import Rollout, collect_rollout
+from delta_jax.rl.rollout import Rollout, RolloutSpec, collect_rollout
 from delta_jax.rl.setup import RunParts, build_run_parts
 from delta_jax.rl.state import init_sharded_state, make_optimizer
 from delta_jax.rl.update import Updater
@@ -437,21 +437,24 @@ class Trainer:
     def _rollout(self, step: int) -> Rollout:
         """Sample and score one rollout batch with the current parameters."""
         cfg, parts = self.config, self.parts
+        spec = RolloutSpec(
+            n=cfg.rollout.samples_per_prompt,
+            prompt_len=parts.prompt_len,
+            gen_len=cfg.rollout.max_new_tokens,
+            sampling=self._sampling(),
+            advantage=cfg.algo.advantage,
+            overlong=(cfg.reward.overlong_buffer, cfg.reward.overlong_factor),
+            dynamic_rounds=cfg.rollout.dynamic_sampling_rounds,
+            return_hidden=self.plan.coefficients == "sampler",
+        )
         rollout = collect_rollout(
             sampler=parts.sampler,
             params=self._sampling_params(),
             scorer=parts.scorer,
             tokenizer=parts.tokenizer,
             prompt_batches=parts.prompts,
-            n=cfg.rollout.samples_per_prompt,
-            prompt_len=parts.prompt_len,
-            gen_len=cfg.rollout.max_new_tokens,
-            sampling=self._sampling(),
+            spec=spec,
             seed=cfg.run.seed * 1_000_003 + step,
-            advantage=cfg.algo.advantage,
-            overlong=(cfg.reward.overlong_buffer, cfg.reward.overlong_factor),
-            dynamic_rounds=cfg.rollout.dynamic_sampling_rounds,
-            return_hidden=self.plan.coefficients == "sampler",
             episodes=parts.episodes,
         )
         # Back from the sampler's mesh to the trainer's rows (a no-op when the layouts agree).

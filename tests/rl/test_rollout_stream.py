@@ -12,7 +12,7 @@ from delta_jax.demo import arithmetic_records
 from delta_jax.losses.advantages import grpo_advantages
 from delta_jax.models import from_pretrained, load_tokenizer
 from delta_jax.rewards import FlippedRewards, RewardSet
-from delta_jax.rl.rollout import collect_rollout
+from delta_jax.rl.rollout import RolloutSpec, collect_rollout
 from delta_jax.sampling import Sampler
 
 
@@ -52,15 +52,19 @@ def test_streamed_rewards_equal_rewards_scored_after_the_last_token(demo_model_d
             scorer=scorer,
             tokenizer=tok,
             prompt_batches=iter([list(zip(enc.ids, enc.records, strict=True))]),
-            n=4,
-            prompt_len=16,
-            gen_len=24,
-            sampling=dict(temperature=1.0, top_p=1.0, top_k=0, stop_token_ids=(tok.eos_token_id,)),
+            spec=RolloutSpec(
+                n=4,
+                prompt_len=16,
+                gen_len=24,
+                sampling=dict(
+                    temperature=1.0, top_p=1.0, top_k=0, stop_token_ids=(tok.eos_token_id,)
+                ),
+                advantage="grpo",
+                overlong=None,
+                dynamic_rounds=0,
+                return_hidden=False,
+            ),
             seed=5,
-            advantage="grpo",
-            overlong=None,
-            dynamic_rounds=0,
-            return_hidden=False,
         )
         wall = time.perf_counter() - start
         items = [{"answer": r.answer, "tests": r.tests, **r.extra} for r in ro.records]
