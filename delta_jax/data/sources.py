@@ -83,8 +83,8 @@ class LoadResult:
 
     def skip_summary(self) -> str:
         """The skips on one line: the count, then each reason's count and first row."""
-        parts = [f"{n} x {k!r} (first: {self.first_skips.get(k, '?')})"
-                 for k, n in self.skip_reasons.items()]  # fmt: skip
+        first = lambda reason: self.first_skips.get(reason, "?")
+        parts = [f"{n} x {k!r} (first: {first(k)})" for k, n in self.skip_reasons.items()]
         return f"skipped {self.skipped} bad rows: " + "; ".join(parts)
 
 

@@ -218,10 +218,8 @@ def chunked(q, k, v, segment_ids, parent_ids=None, *, block: int = 512):
                 m_new = jax.lax.stop_gradient(jnp.maximum(m, s.max(-1)))
                 p = jnp.where(see, jnp.exp(s - m_new[..., None]), 0.0)
                 corr = jnp.exp(m - m_new)
-                pv = jnp.einsum(
-                    "BKGTS,BSKD->BKGTD", p.astype(v_j.dtype), v_j,
-                    preferred_element_type=acc_dtype,
-                )  # fmt: skip
+                p_v = p.astype(v_j.dtype)  # the matmul's input; p's row sums stay in acc_dtype
+                pv = jnp.einsum("BKGTS,BSKD->BKGTD", p_v, v_j, preferred_element_type=acc_dtype)
                 return m_new, norm * corr + p.sum(-1), acc * corr[..., None] + pv
 
             # Key blocks wholly after the query block hold no visible key.

@@ -36,9 +36,10 @@ ARCHITECTURES = {
 }
 # Tensor types read (dequantised to float32, then cast to the model's dtype).
 QUANT_TYPES = (
-    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-)  # fmt: skip
+    *("F32", "F16", "BF16"),  # plain floats
+    *("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"),  # blocks of 32 weights
+    *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"),  # k-quants: super-blocks of 256 weights
+)
 
 # GGUF tensor name (``{i}``: layer) -> Hugging Face name.
 _NAMES = {

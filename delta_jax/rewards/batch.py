@@ -353,11 +353,11 @@ class RewardScorer:
         if self._closed:
             raise RuntimeError("RewardScorer is closed")
         job = _Job(n)
+        units = [slice(s, s + unit) for s in range(0, n, unit)]
         job.tasks = [
-            (s, list(prompts[s : s + unit]), list(responses[s : s + unit]),
-             [dict(x) for x in items[s : s + unit]])
-            for s in range(0, n, unit)
-        ]  # fmt: skip
+            (u.start, list(prompts[u]), list(responses[u]), [dict(x) for x in items[u]])
+            for u in units
+        ]
         if self.num_workers == 0:  # serial: here and now
             for start, *args in job.tasks:
                 job.finish(start, self._unit_fn(*args))

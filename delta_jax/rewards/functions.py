@@ -127,18 +127,18 @@ class RewardSet:
 
     def combine(self, batches: Sequence[RewardBatch]) -> RewardBatch:
         """One batch from every function's (same items, in :attr:`names` order)."""
-        total = sum(w * b.rewards for w, b in zip(self.weights, batches, strict=True))
+        weighted = sum(w * b.rewards for w, b in zip(self.weights, batches, strict=True))
+        total = np.asarray(weighted, np.float32)
         components = {name: b.rewards for name, b in zip(self.names, batches, strict=True)}
         if len(batches) == 1:
-            return RewardBatch(np.asarray(total, np.float32), batches[0].reasons,
-                               batches[0].counts, components)  # fmt: skip
+            return RewardBatch(total, batches[0].reasons, batches[0].counts, components)
         reasons = [";".join(r) for r in zip(*(b.reasons for b in batches), strict=True)]
         counts = {
             f"{n}:{k}": v
             for n, b in zip(self.names, batches, strict=True)
             for k, v in b.counts.items()
         }
-        return RewardBatch(np.asarray(total, np.float32), reasons, counts, components)
+        return RewardBatch(total, reasons, counts, components)
 
     def close(self) -> None:
         for scorer in self.scorers:
