@@ -175,7 +175,9 @@ def lower_prefill(
     graphdef, params, rest, aval = abstract_model(config, mesh, rules, dtype)
     if model is not None:
         graphdef, params, rest = model
-    backend = backend_for(spec.attention, Groups(mesh, config.num_kv_heads))
+    # The accelerator paths' prefill (the kernel's path prefills as XLA's does), whatever
+    # ``spec.attention``: a planner's CPU compile of a dense spec lowers it too.
+    backend = backend_for("xla", Groups(mesh, config.num_kv_heads))
     pool_dtype = dtype if cache_dtype is None else cache_dtype
     pool = _abstract_pool(config, aval, spec.num_pages, spec.page_size, pool_dtype)
     listed = batch_divisor(mesh, rules) * list_pages
