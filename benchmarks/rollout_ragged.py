@@ -254,20 +254,27 @@ def _pool_slope(cfg, mesh, rules, slots: int, table: int, page: int, sizes) -> t
     whole pool per step, where the kernel and the K/V scatter touch only a few of its pages).
     """
     from delta_jax.plan.lowering import lower_decode
+    from delta_jax.sampling.engine.requests import EngineSpec
+    from delta_jax.sharding import batch_divisor
 
     figures = []
     for pages in sizes:
-        lowered = lower_decode(
-            cfg,
-            mesh,
-            rules,
+        spec = EngineSpec(
             slots=slots,
             steps=1,
             page_size=page,
             num_pages=pages,
-            table_pages=table,
+            seq_pages=table,
+            max_table=table,
+            prefill_len=page,
+            min_len=page,
+            prefill_rows=slots,
+            groups=batch_divisor(mesh, rules),
             attention="pallas",
+            return_hidden=False,
+            pad_id=0,
         )
+        lowered = lower_decode(cfg, mesh, rules, spec)
         figures.append(float(lowered.compile().cost_analysis()["bytes accessed"]) * mesh.size)
     pool_bytes = [p * page * _token_kv_bytes(cfg) for p in sizes]
     slope = (figures[1] - figures[0]) / (pool_bytes[1] - pool_bytes[0])

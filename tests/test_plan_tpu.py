@@ -9,6 +9,7 @@ from delta_jax import sharding as sh
 from delta_jax.config import load_config
 from delta_jax.models import ModelConfig
 from delta_jax.plan.lowering import lower_prefill, lower_write
+from delta_jax.sampling.engine.requests import EngineSpec
 
 pytest.importorskip("libtpu")
 
@@ -74,10 +75,25 @@ def test_multiturn_continuation_programs_compile_for_v5p():
     assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
     pages, page_size, rows = 8192, 16, 8
     context = MODEL.max_position_embeddings // page_size  # a row's pages at the longest
-    prefill = lower_prefill(
-        MODEL, mesh, sh.SAMPLE_RULES, rows=rows, length=64, page_size=page_size,
-        num_pages=pages, list_pages=rows // 2 * context,
-    ).compile().memory_analysis()  # fmt: skip
+    spec = EngineSpec(
+        slots=rows,
+        steps=8,
+        page_size=page_size,
+        num_pages=pages,
+        seq_pages=context,
+        max_table=context,
+        prefill_len=64,
+        min_len=16,
+        prefill_rows=rows,
+        groups=2,
+        attention="pallas",
+        return_hidden=False,
+        pad_id=0,
+    )
+    lowered = lower_prefill(
+        MODEL, mesh, sh.SAMPLE_RULES, spec, length=64, list_pages=rows // 2 * context
+    )
+    prefill = lowered.compile().memory_analysis()
     # A chip holds its group's half of the pages and one of the 2 KV heads (K and V), bfloat16.
     layer_share = pages // 2 * page_size * 2 * MODEL.head_dim * 2
     assert prefill.alias_size_in_bytes >= MODEL.num_layers * layer_share

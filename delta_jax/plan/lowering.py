@@ -5,10 +5,11 @@ compiler through ``jax.experimental.topologies``)."""
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.core import spmd
 from jax.sharding import Mesh, NamedSharding
@@ -17,14 +18,21 @@ from jax.sharding import PartitionSpec as P
 from delta_jax.models import Transformer
 from delta_jax.models.axes import logical_to_mesh
 from delta_jax.sampling.attention.backends import backend_for
-from delta_jax.sampling.attention.paged import PAGE_AXES, PageList, PagePool
-from delta_jax.sampling.engine.decode import decode_program, prefill_chunk, write_observations
-from delta_jax.sampling.engine.requests import SLOT_FIELDS, Attention
+from delta_jax.sampling.attention.paged import PAGE_AXES, Groups, PagePool, Tokens
+from delta_jax.sampling.engine.decode import (
+    DecodeOptions,
+    RequestInputs,
+    Weights,
+    decode_program,
+    prefill_chunk,
+    write_observations,
+)
+from delta_jax.sampling.engine.requests import SLOT_FIELDS, EngineSpec
 from delta_jax.sampling.speculation.drafts import MAX_NGRAM, Drafts
 from delta_jax.sampling.strategies import make_strategy
 from delta_jax.sharding import batch_divisor, param_shardings
 
-__all__ = ["abstract_model", "lower_decode", "lower_prefill", "lower_write"]
+__all__ = ["RequestShape", "abstract_model", "lower_decode", "lower_prefill", "lower_write"]
 
 
 def abstract_model(config, mesh: Mesh, rules, dtype):
@@ -51,144 +59,138 @@ def _abstract_pool(config, aval, num_pages: int, page_size: int, dtype) -> PageP
     return PagePool(kv=tuple(aval(page, dtype, PAGE_AXES) for _ in range(config.num_layers)))
 
 
-def _abstract_outputs(aval, rows: int, gen_len: int, drafted: bool = False) -> dict[str, Any]:
-    """The output buffers of :func:`init_outputs` (no hidden states), ``rows`` x ``gen_len``."""
+def _abstract_outputs(
+    aval, rows: int, gen_len: int, drafted: bool = False, hidden: tuple[int, Any] | None = None
+) -> dict[str, Any]:
+    """The output buffers of :func:`init_outputs`, ``rows`` x ``gen_len`` (with ``hidden``, the
+    hidden states' ``(size, dtype)``)."""
     R, G = rows, gen_len
     out = dict(
         tokens=aval((R, G), jnp.int32, ("batch",)),
         logprobs=aval((R, G), jnp.float32, ("batch",)),
         untruncated=aval((R, G), jnp.float32, ("batch",)),
     )
+    if hidden is not None:
+        out["hidden"] = aval((R, G, hidden[0]), hidden[1], ("batch",))
     if drafted:
         out["drafted"] = aval((R, G), jnp.int8, ("batch",))
     return out
+
+
+class RequestShape(NamedTuple):
+    """What a decode program's shapes take from the request rather than from the engine's
+    :class:`~delta_jax.sampling.engine.requests.EngineSpec`: the output buffers' ``rows``
+    (default: the chunk's slots) x ``gen_len`` (default: ``spec.steps``) tokens, the stop ids
+    per sequence, the ``(Q, L)`` shape of a multi-turn request's stop-sequence matrix
+    (``L = 0``: none), and the drafter's tail (its ``max_ngram``)."""
+
+    rows: int | None = None
+    gen_len: int | None = None
+    stop_width: int = 1
+    stop_sequences: tuple[int, int] = (0, 0)
+    draft_tail: int = MAX_NGRAM
 
 
 def lower_decode(
     config,
     mesh: Mesh,
     rules,
+    spec: EngineSpec,
     *,
-    slots: int,
-    steps: int,
-    page_size: int,
-    num_pages: int,
-    table_pages: int,
-    list_pages: int = 1,
+    slots: int | None = None,
     dtype: Any = jnp.bfloat16,
-    attention: Attention = "pallas",
-    stop_width: int = 1,
     cache_dtype: Any = None,
-    rows: int | None = None,
-    gen_len: int | None = None,
-    stop_sequences: tuple[int, int] = (0, 0),
-    draft_tokens: int = 0,
-    draft_depth: int = 0,
-    draft_window: int = 0,
-    draft_tail: int = MAX_NGRAM,
+    shape: RequestShape | None = None,
 ) -> jax.stages.Lowered:
-    """The decode program lowered for abstract inputs on ``mesh`` (no parameters materialised).
+    """The engine's decode program for ``spec`` lowered for abstract inputs on ``mesh`` (no
+    parameters materialised): the program the engine builds for it
+    (:meth:`~delta_jax.sampling.engine.decode.DecodeOptions.of`), its page layout the
+    backend's.
 
     For compile-only checks and cost figures on a topology without its devices (the TPU compiler
-    through ``jax.experimental.topologies``): parameters in ``dtype`` placed by ``rules``.
-    ``slots`` and ``num_pages`` count every data group's (the mesh's row shards); ``table_pages``
-    is the page-table width (``pallas``), ``list_pages`` one group's flat page list length
-    (``xla``); the pool is in ``cache_dtype`` (default ``dtype``). The output buffers hold
-    ``rows`` (default ``slots``) x ``gen_len`` (default ``steps``) tokens; the chunk's length
-    is a traced value (``steps`` is what a real call passes). ``stop_sequences``: the ``(Q, L)``
-    shape of a multi-turn request's stop-sequence matrix (``L = 0``: none). ``draft_tokens``
-    (> 0): the speculative chunk, verify steps of that many drafted tokens (a trie up to
-    ``draft_depth`` deep; 0: a line) looked up in per-slot
-    windows of ``draft_window`` tokens by their last ``draft_tail`` tokens (the drafter's
-    ``max_ngram``).
+    through ``jax.experimental.topologies``): parameters in ``dtype`` placed by ``rules``, the
+    pool in ``cache_dtype`` (default ``dtype``). ``slots``: the chunk's slots, every data
+    group's (default ``spec.slots``); the chunk's length is a traced value (``spec.steps`` is
+    what a real call passes). With ``spec.draft_tokens`` the speculative chunk: verify steps
+    looked up in per-slot windows of ``spec.draft_window`` tokens. ``shape``: see
+    :class:`RequestShape` (default: its defaults).
     """
+    shape = RequestShape() if shape is None else shape
     graphdef, params, rest, aval = abstract_model(config, mesh, rules, dtype)
+    backend = backend_for(spec.attention, Groups(mesh, config.num_kv_heads))
+    options = DecodeOptions.of(spec, graphdef, backend, shape.stop_width)
+    S = spec.slots if slots is None else slots
     i32, row = jnp.int32, ("batch",)
-    groups = batch_divisor(mesh, rules)
-    Q, L = stop_sequences
-    packed = aval((slots, len(SLOT_FIELDS) + stop_width + L + table_pages), i32, row)
-    pages = aval((groups * list_pages, 3), i32, row)
+    Q, L = shape.stop_sequences
+    packed = aval((S, len(SLOT_FIELDS) + shape.stop_width + L + spec.max_table), i32, row)
+    list_pages = backend.decode_list_pages(spec)
+    pages = aval((batch_divisor(mesh, rules) * list_pages, 3), i32, row)
     pool_dtype = dtype if cache_dtype is None else cache_dtype
-    pool = _abstract_pool(config, aval, num_pages, page_size, pool_dtype)
-    out = _abstract_outputs(aval, rows or slots, gen_len or steps, draft_tokens > 0)
-    fn = functools.partial(
-        decode_program,
-        stop_width=stop_width,
-        graphdef=graphdef,
-        return_hidden=False,
-        pad_id=0,
-        backend=backend_for(attention),
-        mesh=mesh,
-    )
+    pool = _abstract_pool(config, aval, spec.num_pages, spec.page_size, pool_dtype)
+    hidden = (config.hidden_size, dtype) if spec.return_hidden else None
+    rows, gen_len = shape.rows or S, shape.gen_len or spec.steps
+    out = _abstract_outputs(aval, rows, gen_len, spec.draft_tokens > 0, hidden)
     scalar = NamedSharding(mesh, P())
     limit = jax.ShapeDtypeStruct((), i32, sharding=scalar)
-    resumable = jax.ShapeDtypeStruct((), jnp.bool_, sharding=scalar)
-    seed = jax.ShapeDtypeStruct((), jnp.uint32, sharding=scalar)
-    strategy = make_strategy(1.0)
-    sequences = jax.ShapeDtypeStruct((Q, L), i32, sharding=scalar) if L else None
+    request = RequestInputs(
+        strategy=make_strategy(1.0),
+        seed=jax.ShapeDtypeStruct((), jnp.uint32, sharding=scalar),
+        resumable=jax.ShapeDtypeStruct((), jnp.bool_, sharding=scalar),
+        stop_sequences=jax.ShapeDtypeStruct((Q, L), i32, sharding=scalar) if L else None,
+    )
     drafts = None
-    if draft_tokens:
-        fn = functools.partial(
-            fn,
-            draft_tokens=draft_tokens,
-            draft_depth=draft_depth,
-            emitted_width=steps * (draft_tokens + 1),
-        )
-        W = (slots, draft_window)
-        drafts = Drafts(aval(W, i32, row), aval(W, i32, row), aval((slots, draft_tail), i32, row))
+    if spec.draft_tokens:
+        W = (S, spec.draft_window)
+        tail = aval((S, shape.draft_tail), i32, row)
+        drafts = Drafts(aval(W, i32, row), aval(W, i32, row), tail)
+    fn = functools.partial(decode_program, options)
+    args = (Weights(params, rest), pool, out, packed, pages, limit, request, drafts)
     with jax.set_mesh(mesh), spmd.logical_axis_rules(rules):
-        return jax.jit(fn, donate_argnums=(2, 3)).lower(
-            params,
-            rest,
-            pool,
-            out,
-            packed,
-            pages,
-            limit,
-            resumable,
-            seed,
-            strategy,
-            None,
-            sequences,
-            drafts,
-        )
+        return jax.jit(fn, donate_argnums=(1, 2)).lower(*args)
 
 
 def lower_prefill(
     config,
     mesh: Mesh,
     rules,
+    spec: EngineSpec,
     *,
-    rows: int,
     length: int,
-    page_size: int,
-    num_pages: int,
     list_pages: int,
     dtype: Any = jnp.bfloat16,
     cache_dtype: Any = None,
     model: tuple | None = None,
 ) -> jax.stages.Lowered:
-    """The prefill program (:func:`prefill_chunk`) lowered for abstract inputs on ``mesh``.
+    """The engine's prefill program (:func:`prefill_chunk`) for ``spec`` lowered for abstract
+    inputs on ``mesh``: ``spec.prefill_rows`` rows (every group's) x ``length`` tokens per call,
+    on a flat page list (the accelerator paths').
 
     The same program prefills a prompt (positions from 0) and continues a sequence in its own
     pages (an observation, or the context of a sequence preempted after a hand-over: positions
     from where it stopped, its pages from position 0 on in the list); the positions are values,
-    the list length ``list_pages`` (one group's) is what a continuation makes longer. ``rows``
-    (every group's) x ``length`` tokens per call; ``model``: the abstract ``(graphdef, params,
-    rest)`` to lower with (default: the config's model in ``dtype``, placed by ``rules``); see
-    :func:`lower_decode` for the rest.
+    the list length ``list_pages`` (one group's) is what a continuation makes longer.
+    ``model``: the abstract ``(graphdef, params, rest)`` to lower with (default: the config's
+    model in ``dtype``, placed by ``rules``); see :func:`lower_decode` for the rest.
     """
     graphdef, params, rest, aval = abstract_model(config, mesh, rules, dtype)
     if model is not None:
         graphdef, params, rest = model
+    # The accelerator paths' prefill (the kernel's path prefills as XLA's does), whatever
+    # ``spec.attention``: a planner's CPU compile of a dense spec lowers it too.
+    backend = backend_for("xla", Groups(mesh, config.num_kv_heads))
     pool_dtype = dtype if cache_dtype is None else cache_dtype
-    pool = _abstract_pool(config, aval, num_pages, page_size, pool_dtype)
+    pool = _abstract_pool(config, aval, spec.num_pages, spec.page_size, pool_dtype)
     listed = batch_divisor(mesh, rules) * list_pages
-    pages = PageList(*(aval((listed,), jnp.int32, ("batch",)) for _ in range(3)))
-    tokens = [aval((rows, length), dt, ("batch",)) for dt in (jnp.int32, jnp.int32, jnp.bool_)]
-    fn = functools.partial(prefill_chunk, graphdef=graphdef, mesh=mesh)
+
+    def place(entries):  # the host's page list, abstract
+        return aval(entries.shape, jnp.int32, ("batch",))
+
+    pages = backend.prefill_layout(np.zeros((listed, 3), np.int32), place)
+    dtypes = (jnp.int32, jnp.int32, jnp.bool_)
+    tokens = Tokens(*(aval((spec.prefill_rows, length), dt, ("batch",)) for dt in dtypes))
+    fn = functools.partial(prefill_chunk, graphdef=graphdef, backend=backend)
     with jax.set_mesh(mesh), spmd.logical_axis_rules(rules):
-        return jax.jit(fn, donate_argnums=(2,)).lower(params, rest, pool, *tokens, pages)
+        return jax.jit(fn, donate_argnums=(1,)).lower(Weights(params, rest), pool, tokens, pages)
 
 
 def lower_write(
@@ -206,6 +208,6 @@ def lower_write(
         aval((slots, width), jnp.int32, row),
         aval((slots, width), jnp.bool_, row),
     )
-    fn = functools.partial(write_observations, mesh=mesh, kv_heads=config.num_kv_heads)
+    fn = functools.partial(write_observations, groups=Groups(mesh, config.num_kv_heads))
     with jax.set_mesh(mesh), spmd.logical_axis_rules(rules):
         return jax.jit(fn, donate_argnums=(0,)).lower(out, *args)

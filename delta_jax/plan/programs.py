@@ -25,10 +25,10 @@ from delta_jax.plan.report import ProgramMemory
 from delta_jax.rl.state import init_train_state, make_optimizer
 from delta_jax.rl.train_step import abstract_batch, make_train_step
 from delta_jax.rl.update_plan import UpdatePlan
-from delta_jax.sampling.attention import backend_for, pages_for, pow2
+from delta_jax.sampling.attention import pages_for, pow2
 from delta_jax.sampling.attention.paged import PAGE_AXES
 from delta_jax.sampling.buckets import Buckets, prepare_request
-from delta_jax.sampling.static import static_program
+from delta_jax.sampling.static import StaticOptions, static_program
 from delta_jax.sampling.strategies import make_strategy
 
 
@@ -252,24 +252,15 @@ class Planner:
         """Compiles the engine's decode chunk for ``spec`` (its verify steps with
         ``spec.draft_tokens``) over ``rows`` slots (every group's; default all of them)."""
         mc, compute = self.model_config, jnp.dtype(self.config.model.dtype)
-        list_pages = backend_for(spec.attention).decode_list_pages(spec)
         return compile_program(
             lambda: lower_decode(
                 mc,
                 self.sample_mesh,
                 sh.SAMPLE_RULES,
-                slots=spec.slots if rows is None else rows,
-                steps=spec.steps,
-                page_size=spec.page_size,
-                num_pages=spec.num_pages,
-                table_pages=spec.max_table,
-                list_pages=list_pages,
+                spec,
+                slots=rows,
                 dtype=compute,
                 cache_dtype=self.cache_dtype(),
-                attention=spec.attention,
-                draft_tokens=spec.draft_tokens,
-                draft_depth=spec.draft_depth,
-                draft_window=spec.draft_window,
             ),
             self.sample_mesh,
             sh.SAMPLE_RULES,
@@ -291,10 +282,8 @@ class Planner:
             self.model_config,
             self.sample_mesh,
             sh.SAMPLE_RULES,
-            rows=rows,
+            spec,
             length=T,
-            page_size=spec.page_size,
-            num_pages=spec.num_pages,
             list_pages=pow2(per_group * pages_for(-(-prompt_len // T) * T, spec.page_size)),
             cache_dtype=self.cache_dtype(),
             model=(self.graphdef, self._sample_params(), self.rest),
@@ -335,17 +324,15 @@ class Planner:
             np.uint32(0),
             strategy,
         )
-        fn = jax.jit(
-            functools.partial(
-                static_program,
-                graphdef=self.graphdef,
-                n=c.rollout.samples_per_prompt,
-                gen_len=gen_len,
-                cache_dtype=self.cache_dtype(),
-                return_hidden=False,
-                pad_id=0,
-                # The accelerator path: layer weights are read in place, no per-call copy.
-                hoist_layers=False,
-            )
+        options = StaticOptions(
+            graphdef=self.graphdef,
+            n=c.rollout.samples_per_prompt,
+            gen_len=gen_len,
+            cache_dtype=self.cache_dtype(),
+            return_hidden=False,
+            pad_id=0,
+            # The accelerator path: layer weights are read in place, no per-call copy.
+            hoist_layers=False,
         )
+        fn = jax.jit(functools.partial(static_program, options=options))
         return compile_program(lambda: fn.lower(*args), mesh, sh.SAMPLE_RULES)

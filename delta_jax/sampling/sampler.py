@@ -50,10 +50,16 @@ from delta_jax.models import Transformer
 from delta_jax.models.axes import logical_to_mesh
 from delta_jax.sampling.attention import NAMES, dense_cpu, pages_for, resolve_attention
 from delta_jax.sampling.buckets import Buckets, RequestArrays, prepare_request
-from delta_jax.sampling.engine import EngineSpec, ProgramCache, Turns, generate_continuous
+from delta_jax.sampling.engine import (
+    EngineSetup,
+    EngineSpec,
+    ProgramCache,
+    Turns,
+    generate_continuous,
+)
 from delta_jax.sampling.output import SamplerOutput
 from delta_jax.sampling.speculation import AutoSpeculation, Drafter
-from delta_jax.sampling.static import static_program
+from delta_jax.sampling.static import StaticOptions, static_program
 from delta_jax.sampling.strategies import (
     make_strategy,
     strategy_signature,
@@ -332,14 +338,16 @@ class Sampler:
             strategy,
             np.uint32(seed % 2**32),
             params,
-            spec=self.engine_spec(
-                request, n, return_hidden, multi_turn=turns is not None, speculative=drafting
+            setup=EngineSetup(
+                self.engine_spec(
+                    request, n, return_hidden, multi_turn=turns is not None, speculative=drafting
+                ),
+                self._programs,
+                self.resolved_cache_dtype(),
+                self._drafter if drafting else None,
             ),
-            programs=self._programs,
-            cache_dtype=self.resolved_cache_dtype(),
             on_sample_done=on_sample_done,
             turns=turns,
-            drafter=self._drafter if drafting else None,
         )
         if self._auto is not None:
             self._auto.record(drafting, time.perf_counter() - start, stats.useful_steps)
@@ -458,8 +466,7 @@ class Sampler:
             param_avals,
         )
         cache_dtype = self.resolved_cache_dtype()
-        fn = functools.partial(
-            static_program,
+        options = StaticOptions(
             graphdef=graphdef,
             n=n,
             gen_len=gen_len,
@@ -468,6 +475,7 @@ class Sampler:
             pad_id=self.pad_token_id,
             hoist_layers=dense_cpu.slices_layers_once(self.mesh),
         )
+        fn = functools.partial(static_program, options=options)
 
         def describe() -> str:
             return (

@@ -4,6 +4,7 @@ row ends (see :mod:`delta_jax.sampling.sampler`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -17,7 +18,7 @@ from delta_jax.models.axes import constrain
 from delta_jax.models.transformer import KEY_CACHE_AXES, VALUE_CACHE_AXES
 from delta_jax.sampling.strategies import Categorical, Greedy
 
-__all__ = ["static_program"]
+__all__ = ["StaticOptions", "static_program"]
 
 
 @struct.dataclass
@@ -39,6 +40,30 @@ def _write(buf: jax.Array, column: jax.Array, step: Int[Array, ""]) -> jax.Array
     return jax.lax.dynamic_update_slice_in_dim(buf, column[:, None].astype(buf.dtype), step, 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class StaticOptions:
+    """What the static program is built with besides its arguments (one program per value).
+
+    Attributes:
+      graphdef: the model's graph (``nnx.split(model, nnx.Param, ...)``).
+      n: samples per prompt.
+      gen_len: the generation bucket (decode steps at most).
+      cache_dtype: the KV cache's dtype.
+      return_hidden: also return each token's final hidden state.
+      pad_id: the id of the positions after a row's end.
+      hoist_layers: slice each layer's weights once per call (on CPU:
+        ``dense_cpu.slices_layers_once``), not at every step.
+    """
+
+    graphdef: nnx.GraphDef
+    n: int
+    gen_len: int
+    cache_dtype: Any
+    return_hidden: bool
+    pad_id: int
+    hoist_layers: bool
+
+
 def static_program(
     params: nnx.State,
     rest: nnx.State,
@@ -49,20 +74,16 @@ def static_program(
     seed: Int[Array, ""],
     strategy: Greedy | Categorical,
     *,
-    graphdef: nnx.GraphDef,
-    n: int,
-    gen_len: int,
-    cache_dtype: Any,
-    return_hidden: bool,
-    pad_id: int,
-    hoist_layers: bool,
+    options: StaticOptions,
 ) -> dict[str, jax.Array]:
     """Prefill + decode for one bucket; every shape argument is static through the key."""
-    model: Transformer = nnx.merge(graphdef, params, rest)
+    n, gen_len, pad_id = options.n, options.gen_len, options.pad_id
+    return_hidden, cache_dtype = options.return_hidden, options.cache_dtype
+    model: Transformer = nnx.merge(options.graphdef, params, rest)
     rows = prompt_ids.shape[0] * n
     key = jax.random.key(seed)
     # On CPU, per-layer weights sliced once here (``dense_cpu.slices_layers_once``).
-    layers = model.layer_params() if hoist_layers else None
+    layers = model.layer_params() if options.hoist_layers else None
 
     cache, pre_hidden, prompt_lengths = _prefill(
         model, prompt_ids, prompt_mask, n, gen_len, cache_dtype, layers

@@ -11,7 +11,7 @@ from flax import nnx
 
 from delta_jax.models import ModelConfig, Transformer, from_pretrained, token_logprobs
 from delta_jax.sampling import Buckets, Sampler
-from delta_jax.sampling.engine.requests import assign_groups
+from delta_jax.sampling.engine.requests import EngineSpec, assign_groups
 from tests.sampling.helpers import (
     chisquare_pvalue,
     peaked_model,
@@ -262,18 +262,32 @@ def test_decode_compiles_for_tpu_with_ragged_paged_attention(draft_tokens, draft
     cfg = ModelConfig.tiny(
         "qwen3", num_heads=8, num_kv_heads=4, head_dim=128, hidden_size=256, intermediate_size=512
     )
-    lowered = lower_decode(
-        cfg, mesh, SAMPLING_RULES, slots=8, steps=4, page_size=16, num_pages=64, table_pages=8,
-        list_pages=1, attention=attention,
-        draft_tokens=draft_tokens, draft_depth=draft_depth, draft_window=64,
-    )  # fmt: skip
+    spec = EngineSpec(
+        slots=8,
+        steps=4,
+        page_size=16,
+        num_pages=64,
+        seq_pages=8,
+        max_table=8,
+        prefill_len=64,
+        min_len=16,
+        prefill_rows=8,
+        groups=2,
+        attention=attention,
+        return_hidden=False,
+        pad_id=0,
+        draft_tokens=draft_tokens,
+        draft_depth=draft_depth,
+        draft_window=64,
+    )
+    lowered = lower_decode(cfg, mesh, SAMPLING_RULES, spec)
     # The Mosaic kernels, not an XLA fallback
     text = lowered.as_text()
     assert "tpu_custom_call" in text
     assert ("trie_attention" in text) == (draft_depth > 0)
     compiled = lowered.compile()
     # Each chip holds its data group's half of the pages and its half of the K/V heads.
-    pool = compiled.input_shardings[0][2].kv[0]
+    pool = compiled.input_shardings[0][1].kv[0]  # (weights, pool, ...)
     assert pool.shard_shape((64, 16, 8, 128)) == (32, 16, 4, 128)
     assert compiled.memory_analysis().temp_size_in_bytes > 0
 

@@ -92,7 +92,7 @@ def test_dense_cpu_path_matches_oracle_after_writes():
     @jax.jit
     def step(kv, q, new, positions, table):
         pool = paged.PagePool(kv=(kv,))
-        views = dense_cpu.dense_views(pool, table, shift, None, K)
+        views = dense_cpu.dense_views(pool, table, shift, paged.Groups())
         k, v = new[:, :, 0::2], new[:, :, 1::2]  # the pool's layout: keys even, values odd
         columns = positions[:, 0] + shift
         keys, values = dense_cpu.write_views(*views[0], k, v, columns[0])
@@ -101,7 +101,9 @@ def test_dense_cpu_path_matches_oracle_after_writes():
         views = ((keys, values),)
         start = positions[:, 0]
         where = jnp.arange(table.shape[1] * page_size)[None, :] + shift[:, None]  # p + shift
-        pages = dense_cpu.views_to_pages(pool, views, table, start, start + 1, where, None, K)
+        pages = dense_cpu.views_to_pages(
+            pool, views, table, start, start + 1, where, paged.Groups()
+        )
         return out, pages.kv[0]
 
     got, pages = step(*(jnp.asarray(x, jnp.float32) for x in (kv, q, new)), positions, table)
@@ -132,7 +134,9 @@ def test_dense_write_back_writes_only_the_chunk_positions():
     pool = paged.PagePool(kv=(jnp.asarray(kv),))
     views = ((jnp.asarray(keys), jnp.asarray(values)),)
     where = np.arange(L)[None, :] + shift[:, None]  # position p in column p + shift
-    got = np.asarray(dense_cpu.views_to_pages(pool, views, table, start, end, where, None, K).kv[0])
+    got = np.asarray(
+        dense_cpu.views_to_pages(pool, views, table, start, end, where, paged.Groups()).kv[0]
+    )
     want = kv.copy()
     for b in range(3):
         for pos in range(start[b], end[b]):

@@ -1,6 +1,8 @@
 """The ragged paged attention kernel's scalar memory (SMEM): the budget against a hand count of
 its operands, the slot chunks, and the boundary on the real TPU compiler (compile-only)."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -84,10 +86,10 @@ def _decode(slots_per_group: int, width: int):
         "qwen3", num_heads=8, num_kv_heads=4, head_dim=128, hidden_size=256,
         intermediate_size=512, num_layers=1,
     )  # fmt: skip
-    return lower_decode(
-        cfg, mesh, SAMPLING_RULES, slots=2 * slots_per_group, steps=2, page_size=16,
-        num_pages=64, table_pages=width,
-    ).compile()  # fmt: skip
+    spec = dataclasses.replace(
+        _spec("pallas", width), slots=2 * slots_per_group, steps=2, num_pages=64
+    )
+    return lower_decode(cfg, mesh, SAMPLING_RULES, spec).compile()
 
 
 @pytest.mark.slow  # three TPU compiles of a one-layer decode program

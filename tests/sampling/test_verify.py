@@ -217,8 +217,10 @@ def _decode_all(
     (a trie ``depth`` deep; 0: a line) from ``windows`` (k = 0: plain decode steps), in one
     decode chunk. Returns per slot its tokens, log-probs and hidden states, and the number of
     steps; ``stats`` (a dict) counts the steps whose kept path left the first branch."""
-    from delta_jax.sampling.attention.paged import init_pool, paged_forward
-    from delta_jax.sampling.engine.decode import speculative_step, token_sampler
+    from flax import nnx
+
+    from delta_jax.sampling.attention.paged import Tokens, init_pool, paged_forward
+    from delta_jax.sampling.engine.decode import DecodeOptions, speculative_step, token_sampler
 
     # Room for every verify step's k + 1 columns in the dense path's views.
     S, page_size, per_seq = len(prompts), 4, 16 if backend.name != "dense" else 64
@@ -235,8 +237,8 @@ def _decode_all(
     for b, p in enumerate(prompts):
         ids[b, : len(p) - 1], valid[b, : len(p) - 1] = p[:-1], True
     positions = jnp.broadcast_to(jnp.arange(P), (S, P))
-    _, pool = paged_forward(model, layers, jnp.asarray(ids), positions, jnp.asarray(valid),
-                            pool, pages)  # fmt: skip
+    prompt = Tokens(jnp.asarray(ids), positions, jnp.asarray(valid))
+    _, pool = paged_forward(model, layers, prompt, pool, pages)
     s = SlotState(
         last=jnp.asarray([p[-1] for p in prompts], jnp.int32),
         pos=jnp.asarray([len(p) - 1 for p in prompts], jnp.int32),
@@ -256,14 +258,12 @@ def _decode_all(
     draw = token_sampler(model, strategy, jnp.asarray(5), return_hidden=True, pad_id=0)
     window = jnp.full((S, 1), -1, jnp.int32) if windows is None else jnp.asarray(windows)
     tail = jnp.asarray([p[-m:] for p in prompts], jnp.int32)
-    K = model.config.num_kv_heads
-    state, _ = backend.begin_chunk(pool, s, dict(tokens=jnp.zeros((S, 1))), None, K, True)
+    state, _ = backend.begin_chunk(pool, s, dict(tokens=jnp.zeros((S, 1))), True)
+    options = DecodeOptions(nnx.graphdef(model), backend, 1, draft_tokens=k, draft_depth=depth)
 
     @jax.jit
     def step(s, state, tail):
-        return speculative_step(
-            model, layers, backend, draw, s, state, window, tail, k, depth=depth
-        )
+        return speculative_step(options, model, layers, draw, s, state, window, tail)
 
     out = [dict(tokens=[], logprobs=[], hidden=[]) for _ in range(S)]
     steps = 0

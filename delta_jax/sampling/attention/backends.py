@@ -16,6 +16,7 @@ none of them branches on the platform or the attention path.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar, Protocol
 
 import jax.numpy as jnp
@@ -24,9 +25,11 @@ import numpy as np
 from delta_jax.models import Transformer
 from delta_jax.sampling.attention import dense_cpu, smem
 from delta_jax.sampling.attention.paged import (
+    Groups,
     PagedAttention,
     PageList,
     PagePool,
+    Tokens,
     move_kv,
     paged_forward,
     pallas_attention,
@@ -62,11 +65,16 @@ class EngineShape(Protocol):
     def group_slots(self) -> int: ...
 
 
+@dataclasses.dataclass(frozen=True)
 class PagedBackend:
     """What the engine asks of a paged attention path (the XLA path's behaviour by default).
 
-    Host methods take NumPy; device methods run inside the decode and prefill programs.
+    Host methods take NumPy; device methods run inside the decode and prefill programs, in the
+    engine's data ``groups`` (its mesh and the model's KV heads, bound when the backend is
+    picked: :func:`backend_for`).
     """
+
+    groups: Groups = Groups()
 
     name: ClassVar[str] = "xla"
     # The prefill's and the decode's paged attention (one signature, ``PagedAttention``), and
@@ -116,26 +124,24 @@ class PagedBackend:
         """The prefill's pages on device (:class:`PageList` from ``[U, 3]`` entries)."""
         return PageList(*(place(pages[:, i]) for i in range(3)))
 
-    def begin_chunk(self, pool: PagePool, slots, out, mesh, kv_heads: int, speculative=False):
+    def begin_chunk(self, pool: PagePool, slots, out, speculative=False):
         """A decode chunk's start: the state its steps (verify steps when ``speculative``)
         carry, and the buffers they write."""
         return pool, out
 
-    def step(self, model: Transformer, layers, slots, state, mesh):
+    def step(self, model: Transformer, layers, slots, state):
         """One decode step of every slot: the hidden states ``[S, 1, H]`` and the new state."""
         return paged_forward(
             model,
             layers,
-            slots.last[:, None],
-            slots.pos[:, None],
-            slots.active[:, None],
+            Tokens(slots.last[:, None], slots.pos[:, None], slots.active[:, None]),
             state,
             self._decode_pages(slots),
             attend=self.decode_attention,
-            mesh=mesh,
+            groups=self.groups,
         )
 
-    def verify(self, model: Transformer, layers, slots, ids, level, inside, valid, state, mesh):
+    def verify(self, model: Transformer, layers, slots, ids, level, inside, valid, state):
         """A speculative verify step: every slot's fed token and its drafted ones (``ids [S,
         T]``, at consecutive positions from ``pos``, each at the rotary position ``pos +
         level``); the hidden states ``[S, T, H]`` and the new state. ``inside [S, T, T]`` (a
@@ -144,18 +150,16 @@ class PagedBackend:
         return paged_forward(
             model,
             layers,
-            ids,
-            slots.pos[:, None] + jnp.arange(ids.shape[1]),
-            valid,
+            Tokens(ids, slots.pos[:, None] + jnp.arange(ids.shape[1]), valid),
             state,
             self._decode_pages(slots),
             attend=self.decode_attention if inside is None else self.trie_attention,
-            mesh=mesh,
+            groups=self.groups,
             rope=slots.pos[:, None] + level,
             inside=inside,
         )
 
-    def kept(self, state, slots, path, taken, T: int, trie: bool, mesh, kv_heads: int):
+    def kept(self, state, slots, path, taken, T: int, trie: bool):
         """The state after a verify step of ``T`` positions that kept each slot's first
         ``taken`` positions of ``path`` (from ``pos``): a line's are its first ``taken`` (the
         rejected K/V sit at positions the next tokens overwrite); a trie's kept K/V move to
@@ -165,18 +169,18 @@ class PagedBackend:
         j = jnp.arange(path.shape[1])
         moved = slots.active[:, None] & (j < taken[:, None]) & (path != j)
         src, dst = slots.pos[:, None] + path, slots.pos[:, None] + j
-        return move_kv(state, src, dst, moved, self._decode_pages(slots), mesh, kv_heads)
+        return move_kv(state, src, dst, moved, self._decode_pages(slots), self.groups)
 
     def _decode_pages(self, slots):
         return slots.pages
 
-    def write(self, out, cols, slots, i, mesh, kv_heads: int):
+    def write(self, out, cols, slots, i):
         """Step ``i``'s outputs ``cols`` (per slot) into the buffers, at each live slot's row
         and token index (idle slots' rows are out of range: dropped)."""
         rows = jnp.where(slots.active, slots.row, out["tokens"].shape[0])
-        return write_rows(out, rows, slots.count, cols, mesh, kv_heads)
+        return write_rows(out, rows, slots.count, cols, self.groups)
 
-    def write_verified(self, out, cols, slots, taken, first, mesh, kv_heads: int):
+    def write_verified(self, out, cols, slots, taken, first):
         """A verify step's outputs ``cols`` (``[S, k + 1]`` per slot) into the buffers: each
         slot's first ``taken`` columns from its token index on (the rest dropped; ``first``:
         the token indices at the chunk's start)."""
@@ -186,9 +190,9 @@ class PagedBackend:
         rows = jnp.where(slots.active[:, None] & (j < taken[:, None]), slots.row[:, None], dropped)
         index = slots.count[:, None] + j
         flat = {name: col.reshape(S * T, *col.shape[2:]) for name, col in cols.items()}
-        return write_rows(out, rows.reshape(-1), index.reshape(-1), flat, mesh, kv_heads)
+        return write_rows(out, rows.reshape(-1), index.reshape(-1), flat, self.groups)
 
-    def end_chunk(self, state, written, out, first, start, slots, keep, mesh, kv_heads):
+    def end_chunk(self, state, written, out, first, start, slots, keep):
         """A decode chunk's end: ``(pool, output buffers)``."""
         return state, written
 
@@ -258,53 +262,45 @@ class DenseCpuBackend(PagedBackend):
     def prefill_layout(self, pages, place):
         return place(pages)
 
-    def begin_chunk(self, pool, slots, out, mesh, kv_heads, speculative=False):
-        state, local = dense_cpu.begin_chunk(
-            pool, slots.active, slots.pos, slots.page_table, out, mesh, kv_heads, speculative
+    def begin_chunk(self, pool, slots, out, speculative=False):
+        return dense_cpu.begin_chunk(
+            pool, slots.active, slots.pos, slots.page_table, out, self.groups, speculative
         )
-        return (pool, *state), local
 
-    def step(self, model, layers, slots, state, mesh):
-        pool, views, shift = state
+    def step(self, model, layers, slots, state: dense_cpu.ViewState):
         hidden, views = dense_cpu.decode_forward(
             model,
             layers,
             slots.last[:, None],
             slots.pos[:, None],
             slots.active[:, None],
-            views,
-            shift,
-            mesh,
+            state.views,
+            state.shift,
+            self.groups,
         )
-        return hidden, (pool, views, shift)
+        return hidden, state._replace(views=views)
 
-    def verify(self, model, layers, slots, ids, level, inside, valid, state, mesh):
+    def verify(self, model, layers, slots, ids, level, inside, valid, state: dense_cpu.ViewState):
         # Every sequence's tokens at the same columns; which of them later queries see is
         # settled by :meth:`kept` (the views' K/V of the others are never read).
-        pool, views, shift, columns = state
         positions = slots.pos[:, None] + level
         hidden, views = dense_cpu.verify_forward(
-            model, layers, ids, positions, inside, views, columns, mesh
+            model, layers, ids, positions, inside, state.views, state.columns, self.groups
         )
-        return hidden, (pool, views, shift, columns)
+        return hidden, state._replace(views=views)
 
-    def kept(self, state, slots, path, taken, T, trie, mesh, kv_heads):
+    def kept(self, state: dense_cpu.ViewState, slots, path, taken, T, trie):
         # The kept columns become visible; the chunk's end writes them back in order.
-        pool, views, shift, columns = state
-        return pool, views, shift, dense_cpu.keep_columns(columns, path, taken, T)
+        return state._replace(columns=dense_cpu.keep_columns(state.columns, path, taken, T))
 
-    def write_verified(self, out, cols, slots, taken, first, mesh, kv_heads):
+    def write_verified(self, out, cols, slots, taken, first):
         return dense_cpu.write_verified(out, cols, slots.count - first, taken)
 
-    def write(self, out, cols, slots, i, mesh, kv_heads):
+    def write(self, out, cols, slots, i):
         return dense_cpu.write_column(out, cols, i)
 
-    def end_chunk(self, state, written, out, first, start, slots, keep, mesh, kv_heads):
-        pool, views, shift, *columns = state
-        return dense_cpu.end_chunk(
-            pool, views, shift, written, out, first, start, slots, keep, mesh, kv_heads,
-            columns[0] if columns else None,
-        )  # fmt: skip
+    def end_chunk(self, state, written, out, first, start, slots, keep):
+        return dense_cpu.end_chunk(state, written, out, first, start, slots, keep, self.groups)
 
 
 _BACKENDS: dict[str, Any] = {
@@ -335,7 +331,8 @@ def resolve_attention(attention: str, platform: str, head_dim: int = 128) -> str
     return attention
 
 
-def backend_for(attention: str) -> PagedBackend:
+def backend_for(attention: str, groups: Groups | None = None) -> PagedBackend:
     """The backend of an attention path (``EngineSpec.attention``: ``"xla"``, ``"pallas"`` or
-    ``"dense"``)."""
-    return _BACKENDS[attention]()
+    ``"dense"``) for programs in ``groups`` (the engine's mesh and the model's KV heads; the
+    default, one group, is enough for the host methods)."""
+    return _BACKENDS[attention](Groups() if groups is None else groups)

@@ -28,16 +28,16 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
 from delta_jax.models import Transformer
 from delta_jax.models import axes as ax
 from delta_jax.models.attention import slot_attention
-from delta_jax.sampling.attention.paged import PagePool, combined, per_group, write_rows
+from delta_jax.sampling.attention.paged import Groups, PagePool, combined, write_rows
 
 __all__ = [
     "Columns",
+    "ViewState",
     "Views",
     "begin_chunk",
     "decode_forward",
@@ -68,7 +68,7 @@ def slices_layers_once(mesh) -> bool:
 Views = tuple[tuple[Float[Array, "B K D W"], Float[Array, "B K W D"]], ...]
 
 
-def dense_views(pool: PagePool, page_table, shift, mesh: Mesh | None, kv_heads: int) -> Views:
+def dense_views(pool: PagePool, page_table, shift, groups: Groups) -> Views:
     """Every sequence's table pages gathered once into contiguous key and value views in the
     static sampler's cache layout, sequence ``b``'s position ``p`` in column ``p + shift[b]``
     (right-aligned, see the module docstring).
@@ -81,7 +81,7 @@ def dense_views(pool: PagePool, page_table, shift, mesh: Mesh | None, kv_heads: 
     """
 
     specs = ("R-H-", "R-", "R")
-    gather = per_group(_gather_views, mesh, kv_heads, specs, ("RH--", "RH--"))
+    gather = groups(_gather_views, specs, ("RH--", "RH--"))
     return tuple(gather(kv, page_table, shift) for kv in pool.kv)
 
 
@@ -111,8 +111,7 @@ def views_to_pages(
     start,
     end,
     columns,
-    mesh: Mesh | None,
-    kv_heads: int,
+    groups: Groups,
 ) -> PagePool:
     """The write-back, once per chunk: positions ``[start[b], end[b])`` of
     sequence ``b`` (those its steps wrote; position ``p`` in column ``columns[b, p]``, ``[B,
@@ -136,7 +135,7 @@ def views_to_pages(
         return kv.at[page, offset].set(new.astype(kv.dtype), mode="drop")
 
     specs = ("R-H-", "RH--", "RH--", "R-", "R", "R", "R-")
-    write = per_group(write, mesh, kv_heads, specs, "R-H-")
+    write = groups(write, specs, "R-H-")
     kv = tuple(
         write(kv, keys, values, page_table, start, end, columns)
         for kv, (keys, values) in zip(pool.kv, views, strict=True)
@@ -192,7 +191,7 @@ def decode_forward(
     valid: Bool[Array, "B 1"],
     views: Views,
     view_shift: Int[Array, " B"],
-    mesh: Mesh | None,
+    groups: Groups,
 ) -> tuple[Float[Array, "B 1 H"], Views]:
     """One decode step on the views: token ``b`` is written and attends at column
     ``positions[b] + view_shift[b]``, the same for every live sequence; it sees its own
@@ -202,7 +201,7 @@ def decode_forward(
     columns = positions[:, 0] + view_shift
     col = jnp.max(jnp.where(valid[:, 0], columns, 0))
     visible = view_mask(view_shift, columns, views[0][0].shape[-1])
-    return _forward_on_views(model, layers, ids, positions, views, visible, col, mesh)
+    return _forward_on_views(model, layers, ids, positions, views, visible, col, groups)
 
 
 class Columns(NamedTuple):
@@ -225,7 +224,7 @@ def verify_forward(
     inside: Bool[Array, "B T T"] | None,
     views: Views,
     columns: Columns,
-    mesh: Mesh | None,
+    groups: Groups,
 ) -> tuple[Float[Array, "B T H"], Views]:
     """A speculative verify step on the views: every sequence's ``T`` tokens (at ``positions``,
     for the rotary embedding) written at columns ``[at, at + T)``, token ``t`` seeing its
@@ -238,7 +237,7 @@ def verify_forward(
     else:
         step = jnp.take_along_axis(inside, jnp.clip(u, 0, T - 1), axis=2) & (u >= 0) & (u < T)
     visible = columns.seen[:, None, :] | step
-    return _forward_on_views(model, layers, ids, positions, views, visible, columns.at, mesh)
+    return _forward_on_views(model, layers, ids, positions, views, visible, columns.at, groups)
 
 
 def keep_columns(columns: Columns, path: Int[Array, "B L"], taken: Int[Array, " B"], T: int):
@@ -250,7 +249,7 @@ def keep_columns(columns: Columns, path: Int[Array, "B L"], taken: Int[Array, " 
     return Columns(columns.seen | kept, columns.base, columns.at + T)
 
 
-def _forward_on_views(model, layers, ids, positions, views, visible, col, mesh):
+def _forward_on_views(model, layers, ids, positions, views, visible, col, groups: Groups):
     """The decoder on the views: each layer writes the tokens' K/V at columns ``col`` on (the
     same for every sequence) and attends over the ``visible [B, T, W]`` columns."""
 
@@ -260,7 +259,7 @@ def _forward_on_views(model, layers, ids, positions, views, visible, col, mesh):
 
     specs = ("RH--", "RH--", "R-H-", "R-H-", "R-H-", "R--", "")
     outs = ("R-H-", ("RH--", "RH--"))
-    group = per_group(write_and_attend, mesh, model.config.num_kv_heads, specs, outs)
+    group = groups(write_and_attend, specs, outs)
 
     def attend(q, k, v, layer_views):
         return group(*layer_views, k, v, q, visible, col)
@@ -269,28 +268,37 @@ def _forward_on_views(model, layers, ids, positions, views, visible, col, mesh):
     return hidden, tuple(new)
 
 
+class ViewState(NamedTuple):
+    """A decode chunk's state on this path: the pool (written to at the chunk's end only), the
+    views, each sequence's ``shift`` and, in a speculative chunk, its :class:`Columns`."""
+
+    pool: PagePool
+    views: Views
+    shift: Int[Array, " B"]
+    columns: Columns | None = None
+
+
 def begin_chunk(
     pool: PagePool,
     active,
     pos,
     page_table,
     out,
-    mesh: Mesh | None,
-    kv_heads: int,
+    groups: Groups,
     speculative: bool = False,
-):
+) -> tuple[ViewState, dict[str, Array]]:
     """A decode chunk's start: the right-aligned views and chunk-local output buffers
     ``[slots, gen_len]``. Every live slot feeds its next token at column ``base`` (the longest
     context), so a step writes one column of all of them; the host sized the page table for
     ``base`` plus the chunk's steps (times the tokens a verify step scores).
 
     Returns:
-      ``(views, shift)`` (and the :class:`Columns` of a ``speculative`` chunk) and the
-      chunk-local buffers.
+      The chunk's :class:`ViewState` (with the :class:`Columns` of a ``speculative`` chunk)
+      and the chunk-local buffers.
     """
     base = jnp.max(jnp.where(active, pos, 0))
     shift = jnp.where(active, base - pos, 0)
-    views = dense_views(pool, page_table, shift, mesh, kv_heads)
+    views = dense_views(pool, page_table, shift, groups)
     S, G = active.shape[0], out["tokens"].shape[1]
     local = {
         name: ax.constrain(
@@ -299,10 +307,10 @@ def begin_chunk(
         for name, buf in out.items()
     }
     if not speculative:
-        return (views, shift), local
+        return ViewState(pool, views, shift), local
     j = jnp.arange(views[0][0].shape[-1])[None, :]
     seen = (j >= shift[:, None]) & (j < base)
-    return (views, shift, Columns(seen, base, base)), local
+    return ViewState(pool, views, shift, Columns(seen, base, base)), local
 
 
 def write_column(local, cols, i):
@@ -328,12 +336,12 @@ def write_verified(local, cols, at, taken):
     return {name: write(local[name], col) for name, col in cols.items()}
 
 
-def end_chunk(pool, views, shift, local, out, first, start, slots, keep, mesh, kv_heads, columns):
+def end_chunk(state: ViewState, local, out, first, start, slots, keep, groups: Groups):
     """A decode chunk's end: the chunk-local outputs into the request's buffers (slot ``s``'s
     first ``count[s] - first[s]`` columns, its live steps, at its row from its token index
     ``first[s]`` on; the rest is dropped), and the chunk's K/V into the pages when ``keep``
-    (a sequence may read them again: one still live, or a resumable one). ``columns``: the
-    :class:`Columns` of a speculative chunk, None for one of decode steps.
+    (a sequence may read them again: one still live, or a resumable one). ``state.columns``:
+    the :class:`Columns` of a speculative chunk, None for one of decode steps.
 
     Returns:
       The pool and the output buffers.
@@ -344,7 +352,8 @@ def end_chunk(pool, views, shift, local, out, first, start, slots, keep, mesh, k
     rows = jnp.where(live, slots.row[:, None], out["tokens"].shape[0])  # else dropped
     cols = first[:, None] + j
     values = {name: buf.reshape(S * G, *buf.shape[2:]) for name, buf in local.items()}
-    out = write_rows(out, rows.reshape(-1), cols.reshape(-1), values, mesh, kv_heads)
+    out = write_rows(out, rows.reshape(-1), cols.reshape(-1), values, groups)
+    pool, views, shift, columns = state
     P = slots.page_table.shape[1] * pool.page_size
     if columns is None:  # position p in column p + shift
         where = jnp.arange(P)[None, :] + shift[:, None]
@@ -352,9 +361,7 @@ def end_chunk(pool, views, shift, local, out, first, start, slots, keep, mesh, k
         where = _kept_columns(columns, start, P)
     pool = jax.lax.cond(
         keep,
-        lambda pool: views_to_pages(
-            pool, views, slots.page_table, start, slots.pos, where, mesh, kv_heads
-        ),
+        lambda pool: views_to_pages(pool, views, slots.page_table, start, slots.pos, where, groups),
         lambda pool: pool,
         pool,
     )

@@ -29,14 +29,15 @@ On a mesh the pool is split like the sequences: the page axis over the row (data
 data group of the sampling mesh holds its own share of the pages next to its own slots, and the
 KV heads over ``tensor``. Page tables and page lists hold *group-local* page indices (every
 group's share starts with its own scratch page 0); the K/V writes and the attention run under
-``shard_map`` (:func:`per_group`), so a group reads and writes only its own pages and attends for
+``shard_map`` (:class:`Groups`), so a group reads and writes only its own pages and attends for
 its own sequences only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -55,17 +56,18 @@ from delta_jax.sampling.attention.pages import SCRATCH_PAGE, PageAllocator
 __all__ = [
     "PAGE_AXES",
     "SCRATCH_PAGE",
+    "Groups",
     "PageAllocator",
     "PageList",
     "PagePool",
     "PagedAttention",
+    "Tokens",
     "combined",
     "copy_pages",
     "init_pool",
     "move_kv",
     "paged_forward",
     "pallas_attention",
-    "per_group",
     "write_rows",
     "write_slots",
     "xla_attention",
@@ -292,64 +294,81 @@ def _ragged_call(q, kv, kv_lens, page_table, T: int):
     )
 
 
-def per_group(fn, mesh: Mesh | None, kv_heads: int, in_specs, out_specs):
-    """``fn`` run by every data group on its own rows, pages and KV heads (``shard_map``).
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """The data groups a paged program runs in: the sampling ``mesh`` (None: one group) and the
+    model's ``kv_heads`` (split over the KV-head axis when they divide). Fixed per engine: the
+    backend holds one (:mod:`~delta_jax.sampling.attention.backends`)."""
 
-    Specs are strings, one letter per dimension: ``R`` rows or pages (split over the row axes
-    of the active rules, i.e. over the data groups), ``H`` heads (split over the KV-head axis
-    when it divides ``kv_heads``; query heads follow their KV heads), ``-`` whole. Inside,
-    ``fn`` sees one group: its slots and its share of the pool, indexed group-locally. Mosaic
-    kernels are not partitioned by XLA, and XLA may partition a gather or scatter at
-    data-dependent pages of a pool split over groups by gathering the pool; under
-    ``shard_map`` each group touches its own share only. Without a mesh ``fn`` runs as it is
-    (one group).
-    """
-    if mesh is None:
-        return fn
-    rules = spmd.get_logical_axis_rules()
-    axes = {
-        "R": ax.logical_to_mesh((ax.BATCH,), rules, mesh)[0],
-        "H": ax.logical_to_mesh((ax.KV_HEADS,), rules, mesh, (kv_heads,))[0],
-        "-": None,
-    }
+    mesh: Mesh | None = None
+    kv_heads: int = 1
 
-    def spec(letters: str) -> P:
-        return P(*(axes[c] for c in letters))
+    def __call__(self, fn, in_specs, out_specs):
+        """``fn`` run by every data group on its own rows, pages and KV heads (``shard_map``).
 
-    return jax.shard_map(
-        fn,
-        mesh=mesh,
-        in_specs=tuple(spec(x) for x in in_specs),
-        out_specs=jax.tree.map(spec, out_specs),
-        check_vma=False,
-    )
+        Specs are strings, one letter per dimension: ``R`` rows or pages (split over the row
+        axes of the active rules, i.e. over the data groups), ``H`` heads (split over the
+        KV-head axis when it divides ``kv_heads``; query heads follow their KV heads), ``-``
+        whole. Inside, ``fn`` sees one group: its slots and its share of the pool, indexed
+        group-locally. Mosaic kernels are not partitioned by XLA, and XLA may partition a
+        gather or scatter at data-dependent pages of a pool split over groups by gathering the
+        pool; under ``shard_map`` each group touches its own share only. Without a mesh ``fn``
+        runs as it is (one group).
+        """
+        mesh = self.mesh
+        if mesh is None:
+            return fn
+        rules = spmd.get_logical_axis_rules()
+        axes = {
+            "R": ax.logical_to_mesh((ax.BATCH,), rules, mesh)[0],
+            "H": ax.logical_to_mesh((ax.KV_HEADS,), rules, mesh, (self.kv_heads,))[0],
+            "-": None,
+        }
+
+        def spec(letters: str) -> P:
+            return P(*(axes[c] for c in letters))
+
+        return jax.shard_map(
+            fn,
+            mesh=mesh,
+            in_specs=tuple(spec(x) for x in in_specs),
+            out_specs=jax.tree.map(spec, out_specs),
+            check_vma=False,
+        )
 
 
-def copy_pages(pool: PagePool, src, dst, mesh: Mesh | None, kv_heads: int) -> PagePool:
+def copy_pages(pool: PagePool, src, dst, groups: Groups) -> PagePool:
     """Copies page ``src[s]`` onto page ``dst[s]`` of slot ``s``'s group, in every layer."""
 
     def copy(kv, src, dst):
         return kv.at[dst].set(kv[src])
 
-    copy = per_group(copy, mesh, kv_heads, ("R-H-", "R", "R"), "R-H-")
+    copy = groups(copy, ("R-H-", "R", "R"), "R-H-")
     return PagePool(kv=tuple(copy(kv, src, dst) for kv in pool.kv))
+
+
+class Tokens(NamedTuple):
+    """``T`` tokens per sequence: their ids, the positions their K/V are written at, and which
+    of them are real (the others write to the scratch page)."""
+
+    ids: Int[Array, "B T"]
+    positions: Int[Array, "B T"]
+    valid: Bool[Array, "B T"]
 
 
 def paged_forward(
     model: Transformer,
     layers: list[dict[str, jax.Array]],
-    ids: Int[Array, "B T"],
-    positions: Int[Array, "B T"],
-    valid: Bool[Array, "B T"],
+    tokens: Tokens,
     pool: PagePool,
     pages: PageList | Int[Array, "B NB"],
     *,
     attend: PagedAttention = xla_attention,
-    mesh: Mesh | None = None,
+    groups: Groups = Groups(),
     rope: Int[Array, "B T"] | None = None,
     inside: Bool[Array, "B T T"] | None = None,
 ) -> tuple[Float[Array, "B T H"], PagePool]:
-    """Runs the decoder on ``T`` tokens per sequence over its pages.
+    """Runs the decoder on ``T`` ``tokens`` per sequence over its pages.
 
     Token ``(b, t)`` is written at ``positions[b, t]`` (when ``valid``) and attends to positions
     ``<= positions[b, t]`` of its sequence, which must all have been written before or in this
@@ -357,9 +376,9 @@ def paged_forward(
     :func:`pallas_attention`, or the CPU path's
     :func:`~delta_jax.sampling.attention.dense_cpu.dense_attention`). The sequences' pages come as
     ``attend`` reads them: a flat :class:`PageList`, or page tables ``[B, NB]`` listing each
-    sequence's pages from position 0 on, in group-local page indices: with a ``mesh``, rows,
-    page lists and pool pages are split over the data groups (the ``batch`` rule) and each
-    group's writes and attention run on its own share.
+    sequence's pages from position 0 on, in group-local page indices: with a mesh (``groups``),
+    rows, page lists and pool pages are split over the data groups (the ``batch`` rule) and
+    each group's writes and attention run on its own share.
 
     A verify step of a trie of drafts (the paths whose attention takes ``inside``): its ``T``
     tokens are written at consecutive positions, each token's rotary embedding at its depth
@@ -369,7 +388,8 @@ def paged_forward(
     Returns:
       The final RMS-normed hidden states [B, T, H] and the updated pool.
     """
-    K, page_size = model.config.num_kv_heads, pool.page_size
+    ids, positions, valid = tokens
+    page_size = pool.page_size
     listed = isinstance(pages, PageList)
     pages_spec = "R" if listed else "R-"
 
@@ -377,9 +397,7 @@ def paged_forward(
         at = dict(pages=pages) if listed else dict(page_table=pages)
         return write_slots(positions, valid, page_size, **at)
 
-    page, offset = per_group(where, mesh, K, ("R-", "R-", pages_spec), ("R-", "R-"))(
-        positions, valid, pages
-    )
+    page, offset = groups(where, ("R-", "R-", pages_spec), ("R-", "R-"))(positions, valid, pages)
 
     def write_and_attend(kv, new, q, positions, valid, page, offset, pages, *mask):
         kv = _write_pages(kv, new, page, offset)
@@ -387,7 +405,7 @@ def paged_forward(
 
     mask = () if inside is None else (inside,)
     specs = ("R-H-", "R-H-", "R-H-", "R-", "R-", "R-", "R-", pages_spec) + ("R--",) * len(mask)
-    group_layer = per_group(write_and_attend, mesh, K, specs, ("R-H-", "R-H-"))
+    group_layer = groups(write_and_attend, specs, ("R-H-", "R-H-"))
 
     def layer_kv(q, k, v, kv):
         return group_layer(kv, combined(k, v), q, positions, valid, page, offset, pages, *mask)
@@ -397,7 +415,7 @@ def paged_forward(
     return hidden, PagePool(kv=tuple(ax.constrain(kv, PAGE_AXES) for kv in new))
 
 
-def move_kv(pool: PagePool, src, dst, moved, pages, mesh: Mesh | None, kv_heads: int):
+def move_kv(pool: PagePool, src, dst, moved, pages, groups: Groups):
     """Every layer's K/V at positions ``src [B, T]`` copied to positions ``dst`` of the same
     sequence, where ``moved`` (the kept path of a verify step of a trie, to the consecutive
     positions after its root); ``pages``: the sequences' flat :class:`PageList` or page
@@ -413,11 +431,11 @@ def move_kv(pool: PagePool, src, dst, moved, pages, mesh: Mesh | None, kv_heads:
         return kv.at[dp, do].set(kv[sp, so], mode="drop")
 
     specs = ("R-H-", "R-", "R-", "R-", "R" if listed else "R-")
-    move = per_group(move, mesh, kv_heads, specs, "R-H-")
+    move = groups(move, specs, "R-H-")
     return PagePool(kv=tuple(move(kv, src, dst, moved, pages) for kv in pool.kv))
 
 
-def write_rows(out, row, count, cols, mesh, kv_heads):
+def write_rows(out, row, count, cols, groups: Groups):
     """Writes each live slot's column value at (its row, its token index) of the output
     buffers; idle slots' rows are out of range and dropped. Per data group on a mesh (rows
     group-local, each group's block of the buffers)."""
@@ -428,6 +446,6 @@ def write_rows(out, row, count, cols, mesh, kv_heads):
     new = {}
     for name, col in cols.items():
         spec = "R" + "-" * (out[name].ndim - 1)
-        fn = per_group(write, mesh, kv_heads, (spec, "R", "R", "R" + "-" * (col.ndim - 1)), spec)
+        fn = groups(write, (spec, "R", "R", "R" + "-" * (col.ndim - 1)), spec)
         new[name] = fn(out[name], row, count, col)
     return new

@@ -152,11 +152,7 @@ def _kernel(
 
     first, n = parity[0], blocks.count(s)
     queries = [q_ref[0, h].astype(buf.dtype) for h in range(K)]
-    init = [
-        (jnp.full((Rp, 1), _MASKED, jnp.float32), jnp.zeros((Rp, 1), jnp.float32),
-         jnp.zeros((Rp, D), jnp.float32))
-        for _ in range(K)
-    ]  # fmt: skip
+    init = [_no_keys_seen(Rp, D) for _ in range(K)]
 
     def block(b, state):
         which = (first + b) % 2
@@ -191,6 +187,15 @@ def _kernel(
         keys, values = _head(own, h, C, Tp)
         _, total, acc = _fold(state[h], queries[h], keys, values, sees_ref[0] != 0, scale)
         o_ref[0, h] = (acc / jnp.where(total > 0, total, 1.0)).astype(o_ref.dtype)
+
+
+def _no_keys_seen(rows: int, D: int):
+    """One KV head's online-softmax state before any key: running max, sum and output."""
+    return (
+        jnp.full((rows, 1), _MASKED, jnp.float32),
+        jnp.zeros((rows, 1), jnp.float32),
+        jnp.zeros((rows, D), jnp.float32),
+    )
 
 
 class _Blocks:

@@ -5,11 +5,12 @@
 (:mod:`~delta_jax.sampling.engine.requests`), and the engine that puts them together for one
 request (:mod:`~delta_jax.sampling.engine.engine`)."""
 
-from delta_jax.sampling.engine.engine import generate_continuous, run_engine
+from delta_jax.sampling.engine.engine import EngineSetup, generate_continuous, run_engine
 from delta_jax.sampling.engine.programs import ProgramCache
 from delta_jax.sampling.engine.requests import EngineSpec, EngineStats, Turns
 
 __all__ = [
+    "EngineSetup",
     "EngineSpec",
     "EngineStats",
     "ProgramCache",

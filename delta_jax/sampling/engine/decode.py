@@ -7,12 +7,11 @@ decode steps over the slots), the prefill chunk and the observation write.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Int
 
 from delta_jax.models import Transformer, lm_head_weight
@@ -20,15 +19,15 @@ from delta_jax.models import axes as ax
 from delta_jax.models.attention import accumulation_dtype
 from delta_jax.sampling.attention.backends import PagedBackend
 from delta_jax.sampling.attention.paged import (
-    PagedAttention,
+    Groups,
     PageList,
     PagePool,
+    Tokens,
     copy_pages,
     paged_forward,
     write_rows,
-    xla_attention,
 )
-from delta_jax.sampling.engine.requests import SLOT_FIELDS, STATUS_FIELDS
+from delta_jax.sampling.engine.requests import SLOT_FIELDS, STATUS_FIELDS, EngineSpec
 from delta_jax.sampling.speculation.drafts import SOURCES, Drafts
 from delta_jax.sampling.speculation.speculate import (
     DRAFT_ACCEPTED,
@@ -45,8 +44,11 @@ from delta_jax.sampling.speculation.speculate import (
 from delta_jax.sampling.strategies import Categorical, Greedy
 
 __all__ = [
+    "DecodeOptions",
+    "RequestInputs",
     "SlotState",
     "Verified",
+    "Weights",
     "advance_by",
     "decode_chunk",
     "decode_program",
@@ -129,28 +131,74 @@ def unpack_slots(
     )
 
 
+class Weights(NamedTuple):
+    """What a program samples with: the model's parameters and the rest of its state
+    (``nnx.split(model, nnx.Param, ...)``), and on CPU each layer's weights sliced once per
+    request (:class:`~delta_jax.sampling.engine.programs.EnginePrograms`) instead of at every
+    step, which XLA:CPU does not reliably hoist out of the loop; ``layers`` None (accelerators)
+    slices them inside the loop, where the slices fuse into the matmuls (a copy would hold every
+    weight twice)."""
+
+    params: nnx.State
+    rest: nnx.State
+    layers: list[dict[str, Array]] | None = None
+
+
+class RequestInputs(NamedTuple):
+    """What every decode chunk of one request reads: the sampling strategy and its seed,
+    whether a sequence that stops may continue later from its pages (``resumable``: a
+    multi-turn request, a turn's end), and a multi-turn request's stop sequences (see
+    :func:`decode_chunk`; None for single-turn requests)."""
+
+    strategy: Greedy | Categorical
+    seed: Int[Array, ""]
+    resumable: Bool[Array, ""]
+    stop_sequences: Int[Array, "Q L"] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """What a decode program is built with besides its arguments, fixed per engine call: the
+    model's graph, the attention ``backend`` (with the engine's mesh), the stop ids per
+    sequence, and the call's static configuration (:meth:`of` an
+    :class:`~delta_jax.sampling.engine.requests.EngineSpec`: the engine and the planner build the
+    same program from it)."""
+
+    graphdef: nnx.GraphDef
+    backend: PagedBackend
+    stop_width: int
+    return_hidden: bool = False
+    pad_id: int = 0
+    draft_tokens: int = 0
+    draft_depth: int = 0
+    emitted_width: int = 0
+
+    @classmethod
+    def of(
+        cls, spec: EngineSpec, graphdef: nnx.GraphDef, backend: PagedBackend, stop_width: int
+    ) -> DecodeOptions:
+        """The options of the engine call ``spec``."""
+        return cls(
+            graphdef,
+            backend,
+            stop_width,
+            return_hidden=spec.return_hidden,
+            pad_id=spec.pad_id,
+            draft_tokens=spec.draft_tokens,
+            draft_depth=spec.draft_depth,
+            emitted_width=spec.steps * (spec.draft_tokens + 1),
+        )
+
+
 def decode_chunk(
-    params: nnx.State,
-    rest: nnx.State,
+    options: DecodeOptions,
+    weights: Weights,
     pool: PagePool,
     out: dict[str, Array],
     slots: SlotState,
     limit: Int[Array, ""],
-    resumable: Bool[Array, ""],
-    seed: Int[Array, ""],
-    strategy: Greedy | Categorical,
-    layers: list[dict[str, Array]] | None = None,
-    stop_sequences: Int[Array, "Q L"] | None = None,
+    request: RequestInputs,
     drafts: Drafts | None = None,
-    *,
-    graphdef: nnx.GraphDef,
-    return_hidden: bool,
-    pad_id: int,
-    backend: PagedBackend,
-    mesh: Mesh | None,
-    draft_tokens: int = 0,
-    draft_depth: int = 0,
-    emitted_width: int = 0,
 ) -> dict[str, Any]:
     """Up to ``limit`` decode steps of every live slot (exits early when none is live).
 
@@ -159,52 +207,49 @@ def decode_chunk(
     at the end) at the sequence's row and token index, so a chunk returns only the slots' new
     state and its length is a traced value (no recompilation for a longer chunk).
 
-    ``stop_sequences`` (multi-turn requests): a slot also stops at the step where the ids it
-    drew in its turn (``slots.recent``, shifted every step) end with one of these rows,
+    ``request.stop_sequences`` (multi-turn requests): a slot also stops at the step where the
+    ids it drew in its turn (``slots.recent``, shifted every step) end with one of these rows,
     right-aligned and left-padded with -1 (a wildcard); None (single-turn requests) leaves the
     window out of the program and of the status.
 
-    ``resumable`` (multi-turn requests): a sequence that stops in this chunk may continue
-    later from its pages (a turn's end). The CPU path writes the chunk's K/V back into the pages
-    only when a sequence may read them again: one still live after the chunk, or a resumable
-    one; the last chunk of a request skips the write-back.
+    ``request.resumable`` (multi-turn requests): a sequence that stops in this chunk may
+    continue later from its pages (a turn's end). The CPU path writes the chunk's K/V back into
+    the pages only when a sequence may read them again: one still live after the chunk, or a
+    resumable one; the last chunk of a request skips the write-back.
 
-    ``backend``: the paged attention path (:mod:`delta_jax.sampling.attention.backends`): what a
-    step attends with, and what a chunk's start and end do (the CPU path's views and chunk-local
-    buffers).
+    ``options.backend``: the paged attention path
+    (:mod:`delta_jax.sampling.attention.backends`): what a step attends with, and what a
+    chunk's start and end do (the CPU path's views and chunk-local buffers). ``weights``: see
+    :class:`Weights`.
 
-    ``layers`` (on CPU): each layer's weights, sliced once per request
-    (:class:`~delta_jax.sampling.engine.programs.EnginePrograms`) instead of at every step, which
-    XLA:CPU does not reliably hoist out of the loop; None (accelerators) slices them inside the
-    loop, where the slices fuse into the matmuls (a copy would hold every weight twice).
-
-    ``drafts`` (speculative chunks, ``draft_tokens`` = k >= 1): each step is a verify step
-    (:func:`speculative_step`) scoring up to ``k`` drafted tokens per slot (a line, or with
-    ``draft_depth`` a trie up to that deep); the chunk also
-    returns the tokens each slot emitted (``emitted [S, emitted_width]``, -1 after them) and
-    per-slot counters ``counts [S, 1 + 2 * len(SOURCES)]``: verify steps, then drafted and
-    accepted tokens by draft source.
+    ``drafts`` (speculative chunks, ``options.draft_tokens`` = k >= 1): each step is a verify
+    step (:func:`speculative_step`) scoring up to ``k`` drafted tokens per slot (a line, or
+    with ``draft_depth`` a trie up to that deep); the chunk also returns the tokens each slot
+    emitted (``emitted [S, emitted_width]``, -1 after them) and per-slot counters ``counts [S,
+    1 + 2 * len(SOURCES)]``: verify steps, then drafted and accepted tokens by draft source.
     """
-    model: Transformer = nnx.merge(graphdef, params, rest)
-    K = model.config.num_kv_heads
-    pool = copy_pages(pool, slots.copy_src, slots.copy_dst, mesh, K)
-    draw = token_sampler(model, strategy, seed, return_hidden, pad_id)
+    backend, stop_sequences = options.backend, request.stop_sequences
+    model: Transformer = nnx.merge(options.graphdef, weights.params, weights.rest)
+    pool = copy_pages(pool, slots.copy_src, slots.copy_dst, backend.groups)
+    draw = token_sampler(
+        model, request.strategy, request.seed, options.return_hidden, options.pad_id
+    )
     start, first = slots.pos, slots.count
 
     def body(carry):
         i, state, s, written, draft_state = carry
-        weights = model.layer_params() if layers is None else layers
+        layers = model.layer_params() if weights.layers is None else weights.layers
         if drafts is None:
-            h, state = backend.step(model, weights, s, state, mesh)
+            h, state = backend.step(model, layers, s, state)
             cols = draw(h[:, 0], s)
-            written = backend.write(written, cols, s, i, mesh, K)
+            written = backend.write(written, cols, s, i)
             return i + 1, state, _advance(s, cols["tokens"], stop_sequences), written, draft_state
         tail, emitted, counts = draft_state
+        window = drafts.window
         new, state, v = speculative_step(
-            model, weights, backend, draw, s, state, drafts.window, tail,
-            draft_tokens, stop_sequences, mesh, draft_depth,
-        )  # fmt: skip
-        written = backend.write_verified(written, v.cols, s, v.taken, first, mesh, K)
+            options, model, layers, draw, s, state, window, tail, stop_sequences
+        )
+        written = backend.write_verified(written, v.cols, s, v.taken, first)
         emitted = _record(emitted, v.cols["tokens"], s.count - first, v.taken)
         counts = counts + _draft_counts(drafts.sources, v, s.active)
         return i + 1, state, new, written, (v.tail, emitted, counts)
@@ -216,15 +261,15 @@ def decode_chunk(
     draft_state = ()  # a speculative chunk's carry: each slot's tail, emitted tokens, counters
     if drafts is not None:
         S = slots.last.shape[0]
-        emitted = jnp.full((S, emitted_width), -1, jnp.int32)
+        emitted = jnp.full((S, options.emitted_width), -1, jnp.int32)
         counts = jnp.zeros((S, 1 + 2 * len(SOURCES)), jnp.int32)
         draft_state = (drafts.tail, emitted, counts)
-    state, written = backend.begin_chunk(pool, slots, out, mesh, K, drafts is not None)
+    state, written = backend.begin_chunk(pool, slots, out, drafts is not None)
     _, state, slots, written, draft_state = jax.lax.while_loop(
         cond, body, (jnp.zeros((), jnp.int32), state, slots, written, draft_state)
     )
-    keep = resumable | jnp.any(slots.active)
-    pool, out = backend.end_chunk(state, written, out, first, start, slots, keep, mesh, K)
+    keep = request.resumable | jnp.any(slots.active)
+    pool, out = backend.end_chunk(state, written, out, first, start, slots, keep)
     status = jnp.stack([getattr(slots, f).astype(jnp.int32) for f in STATUS_FIELDS], axis=1)
     if stop_sequences is not None:
         status = jnp.concatenate([status, slots.recent], axis=1)
@@ -299,24 +344,22 @@ class Verified:
 
 
 def speculative_step(
+    options: DecodeOptions,
     model: Transformer,
     layers,
-    backend: PagedBackend,
     draw,
     s: SlotState,
     state,
     window: Int[Array, "S D"],
     tail: Int[Array, "S m"],
-    k: int,
     stop_sequences=None,
-    mesh: Mesh | None = None,
-    depth: int = 0,
 ):
     """One verify step of every slot: its drafts looked up in its window by its last tokens
     ``tail``, scored with the fed token in one forward pass, the token at each position drawn
     with the key of its index, the drafts kept down the path of the drawn tokens.
 
-    The drafts: with ``depth = 0`` one line of up to ``k`` tokens
+    The drafts (``k``, ``depth``: ``options.draft_tokens``, ``options.draft_depth``; the
+    verify step runs on ``options.backend``): with ``depth = 0`` one line of up to ``k`` tokens
     (:func:`~delta_jax.sampling.speculation.speculate.lookup_drafts`); else a trie of up to ``k``
     nodes at most ``depth`` deep (:func:`~delta_jax.sampling.speculation.speculate.lookup_tree`),
     each node attending to its ancestors only. ``draw``: :func:`token_sampler`'s ``draw(h [S, H],
@@ -327,6 +370,7 @@ def speculative_step(
       ``(slots, state, verified)``: the slots advanced by the tokens emitted, the attention
       state, and what the step did (:class:`Verified`).
     """
+    backend, k, depth = options.backend, options.draft_tokens, options.draft_depth
     tree = depth > 0
     if tree:
         trie = lookup_tree(window, tail, k, depth)
@@ -342,7 +386,7 @@ def speculative_step(
     level = jnp.concatenate([jnp.zeros((S, 1), jnp.int32), trie.level], axis=1)
     valid = s.active[:, None] & jnp.concatenate([jnp.ones((S, 1), bool), trie.real], axis=1)
     inside = ancestors(trie, depth) if tree else None
-    h, state = backend.verify(model, layers, s, ids, level, inside, valid, state, mesh)
+    h, state = backend.verify(model, layers, s, ids, level, inside, valid, state)
 
     def at(lv, h_t):  # a position at level lv: the key of index count + lv
         return draw(h_t, dataclasses.replace(s, count=s.count + lv))
@@ -354,8 +398,7 @@ def speculative_step(
     new = advance_by(s, cols["tokens"], emit, stop_sequences)
     taken = new.count - s.count
     cols["drafted"] = _outcomes(trie, path, taken)
-    K = model.config.num_kv_heads
-    state = backend.kept(state, s, path, taken, T, tree, mesh, K)
+    state = backend.kept(state, s, path, taken, T, tree)
     tail = next_tail(tail, cols["tokens"], taken)
     return new, state, Verified(trie, path, cols, taken, tail)
 
@@ -414,40 +457,21 @@ def advance_by(
 
 
 def decode_program(
-    params,
-    rest,
-    pool,
-    out,
-    packed,
-    pages,
-    limit,
-    resumable,
-    seed,
-    strategy,
-    layers=None,
-    stop_sequences=None,
-    drafts=None,
-    *,
-    stop_width,
-    **kw,
-):
+    options: DecodeOptions,
+    weights: Weights,
+    pool: PagePool,
+    out: dict[str, Array],
+    packed: Int[Array, "S F"],
+    pages: Int[Array, "U 3"],
+    limit: Int[Array, ""],
+    request: RequestInputs,
+    drafts: Drafts | None = None,
+) -> dict[str, Any]:
     """:func:`decode_chunk` on the packed slot matrix and page list the host sends."""
+    stop_sequences = request.stop_sequences
     window = 0 if stop_sequences is None else stop_sequences.shape[1]
-    return decode_chunk(
-        params,
-        rest,
-        pool,
-        out,
-        unpack_slots(packed, pages, stop_width, window),
-        limit,
-        resumable,
-        seed,
-        strategy,
-        layers,
-        stop_sequences,
-        drafts,
-        **kw,
-    )
+    slots = unpack_slots(packed, pages, options.stop_width, window)
+    return decode_chunk(options, weights, pool, out, slots, limit, request, drafts)
 
 
 def init_outputs(
@@ -477,8 +501,7 @@ def write_observations(
     ids: Int[Array, "S T"],
     valid: Bool[Array, "S T"],
     *,
-    mesh: Mesh | None,
-    kv_heads: int,
+    groups: Groups,
 ) -> dict[str, Array]:
     """Writes observation ``ids[s]`` into output row ``rows[s]`` (-1: none) from column
     ``cols[s]`` on; their log-probs (and hidden states) are zero: they were not sampled."""
@@ -488,35 +511,29 @@ def write_observations(
     col = (cols[:, None] + jnp.arange(T)).reshape(-1)
     values = {name: jnp.zeros((S * T, *buf.shape[2:]), buf.dtype) for name, buf in out.items()}
     values["tokens"] = ids.reshape(-1)
-    return write_rows(out, at, col, values, mesh, kv_heads)
+    return write_rows(out, at, col, values, groups)
 
 
 def prefill_chunk(
-    params: nnx.State,
-    rest: nnx.State,
+    weights: Weights,
     pool: PagePool,
-    ids: Int[Array, "B T"],
-    positions: Int[Array, "B T"],
-    valid: Bool[Array, "B T"],
+    tokens: Tokens,
     pages: PageList | Int[Array, "B NB"],
-    layers: list[dict[str, Array]] | None = None,
     *,
     graphdef: nnx.GraphDef,
-    mesh: Mesh | None,
-    attend: PagedAttention = xla_attention,
+    backend: PagedBackend,
 ) -> PagePool:
-    """Writes the K/V of a chunk of prompt tokens into the prompts' pages (no LM head).
+    """Writes the K/V of a chunk of prompt ``tokens`` into the prompts' pages (no LM head).
 
-    ``pages``: the rows' pages as ``attend`` reads them: a flat list
+    ``pages``: the rows' pages as ``backend.prefill_attention`` reads them: a flat list
     (:func:`~delta_jax.sampling.attention.paged.xla_attention`), or page tables from position 0 (the
     CPU path's :func:`~delta_jax.sampling.attention.dense_cpu.dense_attention`: each row's pages
     gathered once per layer and attended to in one batched attention, where the list's block loop
-    runs as many small steps); ``layers``: the per-layer weights sliced once per request (CPU), or
-    None.
+    runs as many small steps); ``weights.layers``: the per-layer weights sliced once per request
+    (CPU), or None.
     """
-    model: Transformer = nnx.merge(graphdef, params, rest)
-    layers = model.layer_params() if layers is None else layers
-    _, pool = paged_forward(
-        model, layers, ids, positions, valid, pool, pages, attend=attend, mesh=mesh
-    )
+    model: Transformer = nnx.merge(graphdef, weights.params, weights.rest)
+    layers = model.layer_params() if weights.layers is None else weights.layers
+    attend, groups = backend.prefill_attention, backend.groups
+    _, pool = paged_forward(model, layers, tokens, pool, pages, attend=attend, groups=groups)
     return pool

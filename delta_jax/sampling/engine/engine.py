@@ -57,15 +57,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from delta_jax.models import Transformer
-from delta_jax.sampling.attention.backends import PagedBackend, backend_for
+from delta_jax.sampling.attention.backends import backend_for
+from delta_jax.sampling.attention.paged import Groups
 from delta_jax.sampling.buckets import RequestArrays
+from delta_jax.sampling.engine.decode import RequestInputs
 from delta_jax.sampling.engine.programs import EnginePrograms, ProgramCache
 from delta_jax.sampling.engine.requests import (
     EngineSpec,
@@ -82,7 +84,7 @@ from delta_jax.sampling.engine.scheduler import DevicePrograms, Scheduler
 from delta_jax.sampling.output import SamplerOutput
 from delta_jax.sampling.speculation.drafts import Drafter
 
-__all__ = ["generate_continuous", "run_engine"]
+__all__ = ["EngineSetup", "generate_continuous", "run_engine"]
 
 
 @functools.partial(jax.jit, static_argnames="pad_id")
@@ -114,7 +116,6 @@ def run_engine(
     on_done=None,
     turns: Turns | None = None,
     read=None,
-    backend: PagedBackend | None = None,
     drafter: Drafter | None = None,
 ) -> tuple[list[Seq], EngineStats]:
     """Runs every (prompt, sample) sequence to its end; returns them in row order and stats.
@@ -123,8 +124,8 @@ def run_engine(
     (their outputs are final), while the others are still being decoded.
 
     ``programs`` runs the device programs on the pool and the output buffers, which it owns
-    (:class:`DevicePrograms`); ``backend``: the attention path's backend they run (default:
-    ``spec.attention``'s), whose page layout the host sends.
+    (:class:`DevicePrograms`); the host sends the page layout of ``spec.attention``'s backend
+    (its host half, which no mesh changes).
 
     ``turns`` (multi-turn requests, :class:`Turns`) needs ``read(seqs)``: the sequences'
     output tokens ``[:length]`` as lists, read when their turns end.
@@ -152,7 +153,7 @@ def run_engine(
     # slots idle. The order changes no token (each sequence has its own RNG stream).
     seqs.sort(key=lambda s: -s.max_new)
     groups = [[s for s in seqs if owner[s.prompt] == g] for g in range(spec.groups)]
-    backend = backend_for(spec.attention) if backend is None else backend
+    backend = backend_for(spec.attention)
     if drafter is not None:
         drafter.begin(prompts, n)
     scheduler = Scheduler(
@@ -165,6 +166,20 @@ def run_engine(
     return done, stats
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineSetup:
+    """What the sampler hands the engine for one call: the call's static configuration
+    (``Sampler.engine_spec``), its :class:`ProgramCache`, the KV pages' dtype and, for
+    speculative decoding (``spec.draft_tokens > 0``), the drafter, a
+    :class:`~delta_jax.sampling.speculation.drafts.Drafter` kept across requests (its
+    history)."""
+
+    spec: EngineSpec
+    programs: ProgramCache
+    cache_dtype: Any
+    drafter: Drafter | None = None
+
+
 def generate_continuous(
     model: Transformer,
     request: RequestArrays,
@@ -174,31 +189,27 @@ def generate_continuous(
     seed,
     params,
     *,
-    spec: EngineSpec,
-    programs: ProgramCache,
-    cache_dtype,
+    setup: EngineSetup,
     on_sample_done=None,
     turns: Turns | None = None,
-    drafter: Drafter | None = None,
 ) -> tuple[SamplerOutput, EngineStats]:
     """The engine behind ``Sampler(engine="continuous").generate``; same output as the static one.
 
-    The sampler hands over what the engine needs: the call's static configuration ``spec``
-    (``Sampler.engine_spec``), its :class:`ProgramCache` and the KV pages' dtype. ``params``:
-    the parameters to sample with (None: the model's own). ``on_sample_done(row, tokens)`` gets
+    The sampler hands over what the engine needs (:class:`EngineSetup`). ``params``: the
+    parameters to sample with (None: the model's own). ``on_sample_done(row, tokens)`` gets
     each request row's generated ids as soon as it ends, while the others decode. ``turns``: a
     multi-turn request (:class:`Turns`); the output's ``action_mask_array`` then marks the
-    sampled tokens. ``drafter``: speculative decoding's drafts (``spec.draft_tokens > 0``), a
-    :class:`~delta_jax.sampling.speculation.drafts.Drafter` kept across requests (its history).
+    sampled tokens.
 
     Returns:
       ``(SamplerOutput, EngineStats)``.
     """
+    spec, programs = setup.spec, setup.programs
     validate_engine_request(spec, prompts, n, request.max_new)
-    backend = backend_for(spec.attention)  # the attention path, picked once
+    # The attention path, picked once, for programs on the sampler's mesh.
+    backend = backend_for(spec.attention, Groups(programs.mesh, model.config.num_kv_heads))
     if refusal := backend.refusal(spec):
         raise ValueError(refusal)
-    graphdef, own, rest = nnx.split(model, nnx.Param, ...)
     stop_ids = request.stop_ids
     turn_ids, stop_sequences = turn_stops(turns)
     if turns is not None:  # a turn's end stops the sequence too; the host tells them apart
@@ -206,22 +217,18 @@ def generate_continuous(
         stop_ids = np.concatenate([stop_ids, extra], axis=1)
     owner = assign_groups(prompts, n, request.max_new, spec.groups)
     local, block = output_rows(owner, n, spec.groups)
+    inputs = RequestInputs(strategy, seed, np.bool_(turns is not None), stop_sequences)
     device = EnginePrograms(
         programs,
         model,
         spec,
         backend,
-        graphdef,
-        own if params is None else params,
-        rest,
-        cache_dtype=cache_dtype,
-        strategy=strategy,
-        seed=seed,
+        params,
+        inputs,
+        cache_dtype=setup.cache_dtype,
         width=stop_ids.shape[1],
         rows=spec.groups * block,
         gen_len=request.gen_len,
-        stop_sequences=stop_sequences,
-        resumable=turns is not None,
     )
 
     def read(seqs: list[Seq]) -> list[list[int]]:
@@ -236,10 +243,10 @@ def generate_continuous(
             for seq, tokens in zip(seqs, read(seqs), strict=True):
                 on_sample_done(seq.index, tokens)
 
+    drafter = setup.drafter if spec.draft_tokens else None
     seqs, stats = run_engine(
-        spec, prompts, n, request.max_new, stop_ids, device, on_done, turns, read, backend,
-        drafter if spec.draft_tokens else None,
-    )  # fmt: skip
+        spec, prompts, n, request.max_new, stop_ids, device, on_done, turns, read, drafter
+    )
     # Global buffer row of each request row: its group's block, then its row in the block.
     index = np.array([owner[r // n] * block + local[r] for r in range(len(seqs))], np.int32)
     return _output(device.results(), seqs, index, request, n, spec.pad_id, turns), stats

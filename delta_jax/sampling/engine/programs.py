@@ -29,8 +29,11 @@ from delta_jax.models import Transformer
 from delta_jax.models.axes import logical_to_mesh
 from delta_jax.sampling.attention import dense_cpu
 from delta_jax.sampling.attention.backends import PagedBackend
-from delta_jax.sampling.attention.paged import init_pool
+from delta_jax.sampling.attention.paged import Tokens, init_pool
 from delta_jax.sampling.engine.decode import (
+    DecodeOptions,
+    RequestInputs,
+    Weights,
     decode_program,
     init_outputs,
     prefill_chunk,
@@ -111,16 +114,14 @@ class EnginePrograms:
       cache: the sampler's :class:`ProgramCache`.
       model: the model (its config and dtypes).
       spec: the engine call's static configuration.
-      backend: its paged attention backend
+      backend: its paged attention backend, bound to the cache's mesh
         (:func:`~delta_jax.sampling.attention.backends.backend_for`).
-      graphdef, params, rest: the model split (``nnx.split(model, nnx.Param, ...)``), with the
-        parameters sampled with.
+      params: the parameters to sample with (None: the model's own).
+      request: the request's strategy, seed, whether its sequences continue after a turn's end
+        (multi-turn) and its ``[Q, L]`` stop-sequence matrix (NumPy, sent once) or None.
       cache_dtype: the page pool's dtype.
-      strategy: the sampling strategy; ``seed`` its seed.
       width: stop ids per sequence.
       rows, gen_len: the output buffers' shape (every group's rows).
-      stop_sequences: a multi-turn request's ``[Q, L]`` stop-sequence matrix (sent once).
-      resumable: a multi-turn request, whose sequences continue after a turn's end.
     """
 
     def __init__(
@@ -129,25 +130,22 @@ class EnginePrograms:
         model: Transformer,
         spec: EngineSpec,
         backend: PagedBackend,
-        graphdef: nnx.GraphDef,
         params,
-        rest,
+        request: RequestInputs,
         *,
         cache_dtype,
-        strategy,
-        seed,
         width: int,
         rows: int,
         gen_len: int,
-        stop_sequences: np.ndarray | None = None,
-        resumable: bool = False,
     ):
+        graphdef, own, rest = nnx.split(model, nnx.Param, ...)
+        params = own if params is None else params
         self.cache, self.spec, self.params, self.rest = cache, spec, params, rest
         self.backend = backend
-        self.strategy, self.seed, self.width, self.resumable = strategy, seed, width, resumable
+        self.strategy, self.width = request.strategy, width
         self.rows, self.gen_len = rows, gen_len
         self.graphdef = graphdef
-        self.kv_heads = model.config.num_kv_heads
+        self.options = DecodeOptions.of(spec, graphdef, backend, width)
         param_avals = tuple(
             (x.shape, x.dtype, getattr(x, "sharding", None)) for x in jax.tree.leaves(params)
         )
@@ -161,12 +159,14 @@ class EnginePrograms:
             param_avals,
         )
         self.hidden = model.config.hidden_size if spec.return_hidden else None
-        mesh = cache.mesh
-        sequences = () if stop_sequences is None else (jnp.asarray(stop_sequences),)
-        if sequences and mesh is not None:
-            sequences = (jax.device_put(sequences[0], NamedSharding(mesh, P())),)
-        self.sequences = sequences
-        self.pool, self.out, self.layers = self._setup(model, cache_dtype)
+        mesh, sequences = cache.mesh, request.stop_sequences
+        if sequences is not None:
+            sequences = jnp.asarray(sequences)
+            if mesh is not None:
+                sequences = jax.device_put(sequences, NamedSharding(mesh, P()))
+        self.request = request._replace(stop_sequences=sequences)
+        self.pool, self.out, layers = self._setup(model, cache_dtype)
+        self.weights = Weights(params, rest, layers)
 
     def _build(self, key: tuple, fn: Callable, args: tuple, donate=()):
         return self.cache.get(self.base + key, fn, args, donate, describe=lambda: key)
@@ -196,7 +196,7 @@ class EnginePrograms:
         column, ids, valid)."""
         args = (self.out, *(self.cache.place(a) for a in (rows, cols, ids, valid)))
         key = ("write", args[3].shape, self.rows, self.gen_len, self.hidden)
-        fn = functools.partial(write_observations, mesh=self.cache.mesh, kv_heads=self.kv_heads)
+        fn = functools.partial(write_observations, groups=self.backend.groups)
         self.out = self._build(key, fn, args, (0,))(*args)
 
     def prefill(self, ids, positions, valid, pages) -> None:
@@ -212,16 +212,11 @@ class EnginePrograms:
     def _prefill_program(self, ids, positions, valid, pages):
         place, backend = self.cache.place, self.backend
         pages = backend.prefill_layout(pages, place)
-        ids, positions, valid = (place(a) for a in (ids, positions, valid))
-        key = ("prefill", ids.shape, jax.tree.leaves(pages)[0].shape)
-        fn = functools.partial(
-            prefill_chunk,
-            graphdef=self.graphdef,
-            mesh=self.cache.mesh,
-            attend=backend.prefill_attention,
-        )
-        args = (self.params, self.rest, self.pool, ids, positions, valid, pages, self.layers)
-        return self._build(key, fn, args, (2,)), args
+        tokens = Tokens(*(place(a) for a in (ids, positions, valid)))
+        key = ("prefill", tokens.ids.shape, jax.tree.leaves(pages)[0].shape)
+        fn = functools.partial(prefill_chunk, graphdef=self.graphdef, backend=backend)
+        args = (self.weights, self.pool, tokens, pages)
+        return self._build(key, fn, args, (1,)), args
 
     def decode(self, packed: np.ndarray, pages: np.ndarray, steps: int) -> np.ndarray:
         """Runs up to ``steps`` decode steps; returns the slots' ``[S, 4 + L]`` status."""
@@ -248,30 +243,17 @@ class EnginePrograms:
 
     def _decode_program(self, packed, pages, steps: int, drafts: Drafts | None):
         """The compiled decode (verify) program of a chunk and its arguments."""
-        spec, place = self.spec, self.cache.place
+        spec, place, sequences = self.spec, self.cache.place, self.request.stop_sequences
         packed, pages, steps = place(packed), place(pages), np.int32(steps)
         signature = (self.width, strategy_signature(self.strategy), spec.return_hidden)
-        signature += (spec.attention, *(q.shape for q in self.sequences))
+        signature += (spec.attention, *(() if sequences is None else (sequences.shape,)))
         if drafts is not None:
             signature += (spec.draft_tokens, spec.draft_depth, drafts.window.shape)
             signature += (drafts.tail.shape,)
         key = ("decode", packed.shape, pages.shape, self.rows, self.gen_len, *signature)
-        fn = functools.partial(
-            decode_program,
-            stop_width=self.width,
-            graphdef=self.graphdef,
-            return_hidden=spec.return_hidden,
-            pad_id=spec.pad_id,
-            backend=self.backend,
-            mesh=self.cache.mesh,
-            draft_tokens=spec.draft_tokens,
-            draft_depth=spec.draft_depth,
-            emitted_width=spec.steps * (spec.draft_tokens + 1),
-        )
-        args = (self.params, self.rest, self.pool, self.out, packed, pages, steps)
-        args += (np.bool_(self.resumable), self.seed, self.strategy, self.layers)
-        args += (self.sequences[0] if self.sequences else None, drafts)
-        return self._build(key, fn, args, (2, 3)), args
+        fn = functools.partial(decode_program, self.options)
+        args = (self.weights, self.pool, self.out, packed, pages, steps, self.request, drafts)
+        return self._build(key, fn, args, (1, 2)), args
 
     def results(self) -> dict[str, jax.Array]:
         """Hands the output buffers over (the programs cannot run after)."""
