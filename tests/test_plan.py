@@ -198,8 +198,20 @@ def test_plan_errors():
         plan_lib.plan(load_config(DEMO), "v5p-64", search=False, compiler="cpu")
     with pytest.raises(ValueError, match="--headroom=1.5"):
         plan_lib.main(["--topology", "v5e-1", "--headroom", "1.5"])
+    too_few = plan_lib.Workload(mean_new_tokens=0)
     with pytest.raises(ValueError, match=r"--mean-new-tokens=0 must be in \(0, rollout"):
-        plan_lib.plan(load_config(DEMO), "v5e-1", mean_new_tokens=0, compiler="cpu")
+        plan_lib.plan(load_config(DEMO), "v5e-1", roofline=too_few, compiler="cpu")
+    with pytest.raises(ValueError, match=r"--mean-new-tokens=0.0 must be in \(0, rollout"):
+        plan_lib.main(
+            ["--config", DEMO, "--topology", "v5e-1", "--compiler", "cpu", "--no-roofline"]
+            + ["--mean-new-tokens", "0"]
+        )
+    # The previous release's keywords still work, with a DeprecationWarning.
+    with pytest.warns(DeprecationWarning, match=r"plan\(mean_new_tokens=\.\.\.\) is deprecated"):
+        with pytest.raises(ValueError, match=r"--mean-new-tokens=0 must be in \(0, rollout"):
+            plan_lib.plan(load_config(DEMO), "v5e-1", mean_new_tokens=0, compiler="cpu")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'mean_new'"):
+        plan_lib.plan(load_config(DEMO), "v5e-1", mean_new=1, compiler="cpu")
 
 
 def test_main_prints_table(capsys):
@@ -540,15 +552,27 @@ def test_roofline_arithmetic_by_hand():
         pytest.approx(2 * 4 * 2 * (16 * 64 * 16 + 22 * 64 * 16)),
     )  # one block of 64 (block > T: b = T)
     assert roofline.splash_cost(None, 32) == (0.0, 0.0)
-    kw = dict(
-        mc=mc, chip_name="v5p-8", chips=4, devices=4, decode=decode, prefill=prefill,
-        prefill_tokens=2 * 64, train_one=one, train_two=two, attention_block=32,
-        micro_batches=3, mini_batches=2,
-        micro_rows=8, useful_tokens=48, sequences_per_group=20, group_slots=8,
-        prompts_per_group=5, prompt_len=16, mean_new=32, kv_heads=1, cache_itemsize=2,
-        weight_bytes=1_000_000, steps=10,
-    )  # fmt: skip
-    st = roofline.estimate(**kw)
+    mc = mc.replace(attention_block=32)  # the splash kernels' blocks
+    tpu = roofline.Slice("v5p-8", chips=4, devices=4)
+    programs = roofline.Programs(
+        decode, prefill, prefill_tokens=2 * 64, train_one=one, train_two=two
+    )
+    update = roofline.Update(micro_batches=3, micro_rows=8, mini_batches=2, useful_tokens=48)
+    rollout = roofline.Rollout(
+        sequences_per_group=20,
+        group_slots=8,
+        prompts_per_group=5,
+        prompt_len=16,
+        mean_new=32,
+        kv_heads=1,
+        cache_itemsize=2,
+        weight_bytes=1_000_000,
+    )
+
+    def estimate(programs=programs, update=update, speculation=None):
+        return roofline.estimate(mc, tpu, programs, update, rollout, 10, speculation)
+
+    st = estimate()
     peak, bw = 459e12, 2765e9
     kv = L * 2 * 1 * D * 2 * (16 + 32 / 2)  # K and V of 32 mean context positions, bf16
     step_bytes = 8e6 + 8 * kv
@@ -567,7 +591,7 @@ def test_roofline_arithmetic_by_hand():
     assert st.update_limit == ("HBM" if nbytes / bw > flops / peak else "FLOP/s")
     assert "update runs 24 of the compiled 24 rows per mini-batch" in "\n".join(st.lines())
     # Packed rows at the mean lengths: 12 of the 24 compiled rows run, the bound halves.
-    half = roofline.estimate(**kw, update_rows=12, shared_prompts=True)
+    half = estimate(update=dataclasses.replace(update, rows=12, shared_prompts=True))
     model_half = 12 * (6 * mm * 48 + 6 * L * N * D * 48**2) / 4
     half_s = max(flops / 2 / peak, nbytes / 2 / bw, model_half / peak)
     assert half.update_s == pytest.approx(2 * half_s)
@@ -586,7 +610,7 @@ def test_roofline_arithmetic_by_hand():
     # Speculative rollouts: the verify chunk's step (more FLOPs, nearly the same bytes) over
     # ceil(32 / 2.5) = 13 verify steps per round at 2.5 tokens per verify step.
     verify = P(0, 0, 0, 0, 0.0, flops=2e7, bytes_accessed=8.5e6)
-    spec = roofline.estimate(**kw, verify=verify, tokens_per_step=2.5, draft_tokens=4)
+    spec = estimate(speculation=roofline.Speculation(verify, tokens_per_step=2.5, draft_tokens=4))
     verify_s = 3 * 13 * max(2e7 / peak, (8.5e6 + 8 * kv) / bw)
     assert spec.verify_steps == 39 and spec.verify_s == pytest.approx(verify_s)
     assert spec.speculative_rollout_s == pytest.approx(verify_s + st.prefill_s)
@@ -597,15 +621,17 @@ def test_roofline_arithmetic_by_hand():
     )
     for bad in (0.5, 5.5):
         with pytest.raises(ValueError, match=r"tokens per verify step must be in \[1, 5\]"):
-            roofline.estimate(**kw, verify=verify, tokens_per_step=bad, draft_tokens=4)
+            estimate(speculation=roofline.Speculation(verify, tokens_per_step=bad, draft_tokens=4))
     # A trie of 8 drafts up to 3 deep keeps at most 3 of them a step.
-    trie = dict(verify=verify, draft_tokens=8, draft_depth=3, verify_attention="pallas")
+    trie = roofline.Speculation(
+        verify, 2.5, draft_tokens=8, draft_depth=3, verify_attention="pallas"
+    )
     with pytest.raises(ValueError, match=r"tokens per verify step must be in \[1, 4\]"):
-        roofline.estimate(**kw, tokens_per_step=4.5, **trie)
-    text = "\n".join(roofline.estimate(**kw, tokens_per_step=2.5, **trie).lines())
+        estimate(speculation=dataclasses.replace(trie, tokens_per_step=4.5))
+    text = "\n".join(estimate(speculation=trie).lines())
     assert "(k=8 in a trie up to 3 deep, pallas attention, 2.50 tokens per verify step" in text
     unknown = dataclasses.replace(one, loops_counted_once=1)
-    st = roofline.estimate(**{**kw, "train_one": unknown})
+    st = estimate(programs=dataclasses.replace(programs, train_one=unknown))
     assert "counts 1 loop(s) once" in "\n".join(st.lines())
     with pytest.raises(ValueError, match="no chip constants for 'v9'"):
         roofline.chip("v9-8")

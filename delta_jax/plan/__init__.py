@@ -37,6 +37,7 @@ from delta_jax.plan.cli import build_parser, main, run
 from delta_jax.plan.compiler import resolve_compiler, tpu_compiler_available, tpu_topology_devices
 from delta_jax.plan.models import KNOWN_MODELS, known_model_config, resolve_model_config
 from delta_jax.plan.report import PlanReport, ProgramMemory, SplashCalls
+from delta_jax.plan.roofline import Workload
 from delta_jax.plan.search import compile_train_step, largest_fitting, plan
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "PlanReport",
     "ProgramMemory",
     "SplashCalls",
+    "Workload",
     "build_parser",
     "compile_train_step",
     "known_model_config",

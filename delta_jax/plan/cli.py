@@ -13,6 +13,7 @@ from jax._src import xla_bridge  # backends_are_initialized: no public equivalen
 
 from delta_jax import sharding as sh
 from delta_jax.plan.compiler import resolve_compiler
+from delta_jax.plan.roofline import Workload
 from delta_jax.plan.search import plan
 
 
@@ -96,6 +97,9 @@ def run(args: argparse.Namespace) -> int:
     # Compile-only TPU planning keeps the default backend on CPU (no TPU probing).
     _ensure_devices(sh.topology(args.topology).chips if kind == "cpu" else 1)
     config = load_config(args.config, args.overrides)
+    workload = Workload(args.mean_new_tokens, args.tokens_per_step)
+    if args.no_roofline:
+        workload.mean_new(config.rollout)  # --mean-new-tokens is checked all the same
     report = plan(
         config,
         args.topology,
@@ -103,9 +107,7 @@ def run(args: argparse.Namespace) -> int:
         search=not args.no_search,
         compiler=kind,
         compile_train=not args.skip_train,
-        roofline=not args.no_roofline,
-        mean_new_tokens=args.mean_new_tokens,
-        tokens_per_step=args.tokens_per_step,
+        roofline=False if args.no_roofline else workload,
         programs=args.programs,
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
     )

@@ -9,6 +9,7 @@ from typing import Any
 from delta_jax.plan.hlo import COMPUTATION_HEAD, Cost, loop_cost
 
 GiB = 1024**3
+_EXACT = "exact (shapes x shardings)"  # the source of the figures that shapes and shardings give
 
 # A splash-attention kernel call in an optimised HLO module (JAX names the custom calls after the
 # kernel: splash_mha_fwd..., splash_mha_dq..., splash_mha_dkv...) and the shapes it produces: the
@@ -210,72 +211,32 @@ class PlanReport:
 
     def table(self) -> str:
         """The report as an aligned text table (GiB per device, and where each figure is from)."""
-        g = lambda b: f"{b / GiB:8.2f}"
         mesh = lambda m: " x ".join(f"{k}={v}" for k, v in m.items())
-        exact, comp = "exact (shapes x shardings)", self.compiler_name
-        row = lambda label, b, src: f"{label:<40}{g(b)}  {src}"
-        src = lambda p: comp + (f" ({p.refusal()})" if p.out_of_memory else "")
-        train_src = src(self.train) if self.train_compiled else "not compiled (--skip-train)"
-        sampler_src = src(self.sampler)
-        if self.engine == "continuous":
-            G = self.data_groups
-            slots, pages = self.cache_slots // G, self.num_pages // G
-            head = (
-                f"sampler: continuous engine, {G} data groups x ({slots} decode slots, "
-                f"{pages} pages of {self.page_size} tokens = {(pages - 1) * self.page_size} "
-                f"tokens); {self.sampler_prompts} prompts x {self.samples_per_prompt} samples "
-                f"per step{f', up to {self.max_turns} turns' if self.max_turns > 1 else ''}:"
-            )
-            cache = [row("  KV page pool (group's share / chip)", self.kv_cache_bytes, exact)]
-            if self.max_turns > 1:
-                held = f"exact: {self.waiting_pages // G} pages per group, no decode slot"
-                cache += [row("    held by sequences waiting on tools", self.waiting_bytes, held)]
-            temps = [
-                row("  sampler temporaries (decode chunk)", self.sampler.temporaries, sampler_src),
-                row("  sampler temporaries (prefill chunk)", self.prefill.temporaries,
-                    src(self.prefill)),
-            ]  # fmt: skip
-            largest = (
-                "largest decode_slots that fits: "
-                f"{_rows(self.max_sampler_size, 'slots', self.sampler_bound)}"
-            )
-        else:
-            head = (
-                f"sampler: static, {self.sampler_prompts} prompts x {self.samples_per_prompt} "
-                f"samples, {self.cache_slots} cache slots:"
-            )
-            cache = [row("  KV cache", self.kv_cache_bytes, exact)]
-            temps = [row("  sampler temporaries (incl. KV cache)", self.sampler.temporaries,
-                         sampler_src)]  # fmt: skip
-            largest = (
-                "largest sampler call that fits: "
-                f"{_rows(self.max_sampler_size, 'prompts', self.sampler_bound)}"
-            )
+        comp = self.compiler_name
+        train_src, train_share = "not compiled (--skip-train)", "not compiled"
+        if self.train_compiled:
+            train_src = self._source(self.train)
+            train_share = f"{self.train_peak / self.budget:.0%}"
         lines = [
             f"{self.model} on {self.topology} ({self.chips} devices, {self.hbm_bytes / GiB:.0f} "
             f"GiB HBM each; budget {self.headroom:.0%} = {self.budget / GiB:.1f} GiB); train "
             f"mesh {mesh(self.mesh)}, sampling mesh {mesh(self.sample_mesh)}",
             f"compiler: {self.compiler}",
             f"{'per device':<40}{'GiB':>8}  source",
-            row("parameters (train placement)", self.params_bytes, exact),
-            row("optimizer state", self.opt_state_bytes, exact),
+            _row("parameters (train placement)", self.params_bytes, _EXACT),
+            _row("optimizer state", self.opt_state_bytes, _EXACT),
             f"train step, micro-batch {self.micro_batch_rows} rows:",
-            row("  train temporaries", self.train.temporaries, train_src),
-            row("  peak (state + batch + temporaries)", self.train_peak, train_src),
-            head,
-            *cache,
-            row("  parameters (sampling layout)", self.sampler_params_bytes, exact),
-            *temps,
-            row("  peak (+ resident train state)", self.sampling_peak, sampler_src),
-            row("headroom (budget - larger peak)", self.headroom_bytes, comp),
-            f"fits: {'YES' if self.fits else 'NO'} (train "
-            f"{f'{self.train_peak / self.budget:.0%}' if self.train_compiled else 'not compiled'}"
-            f", sampling {self.sampling_peak / self.budget:.0%} of budget)",
-            f"weights to the sampling layout, per update: {g(self.reshard_collective_bytes)} GiB "
-            f"through collectives, {g(self.reshard.temporaries)} GiB temporaries ({comp})",
+            _row("  train temporaries", self.train.temporaries, train_src),
+            _row("  peak (state + batch + temporaries)", self.train_peak, train_src),
+            *self._sampler_lines(),
+            _row("headroom (budget - larger peak)", self.headroom_bytes, comp),
+            f"fits: {'YES' if self.fits else 'NO'} (train {train_share}, sampling "
+            f"{self.sampling_peak / self.budget:.0%} of budget)",
+            f"weights to the sampling layout, per update: {_gib(self.reshard_collective_bytes)} "
+            f"GiB through collectives, {_gib(self.reshard.temporaries)} GiB temporaries ({comp})",
             "largest micro-batch that fits: "
             f"{_rows(self.max_micro_batch_rows, 'rows', self.micro_batch_bound)}",
-            largest,
+            self._largest_sampler_line(),
             *(self.roofline.lines() if self.roofline is not None else []),
             *self._program_lines(),
             f"compile time: train {self.train.compile_s:.1f}s, sampler "
@@ -283,6 +244,53 @@ class PlanReport:
             f"({comp})",
         ]
         return "\n".join(lines)
+
+    def _source(self, program: ProgramMemory) -> str:
+        """Where a compiled program's figures come from (and the compiler's refusal, if any)."""
+        refused = f" ({program.refusal()})" if program.out_of_memory else ""
+        return self.compiler_name + refused
+
+    def _sampler_lines(self) -> list[str]:
+        """The table's sampler section: its head, cache, weights, temporaries and peak."""
+        sampler_src = self._source(self.sampler)
+        if self.engine == "continuous":
+            G = self.data_groups
+            slots, pages = self.cache_slots // G, self.num_pages // G
+            turns = f", up to {self.max_turns} turns" if self.max_turns > 1 else ""
+            head = (
+                f"sampler: continuous engine, {G} data groups x ({slots} decode slots, "
+                f"{pages} pages of {self.page_size} tokens = {(pages - 1) * self.page_size} "
+                f"tokens); {self.sampler_prompts} prompts x {self.samples_per_prompt} samples "
+                f"per step{turns}:"
+            )
+            cache = [_row("  KV page pool (group's share / chip)", self.kv_cache_bytes, _EXACT)]
+            if self.max_turns > 1:
+                held = f"exact: {self.waiting_pages // G} pages per group, no decode slot"
+                cache += [_row("    held by sequences waiting on tools", self.waiting_bytes, held)]
+            temps = [
+                _row(f"  sampler temporaries ({name} chunk)", p.temporaries, self._source(p))
+                for name, p in (("decode", self.sampler), ("prefill", self.prefill))
+            ]
+        else:
+            head = (
+                f"sampler: static, {self.sampler_prompts} prompts x {self.samples_per_prompt} "
+                f"samples, {self.cache_slots} cache slots:"
+            )
+            cache = [_row("  KV cache", self.kv_cache_bytes, _EXACT)]
+            label = "  sampler temporaries (incl. KV cache)"
+            temps = [_row(label, self.sampler.temporaries, sampler_src)]
+        return [
+            head,
+            *cache,
+            _row("  parameters (sampling layout)", self.sampler_params_bytes, _EXACT),
+            *temps,
+            _row("  peak (+ resident train state)", self.sampling_peak, sampler_src),
+        ]
+
+    def _largest_sampler_line(self) -> str:
+        continuous = self.engine == "continuous"
+        what, unit = ("decode_slots", "slots") if continuous else ("sampler call", "prompts")
+        return f"largest {what} that fits: {_rows(self.max_sampler_size, unit, self.sampler_bound)}"
 
     def _program_lines(self) -> list[str]:
         if not self.programs:
@@ -298,6 +306,15 @@ class PlanReport:
     @property
     def compiler_name(self) -> str:
         return "TPU compiler" if self.compiler.startswith("TPU") else "XLA:CPU estimate"
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:8.2f}"
+
+
+def _row(label: str, nbytes: float, source: str) -> str:
+    """One row of the table: a label, GiB per device, where the figure is from."""
+    return f"{label:<40}{_gib(nbytes)}  {source}"
 
 
 def _rows(value: int | None, unit: str, bound: str = "") -> str:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 # Per chip, dense bfloat16 peak FLOP/s and HBM bandwidth (bytes/s), from Google Cloud's TPU
 # system-architecture pages (cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e), as of 2025.
@@ -223,103 +224,175 @@ class StepTime:
         ]
 
 
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What the roofline assumes of the run's sequences.
+
+    ``mean_new_tokens``: the expected new tokens per sequence (None: ``rollout.max_new_tokens``,
+    the longest); ``tokens_per_step``: a measured tokens per speculative verify step (e.g. a
+    run's ``speculate/tokens_per_step``): the roofline also bounds the rollout with speculation
+    (None: it does not).
+    """
+
+    mean_new_tokens: float | None = None
+    tokens_per_step: float | None = None
+
+    def mean_new(self, rollout) -> float:
+        """The mean new tokens per sequence, checked against the run's ``rollout`` config."""
+        longest = rollout.max_new_tokens
+        mean_new = longest if self.mean_new_tokens is None else self.mean_new_tokens
+        if not 0 < mean_new <= longest:
+            raise ValueError(
+                f"--mean-new-tokens={mean_new} must be in (0, rollout.max_new_tokens={longest}]"
+            )
+        return mean_new
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """The TPU slice: its topology name (e.g. ``"v5p-64"``, which names the chip), its chips and
+    the JAX devices the programs were compiled for (v4: two devices, TensorCores, per chip)."""
+
+    topology: str
+    chips: int
+    devices: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """The compiled programs the bounds come from (``ProgramMemory`` with cost figures, per
+    device).
+
+    ``decode``: the decode chunk, its step loop counted once; ``prefill``: the prefill chunk, which
+    takes ``prefill_tokens`` tokens on one device (its group's rows x chunk length);
+    ``train_one``/``train_two``: the train step (every micro-batch) with 1 and 2 unrolled layers,
+    to whose figures their splash kernels' cost (``splash_cost``) is added.
+    """
+
+    decode: Any
+    prefill: Any
+    prefill_tokens: int
+    train_one: Any
+    train_two: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """The policy update of one RL step: ``mini_batches`` train steps, each compiled for
+    ``micro_batches x micro_rows`` rows.
+
+    ``useful_tokens``: the input positions per row the update runs, which the model FLOPs count
+    (as one causal sequence per row); ``rows``: rows per mini-batch the update runs at the
+    workload's mean lengths (packed, prompts shared when ``shared_prompts``:
+    ``rl.packing.uniform_rows``; the compiled ``micro_batches x micro_rows`` when None), which
+    scales the compiled train step's bound (its cost is linear in rows).
+    """
+
+    micro_batches: int
+    micro_rows: int
+    mini_batches: int
+    useful_tokens: float
+    rows: int | None = None
+    shared_prompts: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """The rollout of one RL step, per data group (sampling-mesh row shard): its sequences over
+    ``group_slots`` decode slots, ``prompts_per_group`` prompts of ``prompt_len`` tokens and
+    ``mean_new`` new tokens per sequence.
+
+    ``kv_heads``: KV heads a sampling device holds, ``cache_itemsize`` bytes per K/V element;
+    ``weight_bytes``: the sampling weights one device reads per decode step.
+    """
+
+    sequences_per_group: int
+    group_slots: int
+    prompts_per_group: int
+    prompt_len: int
+    mean_new: float
+    kv_heads: int
+    cache_itemsize: int
+    weight_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """Speculative rollouts: ``verify``, the speculative decode chunk of ``draft_tokens`` drafts
+    (``ProgramMemory``, its loop counted once: one verify step, reading the same K/V per slot as
+    a decode step; a trie of them up to ``draft_depth`` deep, compiled on the
+    ``verify_attention`` path), bounded at ``tokens_per_step`` tokens per verify step
+    (``1 <= tokens_per_step <=`` the tokens one may emit: ``draft_tokens + 1``, a trie's
+    ``draft_depth + 1``)."""
+
+    verify: Any
+    tokens_per_step: float
+    draft_tokens: int
+    draft_depth: int = 0
+    verify_attention: str = ""
+
+
 def estimate(
     mc,
-    *,
-    chip_name: str,
-    chips: int,
-    devices: int,
-    decode,
-    prefill,
-    prefill_tokens: int,
-    train_one,
-    train_two,
-    attention_block: int,
-    micro_batches: int,
-    mini_batches: int,
-    micro_rows: int,
-    useful_tokens: float,
-    update_rows: int | None = None,
-    shared_prompts: bool = False,
-    sequences_per_group: int,
-    group_slots: int,
-    prompts_per_group: int,
-    prompt_len: int,
-    mean_new: float,
-    kv_heads: int,
-    cache_itemsize: int,
-    weight_bytes: int,
+    tpu: Slice,
+    programs: Programs,
+    update: Update,
+    rollout: Rollout,
     steps: int,
-    verify=None,
-    tokens_per_step: float = 1.0,
-    draft_tokens: int = 0,
-    draft_depth: int = 0,
-    verify_attention: str = "",
+    speculation: Speculation | None = None,
 ) -> StepTime:
-    """The step's bounds from compiled programs (per device figures, see the module).
-
-    ``decode``/``prefill``/``train_one``/``train_two``: ``ProgramMemory`` with cost figures
-    (``decode``: the decode chunk, its step loop counted once; ``train_one``/``train_two``: the
-    train step of ``micro_batches`` micro-batches with 1 and 2 unrolled layers; their splash
-    kernels' cost, ``splash_cost`` with ``attention_block``, is added); ``prefill_tokens``:
-    tokens one device's prefill program takes (its group's rows x chunk length); ``useful_tokens``:
-    the input positions per row the update runs, which the model FLOPs count (as one causal
-    sequence per row); ``update_rows``: rows per mini-batch the update runs at the workload's
-    mean lengths (packed, prompts shared when ``shared_prompts``: ``rl.packing.uniform_rows``;
-    the compiled ``micro_batches x micro_rows`` when None), which scales the compiled train
-    step's bound (its cost is linear in rows); ``kv_heads``: KV heads a sampling device holds;
-    ``weight_bytes``: the sampling weights one device reads per decode step. ``verify``: the
-    speculative decode chunk of ``draft_tokens`` drafts (its loop counted once: one verify step,
-    reading the same K/V per slot as a decode step; a trie of them up to ``draft_depth`` deep,
-    compiled on the ``verify_attention`` path), bounded at ``tokens_per_step`` tokens per
-    verify step (``1 <= tokens_per_step <=`` the tokens one may emit: ``draft_tokens + 1``, a
-    trie's ``draft_depth + 1``).
-    """
-    gen, peak, bandwidth = chip(chip_name)
-    share = chips / devices  # v4: two devices (TensorCores) per chip
+    """The bounds of ``steps`` RL steps of model ``mc`` on ``tpu`` from its compiled
+    ``programs`` (per device figures, see the module; the train step's splash kernels at
+    ``mc.attention_block``), and of its rollout with ``speculation`` when given."""
+    gen, peak, bandwidth = chip(tpu.topology)
+    share = tpu.chips / tpu.devices  # v4: two devices (TensorCores) per chip
     peak, bandwidth = peak * share, bandwidth * share
-    context = prompt_len + mean_new / 2  # mean context of a decoded token
-    kv = kv_bytes_per_token(mc, context, kv_heads, cache_itemsize)
+    r = rollout
+    context = r.prompt_len + r.mean_new / 2  # mean context of a decoded token
+    kv = kv_bytes_per_token(mc, context, r.kv_heads, r.cache_itemsize)
+    decode, prefill = programs.decode, programs.prefill
     step_flops = decode.flops
-    step_bytes = decode.bytes_accessed + group_slots * kv
-    rounds = -(-sequences_per_group // group_slots)
-    decode_steps = rounds * math.ceil(mean_new)
-    per_token = bound(prefill.flops, prefill.bytes_accessed, peak, bandwidth) / prefill_tokens
-    train_flops, train_bytes = _train_figures(train_one, train_two, attention_block, mc.num_layers)
-    compiled_rows = micro_batches * micro_rows
-    rows = update_rows or compiled_rows
-    model = train_model_flops(mc, rows, round(useful_tokens)) / devices
+    step_bytes = decode.bytes_accessed + r.group_slots * kv
+    rounds = -(-r.sequences_per_group // r.group_slots)
+    decode_steps = rounds * math.ceil(r.mean_new)
+    prefill_call = bound(prefill.flops, prefill.bytes_accessed, peak, bandwidth)
+    per_token = prefill_call / programs.prefill_tokens
+    one, two = programs.train_one, programs.train_two
+    train_flops, train_bytes = _train_figures(one, two, mc.attention_block, mc.num_layers)
+    compiled_rows = update.micro_batches * update.micro_rows
+    rows = update.rows or compiled_rows
+    model = train_model_flops(mc, rows, round(update.useful_tokens)) / tpu.devices
     run_s = bound(train_flops, train_bytes, peak, bandwidth) * rows / compiled_rows
     train_s = max(run_s, model / peak)  # the cost analysis can miss a kernel's FLOPs
-    speculative = {} if verify is None else _verify_bound(
-        verify, tokens_per_step, rounds, mean_new, group_slots * kv, peak, bandwidth,
-        draft_tokens=draft_tokens, draft_depth=draft_depth, verify_attention=verify_attention,
-    )  # fmt: skip
+    speculative = {}
+    if speculation is not None:
+        kv_bytes = r.group_slots * kv
+        speculative = _verify_bound(speculation, rounds, r.mean_new, kv_bytes, peak, bandwidth)
     return StepTime(
         chip=gen,
         peak_flops=peak / share,
         hbm_bandwidth=bandwidth / share,
-        mean_new_tokens=mean_new,
+        mean_new_tokens=r.mean_new,
         decode_step_flops=step_flops,
         decode_step_bytes=step_bytes,
         decode_steps=decode_steps,
         decode_s=decode_steps * bound(step_flops, step_bytes, peak, bandwidth),
-        prefill_s=prompts_per_group * prompt_len * per_token,
+        prefill_s=r.prompts_per_group * r.prompt_len * per_token,
         train_flops=train_flops,
         train_bytes=train_bytes,
         train_model_flops=model,
         compiled_rows=compiled_rows,
         update_rows=rows,
-        update_positions=rows * useful_tokens,
-        shared_prompts=shared_prompts,
-        update_s=mini_batches * train_s,
+        update_positions=rows * update.useful_tokens,
+        shared_prompts=update.shared_prompts,
+        update_s=update.mini_batches * train_s,
         update_mfu=model / peak / train_s,
         update_limit="HBM" if train_bytes / bandwidth > train_flops / peak else "FLOP/s",
-        train_loops_once=train_one.loops_counted_once + train_two.loops_counted_once,
-        bytes_per_token=step_bytes / group_slots,
-        min_bytes_per_token=weight_bytes / group_slots + kv,
+        train_loops_once=one.loops_counted_once + two.loops_counted_once,
+        bytes_per_token=step_bytes / r.group_slots,
+        min_bytes_per_token=r.weight_bytes / r.group_slots + kv,
         steps=steps,
-        chips=chips,
+        chips=tpu.chips,
         **speculative,
     )
 
@@ -336,25 +409,27 @@ def _train_figures(train_one, train_two, attention_block: int, layers: int):
 
 
 def _verify_bound(
-    verify, tokens_per_step, rounds, mean_new, kv_bytes, peak, bandwidth, **drafts
+    speculation: Speculation, rounds: int, mean_new: float, kv_bytes: float, peak, bandwidth
 ) -> dict:
     """The :class:`StepTime` fields of speculative rollouts: ``rounds`` rounds of ``mean_new``
-    tokens at ``tokens_per_step`` per verify step, each step bounded by the verify chunk's
-    figures plus the K/V its slots read (``kv_bytes``, as a decode step's); ``drafts``: the
-    draft fields (``draft_tokens``, ``draft_depth``, ``verify_attention``)."""
-    longest = drafts["draft_depth"] or drafts["draft_tokens"]  # drafts a step may keep
-    if not 1 <= tokens_per_step <= longest + 1:
+    tokens at ``speculation.tokens_per_step`` per verify step, each step bounded by the verify
+    chunk's figures plus the K/V its slots read (``kv_bytes``, as a decode step's)."""
+    s = speculation
+    longest = s.draft_depth or s.draft_tokens  # drafts a step may keep
+    if not 1 <= s.tokens_per_step <= longest + 1:
         raise ValueError(
             f"tokens per verify step must be in [1, {longest + 1}] (the drafted tokens a "
-            f"verify step may keep, plus one), got {tokens_per_step}"
+            f"verify step may keep, plus one), got {s.tokens_per_step}"
         )
-    steps = rounds * math.ceil(mean_new / tokens_per_step)
-    nbytes = verify.bytes_accessed + kv_bytes
+    steps = rounds * math.ceil(mean_new / s.tokens_per_step)
+    nbytes = s.verify.bytes_accessed + kv_bytes
     return dict(
-        **drafts,
-        tokens_per_step=tokens_per_step,
-        verify_step_flops=verify.flops,
+        draft_tokens=s.draft_tokens,
+        draft_depth=s.draft_depth,
+        verify_attention=s.verify_attention,
+        tokens_per_step=s.tokens_per_step,
+        verify_step_flops=s.verify.flops,
         verify_step_bytes=nbytes,
         verify_steps=steps,
-        verify_s=steps * bound(verify.flops, nbytes, peak, bandwidth),
+        verify_s=steps * bound(s.verify.flops, nbytes, peak, bandwidth),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ from delta_jax.plan.compiler import plan_mesh
 from delta_jax.plan.models import describe, resolve_model_config
 from delta_jax.plan.programs import Planner
 from delta_jax.plan.report import GiB, PlanReport, ProgramMemory
+from delta_jax.plan.roofline import Workload
 from delta_jax.rl.packing import micro_batch_shape, uniform_rows
 from delta_jax.sampling.attention import backend_for
 
@@ -127,8 +129,8 @@ def _bound(found: int, measured: dict[int, ProgramMemory | None], budget: int, u
     return f"{x} {unit}: {at_least}{m.peak / GiB:.2f} GiB > budget {budget / GiB:.2f} GiB"
 
 
-def _batch_shape(c, plan, mesh, mean_new_tokens) -> tuple[int, int, int, float]:
-    """``(rows per update, rows per micro-batch, batch shards, mean new tokens)``, checked."""
+def _micro_rows(c, plan, mesh, workload: Workload) -> int:
+    """Rows per micro-batch, the run's shapes and ``workload`` checked."""
     rows_per_update, divisor = plan.rows_per_update, sh.batch_divisor(mesh)
     micro_rows = micro_batch_shape(plan, rows_per_update, divisor)[1]
     if micro_rows % divisor:
@@ -141,13 +143,8 @@ def _batch_shape(c, plan, mesh, mean_new_tokens) -> tuple[int, int, int, float]:
         raise ValueError(
             f"rollout.max_turns={c.rollout.max_turns} (multi-turn) needs rollout.engine=continuous"
         )
-    mean_new = c.rollout.max_new_tokens if mean_new_tokens is None else mean_new_tokens
-    if not 0 < mean_new <= c.rollout.max_new_tokens:
-        raise ValueError(
-            f"--mean-new-tokens={mean_new} must be in (0, rollout.max_new_tokens="
-            f"{c.rollout.max_new_tokens}]"
-        )
-    return rows_per_update, micro_rows, divisor, mean_new
+    workload.mean_new(c.rollout)
+    return micro_rows
 
 
 def plan(
@@ -159,11 +156,10 @@ def plan(
     search: bool = True,
     compiler: str = "auto",
     compile_train: bool = True,
-    roofline: bool = False,
-    mean_new_tokens: float | None = None,
-    tokens_per_step: float | None = None,
+    roofline: bool | Workload = False,
     programs: bool = False,
     log: Callable[[str], None] | None = None,
+    **deprecated,
 ) -> PlanReport:
     """Compiles the run's train step and sampler for ``topology_name`` and reports memory.
 
@@ -179,20 +175,23 @@ def plan(
         stand-in devices) or "auto" (tpu when libtpu is importable).
       compile_train: False plans the sampler side only (train figures are then zero).
       roofline: also bound the RL step's time (:mod:`.roofline`; two more train compiles, of 1
-        and 2 unrolled layers, also with ``compile_train`` False); continuous engine only.
-      mean_new_tokens: the workload's expected new tokens per sequence for the roofline
-        (default ``rollout.max_new_tokens``, the longest).
-      tokens_per_step: a measured tokens per speculative verify step: the roofline also bounds
-        the rollout with speculation (``rollout.draft_tokens`` drafts a step; one more compile,
-        the verify chunk), beside the bound without.
+        and 2 unrolled layers, also with ``compile_train`` False); continuous engine only. A
+        :class:`~delta_jax.plan.roofline.Workload` sets what it assumes of the sequences (True:
+        ``Workload()``, the longest responses): its ``mean_new_tokens`` (checked here), and
+        its ``tokens_per_step``, a measured tokens per speculative verify step: the roofline
+        also bounds the rollout with speculation (``rollout.draft_tokens`` drafts a step; one
+        more compile, the verify chunk), beside the bound without.
       programs: also compile every program a run compiles (:mod:`.buckets`: the train step
         at each bucket of rows, the engine's decode chunk at each slot bucket and prefill chunk
         at each length) and list their compile times; continuous engine only.
       log: progress messages (e.g. ``print``).
+      deprecated: ``mean_new_tokens`` and ``tokens_per_step`` as keywords, the previous
+        release's form of ``roofline=Workload(...)`` (a DeprecationWarning).
 
     Returns:
       A :class:`PlanReport`; ``report.table()`` formats it.
     """
+    workload = _workload(roofline, deprecated)
     log = log or (lambda _: None)
     topo = sh.topology(topology_name)
     mesh, described = plan_mesh(config, topology_name, compiler)
@@ -201,18 +200,14 @@ def plan(
     model_config = model_config or resolve_model_config(config, log)
     planner = Planner(config, mesh, model_config)
     c = config
-    rows_per_update, micro_rows, divisor, mean_new = _batch_shape(
-        c, planner.update_plan, mesh, mean_new_tokens
-    )
+    micro_rows = _micro_rows(c, planner.update_plan, mesh, workload)
     train = ProgramMemory(0, 0, 0, 0, 0.0)
     if compile_train:
         log(f"compiling train step ({micro_rows} rows per micro-batch) on {len(devices)} devices")
         train = planner.train(micro_rows)
         log(f"  train temporaries {train.temporaries / GiB:.2f} GiB ({train.compile_s:.0f}s)")
-    prompts = c.rollout.prompts_per_step
-    measure_sampler = _engine_measure if c.rollout.engine == "continuous" else _static_measure
-    size = c.rollout.decode_slots if c.rollout.engine == "continuous" else prompts
-    sampled = measure_sampler(planner, size, log)
+    size = _sampler_size(c)
+    sampled = _sampler_measure(c)(planner, size, log)
     log("compiling the reshard of the weights into the sampling layout")
     reshard, moved = planner.reshard()
     report = PlanReport(
@@ -230,7 +225,7 @@ def plan(
         micro_batch_rows=micro_rows,
         train=train,
         engine=c.rollout.engine,
-        sampler_prompts=prompts,
+        sampler_prompts=c.rollout.prompts_per_step,
         samples_per_prompt=c.rollout.samples_per_prompt,
         max_turns=c.rollout.max_turns,
         sampler_params_bytes=planner.sampler_params_bytes(),
@@ -243,32 +238,53 @@ def plan(
         **sampled,
     )
     if roofline and c.rollout.engine == "continuous":
-        report = dataclasses.replace(
-            report, roofline=_step_time(planner, report, size, mean_new, tokens_per_step, log)
-        )
+        step_time = _step_time(planner, report, size, workload, log)
+        report = dataclasses.replace(report, roofline=step_time)
     if programs and c.rollout.engine == "continuous":
         trains = {micro_rows: train} if compile_train else {}
         built = compile_buckets(planner, planner.engine_spec(size), trains, log)
         report = dataclasses.replace(report, programs=tuple(built))
-    if not search:
-        return report
-    return _search(
-        planner, report, train, sampled, measure_sampler, size, rows_per_update, divisor,
-        compile_train, log,
-    )  # fmt: skip
+    return _search(planner, report, size, log) if search else report
 
 
-def _search(
-    planner, report, train, sampled, measure_sampler, size, rows_per_update, divisor,
-    compile_train, log,
-) -> PlanReport:  # fmt: skip
+def _workload(roofline: bool | Workload, deprecated: dict[str, Any]) -> Workload:
+    """The roofline's workload: ``roofline``'s, with the deprecated keywords of :func:`plan`."""
+    workload = roofline if isinstance(roofline, Workload) else Workload()
+    if not deprecated:
+        return workload
+    unknown = sorted(set(deprecated) - {"mean_new_tokens", "tokens_per_step"})
+    if unknown:
+        raise TypeError(f"plan() got an unexpected keyword argument {unknown[0]!r}")
+    warnings.warn(
+        f"plan({', '.join(f'{k}=...' for k in deprecated)}) is deprecated: pass "
+        "roofline=Workload(...) (delta_jax.plan.Workload) instead",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return dataclasses.replace(workload, **deprecated)
+
+
+def _sampler_size(c) -> int:
+    """The sampler's configured size: decode slots (continuous engine) or prompts per call."""
+    if c.rollout.engine == "continuous":
+        return c.rollout.decode_slots
+    return c.rollout.prompts_per_step
+
+
+def _sampler_measure(c) -> Callable[[Planner, int, Callable[[str], None]], dict[str, Any]]:
+    """The rollout's sampler compiled at a size: the engine's or the static sampler's."""
+    return _engine_measure if c.rollout.engine == "continuous" else _static_measure
+
+
+def _search(planner: Planner, report: PlanReport, size: int, log) -> PlanReport:
     """The largest micro-batch and sampler call that fit the budget (more compiles), and what
-    bounds each."""
+    bounds each, from the ``report`` of the configured sizes (``size``: the sampler's)."""
     c, micro_rows, prompts = planner.config, report.micro_batch_rows, report.sampler_prompts
-    budget = report.budget
+    budget, compile_train = report.budget, report.train_compiled
+    measure_sampler = _sampler_measure(c)
     # Every size measured: its program (a train step; the sampler's larger one, a refused one
     # first), for the peaks and the bound reported.
-    trains = {micro_rows: train}
+    trains = {micro_rows: report.train}
 
     def train_peak(rows: int) -> int | None:
         if rows not in trains:
@@ -279,11 +295,12 @@ def _search(
         return trains[rows].measured_peak()
 
     resident = report.sampling_peak - report.sampler_peak
-    sizes = {size: _sampler_program(sampled)}
+    sizes = {size: _sampler_program(report.sampler, report.prefill)}
 
     def sampling_peak(n: int) -> int | None:
         if n not in sizes:
-            sizes[n] = _sampler_program(measure_sampler(planner, n, log))
+            measured = measure_sampler(planner, n, log)
+            sizes[n] = _sampler_program(measured["sampler"], measured["prefill"])
             if sizes[n].out_of_memory:
                 log(f"  {sizes[n].refusal()}")
         peak = sizes[n].measured_peak()
@@ -295,17 +312,16 @@ def _search(
 
     max_rows = None
     if compile_train:
-        max_rows = largest_fitting(
-            train_peak, divisor, budget, start=micro_rows, limit=rows_per_update
-        )
+        divisor = sh.batch_divisor(planner.mesh)
+        limit = planner.update_plan.rows_per_update
+        max_rows = largest_fitting(train_peak, divisor, budget, start=micro_rows, limit=limit)
     sample_rows = sh.batch_divisor(planner.sample_mesh, sh.SAMPLE_RULES)
     if c.rollout.engine == "continuous":
         # Slots split over the sampling mesh's rows; a call never holds more sequences.
-        limit = prompts * c.rollout.samples_per_prompt
+        limit = max(prompts * c.rollout.samples_per_prompt, sample_rows)
         max_size = largest_fitting(
-            sampling_peak, sample_rows, budget, start=size, limit=max(limit, sample_rows),
-            max_measures=4,
-        )  # fmt: skip
+            sampling_peak, sample_rows, budget, start=size, limit=limit, max_measures=4
+        )
     else:
         # The sampler's rows (prompts x n) must split over the batch shards too.
         unit = sample_rows // math.gcd(sample_rows, c.rollout.samples_per_prompt)
@@ -322,55 +338,72 @@ def _search(
     )
 
 
-def _step_time(planner: Planner, report: PlanReport, slots: int, mean_new, per_step, log):
-    """The step-time roofline (:mod:`.roofline`) from the programs the plan compiled (and the
-    speculative verify chunk's, with ``per_step`` tokens per verify step)."""
+def _step_time(planner: Planner, report: PlanReport, slots: int, workload: Workload, log):
+    """The step-time roofline (:mod:`.roofline`) from the programs the plan compiled, at the
+    ``workload`` (and the speculative verify chunk's, when it gives tokens per verify step)."""
     c, mc = planner.config, planner.model_config
+    mean_new = workload.mean_new(c.rollout)
     spec = planner.engine_spec(slots)
-    speculative = {}
-    if per_step is not None:
-        k, depth = c.rollout.draft_tokens, c.rollout.draft_depth
-        trie = f", a trie up to {depth} deep" if depth else ""
-        log(f"compiling the speculative decode chunk ({k} drafted tokens per verify step{trie})")
-        verify_spec = planner.engine_spec(slots, draft_tokens=k, draft_depth=depth)
-        verify = planner.decode(verify_spec)
-        speculative = dict(
-            verify=verify,
-            tokens_per_step=per_step,
-            draft_tokens=k,
-            draft_depth=depth,
-            verify_attention=verify_spec.attention,
-        )
+    speculation = None
+    if workload.tokens_per_step is not None:
+        speculation = _speculation(planner, slots, workload.tokens_per_step, log)
     layers = {}
     for k in (1, 2):
         log(f"compiling the train step with {k} unrolled layer(s) for its cost analysis")
         shallow = Planner(c, planner.mesh, mc.replace(num_layers=k, scan_layers=False))
         layers[k] = shallow.train(report.micro_batch_rows)
     _, _, prompt_len, _ = planner.request(c.rollout.prompts_per_step)
-    # The update's rows at these lengths, as the trainer lays them out (packed, shared).
-    plan, shards = planner.update_plan, sh.batch_divisor(planner.mesh)
-    P = c.data.max_prompt_length
-    rows = uniform_rows(plan, P, max(1, round(mean_new)), shards)
     chunk = min(spec.prefill_len, max(spec.min_len, 1 << max(0, (prompt_len - 1).bit_length())))
-    tensor = planner.sample_mesh.shape.get("tensor", 1)
-    G = spec.groups
-    return roofline_lib.estimate(
-        mc,
-        chip_name=report.topology,
-        chips=sh.topology(report.topology).chips,
-        devices=report.chips,
+    programs = roofline_lib.Programs(
         decode=report.sampler,
         prefill=report.prefill,
-        prefill_tokens=spec.prefill_rows // G * chunk,
+        prefill_tokens=spec.prefill_rows // spec.groups * chunk,
         train_one=layers[1],
         train_two=layers[2],
-        attention_block=mc.attention_block,
+    )
+    chips = sh.topology(report.topology).chips
+    tpu = roofline_lib.Slice(report.topology, chips=chips, devices=report.chips)
+    update = _update_shape(planner, report.micro_batch_rows, mean_new)
+    rollout = _rollout_shape(planner, spec, mean_new)
+    return roofline_lib.estimate(mc, tpu, programs, update, rollout, c.run.steps, speculation)
+
+
+def _speculation(planner: Planner, slots: int, tokens_per_step: float, log):
+    """The speculative decode chunk compiled (``rollout.draft_tokens`` drafts, a trie up to
+    ``rollout.draft_depth`` deep), at ``tokens_per_step`` tokens per verify step."""
+    k, depth = planner.config.rollout.draft_tokens, planner.config.rollout.draft_depth
+    trie = f", a trie up to {depth} deep" if depth else ""
+    log(f"compiling the speculative decode chunk ({k} drafted tokens per verify step{trie})")
+    verify_spec = planner.engine_spec(slots, draft_tokens=k, draft_depth=depth)
+    return roofline_lib.Speculation(
+        verify=planner.decode(verify_spec),
+        tokens_per_step=tokens_per_step,
+        draft_tokens=k,
+        draft_depth=depth,
+        verify_attention=verify_spec.attention,
+    )
+
+
+def _update_shape(planner: Planner, micro_rows: int, mean_new: float) -> roofline_lib.Update:
+    """The update's rows at ``mean_new`` new tokens, as the trainer lays them out (packed,
+    prompts shared)."""
+    c, plan, shards = planner.config, planner.update_plan, sh.batch_divisor(planner.mesh)
+    rows = uniform_rows(plan, c.data.max_prompt_length, max(1, round(mean_new)), shards)
+    return roofline_lib.Update(
         micro_batches=micro_batch_shape(plan, plan.rows_per_update, shards)[0],
+        micro_rows=micro_rows,
         mini_batches=c.algo.mini_batches,
-        micro_rows=report.micro_batch_rows,
         useful_tokens=rows["batch/positions"] / rows["batch/packed_rows"] / plan.mini_batches,
-        update_rows=rows["batch/packed_rows"],
+        rows=rows["batch/packed_rows"],
         shared_prompts=bool(rows["batch/shared_prompts"]),
+    )
+
+
+def _rollout_shape(planner: Planner, spec, mean_new: float) -> roofline_lib.Rollout:
+    """The rollout per data group of the engine ``spec``, at ``mean_new`` new tokens."""
+    c, mc, G = planner.config, planner.model_config, spec.groups
+    tensor = planner.sample_mesh.shape.get("tensor", 1)
+    return roofline_lib.Rollout(
         sequences_per_group=c.rollout.prompts_per_step * c.rollout.samples_per_prompt // G,
         group_slots=spec.group_slots,
         prompts_per_group=c.rollout.prompts_per_step // G,
@@ -379,14 +412,12 @@ def _step_time(planner: Planner, report: PlanReport, slots: int, mean_new, per_s
         kv_heads=max(1, mc.num_kv_heads // tensor),
         cache_itemsize=planner.cache_dtype().itemsize,
         weight_bytes=planner.sampler_params_bytes() + planner.shared_params_bytes(),
-        steps=c.run.steps,
-        **speculative,
     )
 
 
-def _sampler_program(measured: dict[str, Any]) -> ProgramMemory:
+def _sampler_program(sampler: ProgramMemory, prefill: ProgramMemory | None) -> ProgramMemory:
     """The engine's larger program (decode or prefill chunk), a refused one first."""
-    programs = [measured["sampler"], *([measured["prefill"]] if measured["prefill"] else [])]
+    programs = [sampler, *([prefill] if prefill else [])]
     refused = [p for p in programs if not p.fits_anywhere]
     return refused[0] if refused else max(programs, key=lambda p: p.peak)
 
