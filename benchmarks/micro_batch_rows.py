@@ -1,8 +1,8 @@
 """One update shape per run against buckets of rows in one micro-batch: whole CLI runs.
 
-``algo.micro_batch_rows`` (``auto``, the default: micro-batches of about 256 tokens on CPU, as
-many as a step's packed rows need) against ``bucketed`` (a step's rows in one micro-batch, one
-program per bucket of rows a run meets), each a fresh process training ``--steps`` steps of
+``algo.micro_batch_rows`` (``auto``: micro-batches of about 512 tokens on CPU, as many as a
+step's packed rows need) against ``bucketed`` (the default: a step's rows in one micro-batch,
+one program per bucket of rows a run meets), each a fresh process training ``--steps`` steps of
 ``--config`` with no evaluation or checkpoint and a compile cache of its own (empty at the
 start), one after the other and repeated ``--repeats`` times in alternation. Per run: the
 median seconds of the update, the rollout and the whole step over the steps that compiled
