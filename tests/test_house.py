@@ -35,7 +35,7 @@ WIDE_SIGNATURES = {
 # the run's configuration sits above the stages it configures (it checks data's task names).
 LAYERS = [
     ["losses"],
-    ["extras", "distributed", "hub", "sharding", "models"],
+    ["extras", "deprecation", "distributed", "hub", "sharding", "models"],
     ["checkpoint", "data", "rewards", "envs", "sampling", "eval_sets", "demo"],
     ["config", "diagnostics"],
     ["rl", "eval"],

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from jaxtyping import Bool, Float, Int
+
+from delta_jax.deprecation import fold_keywords
 
 if TYPE_CHECKING:
     from delta_jax.losses import DeltaOptions
@@ -234,8 +235,7 @@ def capture_batch(
     from delta_jax.rewards import RewardScorer
     from delta_jax.sampling import Sampler
 
-    if legacy:
-        sampling = _legacy_sampling(sampling, legacy)
+    sampling = fold_keywords("capture_batch", sampling, legacy, "sampling=CaptureSampling(...)")
     n = sampling.n
     if len(prompt_ids) != len(records) or not records:
         raise ValueError(
@@ -283,17 +283,3 @@ def capture_batch(
         group_size=n,
         step=step,
     )
-
-
-def _legacy_sampling(sampling: CaptureSampling, legacy: dict[str, Any]) -> CaptureSampling:
-    """``sampling`` with the keywords of the old call form (``capture_batch(..., n=8)``)."""
-    unknown = sorted(set(legacy) - {f.name for f in dataclasses.fields(CaptureSampling)})
-    if unknown:
-        raise TypeError(f"capture_batch() got unexpected keyword arguments {unknown}")
-    warnings.warn(
-        f"capture_batch({', '.join(f'{k}=...' for k in legacy)}) is deprecated and will be "
-        "removed in the next release: pass sampling=CaptureSampling(...)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return dataclasses.replace(sampling, **legacy)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 from delta_jax import sharding as sh
+from delta_jax.deprecation import fold_keywords
 from delta_jax.plan import roofline as roofline_lib
 from delta_jax.plan.buckets import compile_buckets
 from delta_jax.plan.compiler import plan_mesh
@@ -191,7 +191,8 @@ def plan(
     Returns:
       A :class:`PlanReport`; ``report.table()`` formats it.
     """
-    workload = _workload(roofline, deprecated)
+    workload = roofline if isinstance(roofline, Workload) else Workload()
+    workload = fold_keywords("plan", workload, deprecated, "roofline=Workload(...)")
     log = log or (lambda _: None)
     topo = sh.topology(topology_name)
     mesh, described = plan_mesh(config, topology_name, compiler)
@@ -245,23 +246,6 @@ def plan(
         built = compile_buckets(planner, planner.engine_spec(size), trains, log)
         report = dataclasses.replace(report, programs=tuple(built))
     return _search(planner, report, size, log) if search else report
-
-
-def _workload(roofline: bool | Workload, deprecated: dict[str, Any]) -> Workload:
-    """The roofline's workload: ``roofline``'s, with the deprecated keywords of :func:`plan`."""
-    workload = roofline if isinstance(roofline, Workload) else Workload()
-    if not deprecated:
-        return workload
-    unknown = sorted(set(deprecated) - {"mean_new_tokens", "tokens_per_step"})
-    if unknown:
-        raise TypeError(f"plan() got an unexpected keyword argument {unknown[0]!r}")
-    warnings.warn(
-        f"plan({', '.join(f'{k}=...' for k in deprecated)}) is deprecated: pass "
-        "roofline=Workload(...) (delta_jax.plan.Workload) instead",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return dataclasses.replace(workload, **deprecated)
 
 
 def _sampler_size(c) -> int:

@@ -149,5 +149,5 @@ def test_capture_batch_old_keywords_warn_and_give_the_same_batch(tiny_model):
         )
     np.testing.assert_array_equal(old.token_ids, new.token_ids)
     np.testing.assert_array_equal(old.coefficients, new.coefficients)
-    with pytest.raises(TypeError, match="unexpected keyword arguments"):
+    with pytest.raises(TypeError, match="unexpected keyword argument .samples."):
         capture_batch(model, tok, ids, records, samples=2)
