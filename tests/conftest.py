@@ -58,7 +58,7 @@ HEAVY_FIRST = (
     "tests/test_multihost.py",  # ~240 s: runs of two processes
     "tests/rl/test_compare.py",  # ~210 s: a demo warm-up and two RL runs
     "tests/rl/test_train_step.py",  # ~190 s
-    "tests/test_plan_tpu.py",  # ~170 s: TPU compiles
+    "tests/plan/test_plan_tpu.py",  # ~170 s: TPU compiles
     "tests/test_readme.py",  # ~140 s
     "tests/models/test_gguf.py",  # ~130 s: the real model and transformers
     "tests/sampling/test_multiturn.py",  # ~125 s
@@ -66,7 +66,7 @@ HEAVY_FIRST = (
     "tests/rl/test_checkpoint_kills.py",  # ~105 s
     "tests/rl/test_multiturn_run.py",  # ~105 s
     "tests/sampling/test_speculative.py",  # ~100 s
-    "tests/test_plan.py",  # ~100 s
+    "tests/plan/test_plan.py",  # ~100 s
     "tests/test_hub.py",  # ~90 s
     "tests/test_sharding.py",  # ~85 s
 )

@@ -66,10 +66,11 @@ def tpu_topology_devices(topology_name: str) -> tuple[str, list]:
 
 
 # The TPU compiler's refusals for lack of memory (RESOURCE_EXHAUSTED), as libtpu 0.0.42.1 words
-# them (tests/test_plan.py holds captured ones): HBM, "Ran out of memory on HBM, the total memory
-# required for HLO temporaries (47.68G) exceeds available HBM (15.75G)" or "CompileTimeHbmOom ...
-# Program hbm requirement 9.08G"; an on-core memory, "Allocation (size=1769472) would exceed
-# memory (size=1048576) :: ... space=smem ..." or "Ran out of memory in memory space vmem".
+# them (tests/plan/test_plan.py holds captured ones): HBM, "Ran out of memory on HBM, the total
+# memory required for HLO temporaries (47.68G) exceeds available HBM (15.75G)" or
+# "CompileTimeHbmOom ... Program hbm requirement 9.08G"; an on-core memory, "Allocation
+# (size=1769472) would exceed memory (size=1048576) :: ... space=smem ..." or "Ran out of
+# memory in memory space vmem".
 _HBM_NEED = re.compile(r"(?:HLO temporaries \(|Program hbm requirement )([\d.]+)([KMGT])")
 _SPACE = re.compile(r"space=(\w+)|memory space (\w+)|on (HBM)")
 
