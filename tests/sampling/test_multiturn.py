@@ -206,8 +206,12 @@ def test_multiturn_episodes_equal_reprefilling_the_history(
     assert stats.handovers == sum(map(len, host.calls.values()))
     assert stats.observation_tokens == sum(not a for acts in expected_actions for a in acts)
     assert stats.preemptions > 0
-    # Most observations continued in place: far fewer ids prefilled than the contexts hold.
-    assert stats.observation_tokens <= stats.resumed_tokens < sum(map(len, expected))
+    # Observations continued in place: besides the contexts replayed after a preemption (which
+    # depend on the host's random latencies), only observation ids were prefilled, never a
+    # history again.
+    in_place = stats.resumed_tokens - stats.replayed_tokens
+    assert 0 < in_place <= stats.observation_tokens
+    assert stats.replayed_tokens == 0 or stats.preemptions > 0
     if draft_tokens:  # drafted tokens were accepted: fewer verify steps than sampled tokens
         assert 0 < stats.verify_steps < stats.useful_steps
 

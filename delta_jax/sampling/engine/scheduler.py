@@ -249,7 +249,7 @@ class Scheduler:
                     # Preempted after a hand-over: its context is prefilled again into its own
                     # pages, from the prompt's partial last page on (not copied from it).
                     ids = np.concatenate([prompt.ids[full * ps :], seq.history[:-1]])
-                    seq.resume = (full * ps, ids.astype(np.int32))
+                    seq.resume = (full * ps, ids.astype(np.int32), True)
             if not seq.history:
                 seq.order = self.admitted
                 self.admitted += 1
@@ -327,9 +327,10 @@ class Scheduler:
         for g, group in enumerate(self.groups):
             for slot, seq in group.running:
                 if seq.resume is not None:
-                    first, ids = seq.resume
+                    first, ids, replay = seq.resume
                     jobs[g].append((ids, first, seq.table))
                     self.stats.resumed_tokens += ids.size
+                    self.stats.replayed_tokens += ids.size if replay else 0
                     seq.resume = None
                 if seq.write is not None:
                     writes.append((slot, seq))
@@ -564,7 +565,7 @@ class Scheduler:
                     if seq.table:  # its pages hold the context: only the new ids are prefilled
                         first = self.prompts[seq.prompt].prefix + col
                         ids = np.concatenate([seq.history[-1:], obs[:-1]]).astype(np.int32)
-                        seq.resume = (first, ids)
+                        seq.resume = (first, ids, False)
                     seq.write = (col, obs)
                     if self.drafter is not None:
                         self.drafter.extend(seq.index, obs)
