@@ -29,6 +29,7 @@ In :meth:`Trainer.train`, SIGTERM finishes the current step, saves and returns.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import signal
 import time
@@ -434,12 +435,13 @@ class Trainer:
             stop_token_ids=self.parts.stop_token_ids,
         )
 
-    def _rollout(self, step: int) -> Rollout:
-        """Sample and score one rollout batch with the current parameters."""
-        cfg, parts = self.config, self.parts
-        spec = RolloutSpec(
+    @functools.cached_property
+    def _rollout_spec(self) -> RolloutSpec:
+        """What every rollout batch of the run is (from the config, once)."""
+        cfg = self.config
+        return RolloutSpec(
             n=cfg.rollout.samples_per_prompt,
-            prompt_len=parts.prompt_len,
+            prompt_len=self.parts.prompt_len,
             gen_len=cfg.rollout.max_new_tokens,
             sampling=self._sampling(),
             advantage=cfg.algo.advantage,
@@ -447,6 +449,10 @@ class Trainer:
             dynamic_rounds=cfg.rollout.dynamic_sampling_rounds,
             return_hidden=self.plan.coefficients == "sampler",
         )
+
+    def _rollout(self, step: int) -> Rollout:
+        """Sample and score one rollout batch with the current parameters."""
+        cfg, parts, spec = self.config, self.parts, self._rollout_spec
         rollout = collect_rollout(
             sampler=parts.sampler,
             params=self._sampling_params(),
