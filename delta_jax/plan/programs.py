@@ -25,9 +25,11 @@ from delta_jax.plan.report import ProgramMemory
 from delta_jax.rl.state import init_train_state, make_optimizer
 from delta_jax.rl.train_step import abstract_batch, make_train_step
 from delta_jax.rl.update_plan import UpdatePlan
-from delta_jax.sampling.attention import pages_for, pow2
+from delta_jax.sampling.attention import pages_for, pow2, resolve_attention
 from delta_jax.sampling.attention.paged import PAGE_AXES
 from delta_jax.sampling.buckets import Buckets, prepare_request
+from delta_jax.sampling.engine import EngineSettings, RequestShape, size_engine
+from delta_jax.sampling.speculation import Drafter
 from delta_jax.sampling.static import StaticOptions, static_program
 from delta_jax.sampling.strategies import make_strategy
 
@@ -213,22 +215,26 @@ class Planner:
         draft_tokens: int = 0,
         draft_depth: int = 0,
     ):
-        from delta_jax.sampling import Sampler
-
-        c = self.config
-        sampler = Sampler(
-            nnx.merge(self.graphdef, self.params, self.rest),
-            mesh=self.sample_mesh,
-            engine="continuous",
+        c, mc = self.config, self.model_config
+        platform = self.sample_mesh.devices.flat[0].platform
+        settings = EngineSettings(
+            attention=resolve_attention("auto", platform, mc.head_dim),
+            groups=sh.batch_divisor(self.sample_mesh, sh.SAMPLE_RULES),
             decode_slots=slots,
             page_size=c.rollout.page_size,
             num_pages=num_pages,
-            draft_tokens=draft_tokens,
-            draft_depth=draft_depth,
         )
         request, *_ = self.request(c.rollout.prompts_per_step)
-        return sampler.engine_spec(
-            request, c.rollout.samples_per_prompt, False, multi_turn=multi_turn
+        # The window the sampler's drafter gives a chunk (its defaults: the trainer's).
+        drafter = Drafter(draft_depth or draft_tokens) if draft_tokens else None
+        return size_engine(
+            settings,
+            RequestShape.of(request, c.rollout.samples_per_prompt),
+            return_hidden=False,
+            multi_turn=multi_turn,
+            draft_tokens=draft_tokens,
+            draft_depth=draft_depth,
+            draft_window=drafter.window_size(settings.decode_chunk) if drafter else 0,
         )
 
     def pool_bytes(self, spec, pages: int | None = None) -> int:

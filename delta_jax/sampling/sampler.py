@@ -48,14 +48,16 @@ from jax.sharding import Mesh, NamedSharding
 
 from delta_jax.models import Transformer
 from delta_jax.models.axes import logical_to_mesh
-from delta_jax.sampling.attention import NAMES, dense_cpu, pages_for, resolve_attention
+from delta_jax.sampling.attention import NAMES, dense_cpu, resolve_attention
 from delta_jax.sampling.buckets import Buckets, RequestArrays, prepare_request
 from delta_jax.sampling.engine import (
+    EngineSettings,
     EngineSetup,
-    EngineSpec,
     ProgramCache,
+    RequestShape,
     Turns,
     generate_continuous,
+    size_engine,
 )
 from delta_jax.sampling.output import SamplerOutput
 from delta_jax.sampling.speculation import AutoSpeculation, Drafter
@@ -171,11 +173,12 @@ class Sampler:
     mesh: Mesh | None = None
     rules: tuple[tuple[str, Any], ...] = SAMPLING_RULES
     engine: str = "static"
-    decode_slots: int = 32
-    page_size: int = 16
-    num_pages: int | None = None
-    decode_chunk: int = 16
-    prefill_chunk: int = 512
+    # The engine's defaults are its settings' (the planner sizes with those).
+    decode_slots: int = EngineSettings.decode_slots
+    page_size: int = EngineSettings.page_size
+    num_pages: int | None = EngineSettings.num_pages
+    decode_chunk: int = EngineSettings.decode_chunk
+    prefill_chunk: int = EngineSettings.prefill_chunk
     attention: str = "auto"
     draft_tokens: int = 0
     draft_depth: int = 0
@@ -363,60 +366,36 @@ class Sampler:
         multi_turn: bool = False,
         speculative: bool = True,
     ):
-        """The continuous engine's static configuration for a request's buckets (``multi_turn``:
-        the default pool also holds the pages of sequences waiting on the host; ``speculative``
-        False: decode steps, whatever ``draft_tokens``)."""
-        # Data groups: the mesh's row shards, each with its own slots and share of the pool.
-        groups = self._row_multiple()
-        prompts = request.num_rows // n
-        # No idle slots: a group never runs more sequences than the request's rows it can hold
-        # (its prompts, spread evenly, times n).
-        group_slots = min(-(-self.decode_slots // groups), -(-prompts // groups) * n)
-        ps = self.page_size
-        # The longest sequence: the prompt bucket plus the largest token budget (not the
-        # generation bucket, which rounds it up: the pool holds real positions only).
-        budget = int(request.max_new.max())
-        longest_tokens = request.prompt_ids.shape[1] + budget
-        longest = pages_for(longest_tokens, ps)
-        if self.num_pages:
-            group_pages = -(-self.num_pages // groups)
-        else:
-            # What running sequences really hold: a resident prompt's pages (all but its last
-            # token, shared by its samples; at most one resident prompt per running slot, idle
-            # ones are freed first) and each sequence's own pages (from the prompt's partial
-            # last page on, wherever the prompt ends in a page). The default never preempts.
-            prompt_pages = pages_for(request.prompt_ids.shape[1] - 1, ps)
-            own_pages = pages_for(budget + ps - 1, ps)
-            resident = min(group_slots, prompts)
-            holders = group_slots
-            if multi_turn:  # every sequence of the group may hold pages while it waits
-                resident = -(-prompts // groups)
-                holders = resident * n
-            group_pages = holders * own_pages + resident * prompt_pages + 1
-        # A new prompt needs a free slot: about slots / n prompts join a group at a time.
-        at_once = 1 << (-(-group_slots // n) - 1).bit_length()
+        """The continuous engine's static configuration for a request's buckets
+        (:func:`~delta_jax.sampling.engine.sizing.size_engine`; ``multi_turn``: the default pool
+        also holds the pages of sequences waiting on the host; ``speculative`` False: decode
+        steps, whatever ``draft_tokens``)."""
         k = self.draft_tokens if speculative else 0
-        attention = resolve_attention(
-            self.attention, _platform(self.mesh), self.model.config.head_dim
-        )
-        window = self._drafter.window_size(self.decode_chunk) if k else 0
-        return EngineSpec(
-            slots=groups * group_slots,
-            steps=self.decode_chunk,
-            page_size=self.page_size,
-            num_pages=groups * group_pages,
-            seq_pages=longest,
-            max_table=1 << (longest - 1).bit_length(),
-            prefill_len=self.prefill_chunk,
-            min_len=self.buckets.min_length,
-            prefill_rows=groups * at_once,
-            groups=groups,
-            attention=attention,
+        return size_engine(
+            self.engine_settings(),
+            RequestShape.of(request, n),
             return_hidden=return_hidden,
-            pad_id=self.pad_token_id,
+            multi_turn=multi_turn,
             draft_tokens=k,
-            draft_depth=self.draft_depth if k else 0,
-            draft_window=window,
+            draft_depth=self.draft_depth,
+            draft_window=self._drafter.window_size(self.decode_chunk) if k else 0,
+        )
+
+    def engine_settings(self) -> EngineSettings:
+        """This sampler's continuous-engine settings, its attention path resolved for its
+        platform and its mesh's data groups counted."""
+        return EngineSettings(
+            attention=resolve_attention(
+                self.attention, _platform(self.mesh), self.model.config.head_dim
+            ),
+            groups=self._row_multiple(),
+            decode_slots=self.decode_slots,
+            page_size=self.page_size,
+            num_pages=self.num_pages,
+            decode_chunk=self.decode_chunk,
+            prefill_chunk=self.prefill_chunk,
+            min_length=self.buckets.min_length,
+            pad_id=self.pad_token_id,
         )
 
     def resolved_cache_dtype(self) -> Any:

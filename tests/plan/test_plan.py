@@ -298,6 +298,35 @@ def test_engine_pool_follows_the_config():
     assert sized == {0: (41, 41 * page), 50: (50, 50 * page)}
 
 
+def test_planner_sizes_the_engine_with_the_samplers_function():
+    """The planner sizes the engine with the sampler's own function (``size_engine``), with no
+    sampler: on a mesh of data groups, multi-turn or not, speculative or not, its spec is the
+    one the trainer's sampler (as ``rl/setup`` builds it) gives the same request."""
+    overrides = [
+        "data.max_prompt_length=16",
+        "rollout.max_new_tokens=40",
+        "rollout.prompts_per_step=6",
+        "rollout.samples_per_prompt=4",
+    ]
+    mesh = sh.make_mesh(2, 1, 2, devices=jax.devices()[:4])
+    for turns, slots, k, depth in ((1, 8, 0, 0), (3, 12, 0, 0), (1, 16, 4, 0), (1, 8, 6, 3)):
+        config = load_config(DEMO, [*overrides, f"rollout.max_turns={turns}"])
+        planner = Planner(config, mesh, plan_lib.resolve_model_config(config))
+        request, *_ = planner.request(6)
+        sampler = Sampler(
+            Transformer(planner.model_config),
+            mesh=planner.sample_mesh,
+            engine="continuous",
+            decode_slots=slots,
+            page_size=config.rollout.page_size,
+            draft_tokens=k,
+            draft_depth=depth,
+        )
+        spec = sampler.engine_spec(request, 4, False, multi_turn=turns > 1)
+        assert spec.groups == 2 and (spec.draft_window > 0) == (k > 0)
+        assert planner.engine_spec(slots, k, depth) == spec
+
+
 def test_multiturn_pool_holds_every_waiting_sequence():
     """With ``rollout.max_turns`` > 1 a sequence keeps its pages while a tool answers, with no
     decode slot: the planner sizes the pool as the engine's multi-turn default and reports

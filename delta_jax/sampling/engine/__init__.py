@@ -2,19 +2,24 @@
 (:mod:`~delta_jax.sampling.engine.scheduler`), the device programs as pure functions
 (:mod:`~delta_jax.sampling.engine.decode`), their compilation and state
 (:mod:`~delta_jax.sampling.engine.programs`), one request's types
-(:mod:`~delta_jax.sampling.engine.requests`), and the engine that puts them together for one
+(:mod:`~delta_jax.sampling.engine.requests`), their sizing
+(:mod:`~delta_jax.sampling.engine.sizing`), and the engine that puts them together for one
 request (:mod:`~delta_jax.sampling.engine.engine`)."""
 
 from delta_jax.sampling.engine.engine import EngineSetup, generate_continuous, run_engine
 from delta_jax.sampling.engine.programs import ProgramCache
 from delta_jax.sampling.engine.requests import EngineSpec, EngineStats, Turns
+from delta_jax.sampling.engine.sizing import EngineSettings, RequestShape, size_engine
 
 __all__ = [
+    "EngineSettings",
     "EngineSetup",
     "EngineSpec",
     "EngineStats",
     "ProgramCache",
+    "RequestShape",
     "Turns",
     "generate_continuous",
     "run_engine",
+    "size_engine",
 ]
