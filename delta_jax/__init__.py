@@ -26,8 +26,9 @@ if not any(isinstance(f, _NoTorchAdvice) for f in logging.getLogger("transformer
 
 
 def __getattr__(name: str) -> Any:
-    # `from delta_jax import Trainer` loads the trainer (flax, transformers, ...) on first use.
     if name in __all__:
+        # Lazy: `from delta_jax import Trainer` loads the trainer (flax, transformers, ...) on
+        # first use, and `import delta_jax.losses` nothing of it.
         from delta_jax.rl import trainer
 
         return getattr(trainer, name)

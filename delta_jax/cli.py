@@ -12,6 +12,8 @@ import logging
 import sys
 from pathlib import Path
 
+from delta_jax import distributed
+from delta_jax import plan as plan_lib
 from delta_jax.config import ConfigError, load_config
 from delta_jax.eval import add_eval_arguments, run_eval_cli
 from delta_jax.extras import MissingExtra
@@ -20,6 +22,7 @@ SAMPLE_TOKENS = 256  # `delta-jax sample`'s default new tokens, where the model'
 
 
 def _cmd_train(args) -> int:
+    # Lazy: each command imports its own modules when it runs.
     from delta_jax.rl import train
 
     result = train(load_config(args.config, args.overrides))
@@ -34,6 +37,7 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_export(args) -> int:
+    # Lazy: each command imports its own modules when it runs.
     from delta_jax.models import lora, save_pretrained
     from delta_jax.rl.setup import DEMO_MODEL, restore_policy
 
@@ -54,12 +58,14 @@ def _cmd_export(args) -> int:
 
 
 def _load_model_and_tokenizer(path: str):
+    # Lazy: each command imports its own modules when it runs.
     from delta_jax.models import from_pretrained, load_tokenizer
 
     return from_pretrained(path), load_tokenizer(path)
 
 
 def _cmd_sample(args) -> int:
+    # Lazy: each command imports its own modules when it runs.
     from delta_jax.models import apply_chat_template
     from delta_jax.rl.setup import special_token_ids
     from delta_jax.sampling import Sampler
@@ -86,6 +92,7 @@ def _cmd_sample(args) -> int:
 
 
 def _cmd_plot(args) -> int:
+    # Lazy: each command imports its own modules when it runs.
     from delta_jax.diagnostics import plot_delta_stats
     from delta_jax.diagnostics.plots import plot_runs
 
@@ -96,8 +103,8 @@ def _cmd_plot(args) -> int:
 
 
 def _cmd_compare(args) -> int:
+    # Lazy: each command imports its own modules when it runs.
     from delta_jax.compare import compare
-    from delta_jax.config import load_config
 
     for loss in args.losses:  # a bad key or loss is an error before any run starts
         load_config(args.config, [*args.overrides, f"algo.loss={loss}"])
@@ -160,8 +167,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=run_eval_cli)
 
     p = sub.add_parser("plan", help="per-device memory of a config on a TPU topology")
-    from delta_jax import plan as plan_lib
-
     plan_lib.build_parser(p)
     p.set_defaults(fn=plan_lib.run)
 
@@ -185,8 +190,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from delta_jax import distributed
-
     distributed.leave_out_absent_tpu()  # before anything starts a JAX backend
     args = build_parser().parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.INFO

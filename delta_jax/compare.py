@@ -34,8 +34,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from scipy import stats
 
+from delta_jax.config import load_config
+from delta_jax.diagnostics import (
+    CaptureSampling,
+    answer_token_share,
+    capture_batch,
+    group_shared_share,
+    render_heatmap,
+)
 from delta_jax.diagnostics.metrics_log import read_metrics
+from delta_jax.rl.objectives import delta_options
+from delta_jax.rl.setup import build_run_parts, restore_policy
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +168,6 @@ def run_sweep(config, overrides, losses, seeds, out, *, workers: int | None = No
     run warms the policy up as ``delta-jax train`` always does, the others load that directory
     (``model.path=``) instead of repeating the same deterministic warm-up.
     """
-    from delta_jax.config import load_config
-
     out = Path(out)
     workers = workers or max(1, (os.cpu_count() or 2) // 2)
     shared = load_config(config, overrides).model.path == "demo:tiny"
@@ -203,8 +212,6 @@ def run_row(rdir: Path) -> dict:
 
 def t_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
     """Mean and the two-sided Student-t ``level`` interval of the mean (NaN width for n < 2)."""
-    from scipy import stats
-
     x = np.asarray(values, np.float64)
     mean = float(x.mean()) if x.size else float("nan")
     if x.size < 2:
@@ -251,9 +258,10 @@ def _curve(rdir: Path, key: str) -> tuple[np.ndarray, np.ndarray]:
 
 def plot_curves(out, losses, seeds, path) -> Path:
     """Mean training reward and held-out accuracy per loss over steps, with 95% t-bands."""
+    # Lazy: matplotlib (seconds to import) only where a figure is drawn.
     import matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # headless: pyplot after the backend is chosen
     import matplotlib.pyplot as plt
 
     keys = ("reward_mean", "eval/avg@1")
@@ -284,17 +292,6 @@ def coefficient_stats(rdir: Path, *, prompts: int = 32, n: int = 8) -> dict[str,
     ``prompts`` held-out problems, so that start and end (and two runs) see the same prompts.
     Each batch is kept in ``<run>/diagnostics/`` with its token heatmap (HTML).
     """
-    from delta_jax.config import load_config
-    from delta_jax.diagnostics import (
-        CaptureSampling,
-        answer_token_share,
-        capture_batch,
-        group_shared_share,
-        render_heatmap,
-    )
-    from delta_jax.rl.objectives import delta_options
-    from delta_jax.rl.setup import build_run_parts
-
     config = load_config(rdir / "config.yaml")
     parts = build_run_parts(config)
     parts.close()
@@ -303,8 +300,6 @@ def coefficient_stats(rdir: Path, *, prompts: int = 32, n: int = 8) -> dict[str,
     for when, step in (("start", 0), ("final", None)):
         model, tokenizer = parts.model, parts.tokenizer
         if step is None:
-            from delta_jax.rl.setup import restore_policy
-
             model, tokenizer, _ = restore_policy(rdir, None)
         batch = capture_batch(
             model,

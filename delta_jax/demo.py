@@ -38,6 +38,7 @@ from flax import nnx
 
 from delta_jax.data import PromptRecord
 from delta_jax.envs.base import PLAIN_OBSERVATION
+from delta_jax.models import ModelConfig, Transformer, save_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ def _problems(n, seed, low, high, template, answer, name) -> list[PromptRecord]:
 
 def build_char_tokenizer():
     """A character-level ``PreTrainedTokenizerFast`` (pad 0, bos 1, eos 2), built locally."""
+    # Lazy: transformers takes seconds to import; only the demo's tokenizer needs it.
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -227,8 +229,6 @@ def _probe_set(tokenizer, *, seed: int, template: str):
 
 
 def _tiny_config(tokenizer):
-    from delta_jax.models import ModelConfig
-
     return ModelConfig.tiny(
         family="qwen3",
         vocab_size=DEMO_VOCAB,
@@ -276,8 +276,6 @@ def warm_up_demo_model(
     existing complete directory (resume after a crash); the warm-up is a pure function of its
     arguments, so a rebuilt one is the same model.
     """
-    from delta_jax.models import Transformer, save_pretrained
-
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists() and any(out_dir.glob("*.safetensors")):
         return out_dir

@@ -25,12 +25,16 @@ Examples:
 from __future__ import annotations
 
 import functools
+import glob
+import importlib.metadata
 import logging
 import os
+import pkgutil
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
+from jax.experimental import multihost_utils
 
 from delta_jax import extras
 
@@ -73,11 +77,8 @@ def _on_tpu_vm() -> bool:
 
 def _accelerator_plugins() -> list[str]:
     """JAX plugins for accelerators other than TPU (CUDA, ROCm, ...) installed here."""
-    import importlib.metadata
-    import pkgutil
-
     names = [e.name for e in importlib.metadata.entry_points(group="jax_plugins")]
-    try:
+    try:  # an optional namespace package, present where a JAX plugin is installed
         import jax_plugins
 
         names += [m.name for m in pkgutil.iter_modules(jax_plugins.__path__)]
@@ -88,8 +89,6 @@ def _accelerator_plugins() -> list[str]:
 
 def _tpu_attached() -> bool:
     """A TPU chip on this machine's PCI bus (Google's vendor id), or a TPU-VM environment."""
-    import glob
-
     for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
         try:
             if open(vendor).read().strip() == "0x1ae0":
@@ -243,12 +242,11 @@ def barrier(name: str, timeout_s: int = _BARRIER_TIMEOUT_S) -> None:
     """
     if jax.process_count() == 1:
         return
+    # Lazy: JAX's private distributed client, read only in a multi-process run.
     from jax._src import distributed as jax_distributed
 
     client = jax_distributed.global_state.client
     if client is None:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)
         return
     _barriers[name] = _barriers.get(name, 0) + 1
@@ -259,7 +257,6 @@ def broadcast_from_main(tree: Any) -> Any:
     """Process 0's value of a pytree of arrays / scalars on every process (e.g. a seed)."""
     if jax.process_count() == 1:
         return tree
-    from jax.experimental import multihost_utils
 
     return multihost_utils.broadcast_one_to_all(tree)
 
@@ -271,6 +268,4 @@ def process_allgather(tree: Any, *, tiled: bool = False) -> Any:
     concatenates them along axis 0 (e.g. per-process rows -> all rows). Global arrays sharded
     across processes are assembled whole.
     """
-    from jax.experimental import multihost_utils
-
     return multihost_utils.process_allgather(tree, tiled=tiled)

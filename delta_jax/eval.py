@@ -33,7 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from delta_jax.data import encode_prompts, load_records
+from delta_jax.envs.episodes import episode_row
 from delta_jax.eval_sets import PAPER_SUITE, Benchmark, parse_benchmark_args, resolve_benchmark
+from delta_jax.models import from_pretrained, load_tokenizer
+from delta_jax.rewards import RewardScorer, extract_last_boxed
+from delta_jax.sampling import Sampler
 
 if TYPE_CHECKING:
     from delta_jax.data import EncodedPrompts
@@ -208,8 +213,6 @@ def sample_and_score(
     Returns:
       :class:`SampleScores`.
     """
-    from delta_jax.rewards import extract_last_boxed
-
     prompt_ids, records, k = prompts.ids, prompts.records, sampling.k
     if len(prompt_ids) != len(records) or not prompt_ids:
         raise ValueError(
@@ -228,8 +231,6 @@ def sample_and_score(
         chunk = [r for r in records[start : start + step] for _ in range(k)]
         turns = None
         if episodes is not None:
-            from delta_jax.envs.episodes import episode_row
-
             turns = episodes.start([episode_row(r) for r in chunk]).turns
         out = sampler.generate(
             [list(p) for p in prompt_ids[start : start + step]],
@@ -346,8 +347,6 @@ class BenchmarkLoading:
 
 
 def _load_benchmark(bench: Benchmark, path: str, tokenizer, loading: BenchmarkLoading):
-    from delta_jax.data import encode_prompts, load_records
-
     split, limit, max_prompt_length = loading.split, loading.limit, loading.max_prompt_length
     try:
         loaded = load_records(path, adapter=bench.adapter, split=split or "test", limit=limit)
@@ -434,14 +433,9 @@ def evaluate_benchmarks(
       "response_length_mean", "reasons", "correct_per_problem"}}, "average": {"paper_suite"
       and/or "all": {"benchmarks", "problems", metric: problem-weighted mean}}}``.
     """
-    from delta_jax.rewards import RewardScorer
-    from delta_jax.sampling import Sampler
-
     if not benchmarks:
         raise ValueError("benchmarks is empty: give at least one name -> path")
     if model is None or tokenizer is None:
-        from delta_jax.models import from_pretrained, load_tokenizer
-
         model, tokenizer = from_pretrained(str(model_dir)), load_tokenizer(str(model_dir))
     k = sampling.k
     pass_ks = tuple(pass_ks or default_pass_ks(k))

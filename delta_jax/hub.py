@@ -26,6 +26,10 @@ import hashlib
 import os
 from collections.abc import Iterator
 
+import filelock
+import huggingface_hub.constants
+from huggingface_hub import errors
+
 
 class HubError(FileNotFoundError):
     """A hub id could not be resolved; the message names the id and the cause."""
@@ -33,8 +37,6 @@ class HubError(FileNotFoundError):
 
 def offline() -> bool:
     """True when ``HF_HUB_OFFLINE`` (read by ``huggingface_hub`` at import) is set."""
-    import huggingface_hub.constants
-
     return bool(huggingface_hub.constants.HF_HUB_OFFLINE)
 
 
@@ -51,9 +53,6 @@ def looks_like_hub_id(name: str) -> bool:
 @contextlib.contextmanager
 def download_lock(kind: str, repo_id: str) -> Iterator[None]:
     """Held while one process of this host resolves ``repo_id``; the others wait here."""
-    import filelock
-    import huggingface_hub.constants
-
     folder = os.path.join(huggingface_hub.constants.HF_HUB_CACHE, ".locks", "delta_jax")
     os.makedirs(folder, exist_ok=True)
     key = hashlib.sha256(f"{kind}:{repo_id}".encode()).hexdigest()[:16]
@@ -63,8 +62,6 @@ def download_lock(kind: str, repo_id: str) -> Iterator[None]:
 
 def hub_error(kind: str, repo_id: str, revision: str | None, error: BaseException) -> HubError:
     """One-line :class:`HubError` for a failed resolution of ``repo_id`` (a model or data set)."""
-    from huggingface_hub import errors
-
     what = f"{kind} {repo_id!r}" + (f" (revision {revision!r})" if revision else "")
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     text = f"{type(error).__name__}: {error}"

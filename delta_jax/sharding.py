@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from flax import nnx
 from flax.core import spmd
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from delta_jax.models.axes import BATCH, DEFAULT_RULES, Rules, logical_to_mesh
@@ -189,8 +190,6 @@ def make_mesh(
     # device per TensorCore (v4's compile-only topology: two per chip) keeps the id order.
     per_chip = all(getattr(d, "core_on_chip", 0) == 0 for d in devices)
     if devices[0].platform == "tpu" and topology_name is None and per_chip:
-        from jax.experimental import mesh_utils
-
         grid = mesh_utils.create_device_mesh(shape, devices)
     else:
         grid = np.array(devices, dtype=object).reshape(shape)

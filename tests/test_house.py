@@ -1,6 +1,8 @@
 """The shape of the house, counted: files over 600 lines, functions over 80 lines (docstrings
 left out), functions of more than 10 parameters, ``# fmt: skip`` lines, import circles, arrows
-that point up (a layer, or a room inside a package), private names imported across modules.
+that point up (a layer, or a room inside a package), private names imported across modules, and
+imports inside functions that do not say why they are lazy (a comment on the import or just
+above its block): imports sit at the top, where readers and these counts see the arrows.
 
 ``python tests/test_house.py`` prints the counts; the test holds each at zero.
 """
@@ -159,6 +161,26 @@ def format_skips(mods) -> set[str]:
     }
 
 
+def unexplained_lazy_imports(mods) -> set[str]:
+    found = set()
+    for mod, path in mods.items():
+        lines = path.read_text().splitlines()
+        tree = ast.parse("\n".join(lines))
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            nodes = [n for n in ast.walk(fn) if isinstance(n, ast.Import | ast.ImportFrom)]
+            spans = {i for n in nodes for i in range(n.lineno, n.end_lineno + 1)}
+            for node in nodes:
+                above = node.lineno - 1
+                while above in spans:  # the line above the block of imports this one is in
+                    above -= 1
+                said = [lines[i - 1] for i in range(node.lineno, node.end_lineno + 1)]
+                if not any("#" in line for line in [*said, lines[above - 1]]):
+                    found.add(f"{mod}:{node.lineno}")
+    return found
+
+
 def circles(mods) -> set[str]:
     """Strongly connected groups of modules (Tarjan), package ``__init__`` facades left out."""
     facades = {m for m, p in mods.items() if p.name == "__init__.py"}
@@ -269,6 +291,7 @@ COUNTS = {
     "function": long_functions,
     "parameters": wide_functions,
     "fmt_skip": format_skips,
+    "lazy_import": unexplained_lazy_imports,
     "circle": circles,
     "up": arrows_up,
     "private": private_imports,
@@ -281,8 +304,8 @@ def count() -> dict[str, set[str]]:
 
 
 def test_the_count_finds_what_it_looks_for(tmp_path, monkeypatch):
-    """The counters are not vacuous: a planted long file, long function, circle, arrow up and
-    private import are each found."""
+    """The counters are not vacuous: a planted long file, long function, circle, arrow up,
+    private import and unexplained lazy import are each found."""
     pkg = tmp_path / "delta_jax"
     (pkg / "losses").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -298,6 +321,8 @@ def test_the_count_finds_what_it_looks_for(tmp_path, monkeypatch):
     (pkg / "losses" / "c.py").write_text(
         "_hidden = 1\n\n\ndef g(self, a, b, c, d, e, f, g, h, i, *, j, k): ...\n"
         "y = [1, 2]  # fmt: skip\n"
+        "def h():\n    import os\n    import sys\n\n\n"
+        "def k():\n    # Lazy: a reason.\n    import os\n    import sys\n"
     )
     (pkg / "cli.py").write_text("from delta_jax.losses.c import _hidden\n\ndef run(): ...\n")
     for room in ("sampling", "sampling/attention", "sampling/engine"):
@@ -317,6 +342,7 @@ def test_the_count_finds_what_it_looks_for(tmp_path, monkeypatch):
     assert found["function"] == {"delta_jax.losses.a.f"}
     assert found["parameters"] == {"delta_jax.losses.c.g (11 parameters)"}
     assert found["fmt_skip"] == {"delta_jax.losses.c:5"}
+    assert found["lazy_import"] == {"delta_jax.losses.c:7", "delta_jax.losses.c:8"}
     assert found["circle"] == {"delta_jax.losses.a <-> delta_jax.losses.b"}
     assert found["up"] == {
         "delta_jax.losses.a -> delta_jax.cli",

@@ -136,6 +136,7 @@ def _check_gym(d: DataConfigSection) -> None:
         )
     if not (train_gym or eval_gym):
         return
+    # Lazy: delta_jax.data.gym loads `datasets` (seconds); only gym sources need it.
     from delta_jax.data.gym import check_task, eval_gym_options, gym_task
 
     sources = [("data.source", d.source), ("data.eval_source", d.eval_source)]

@@ -20,10 +20,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Bool, Float, Int
 
 from delta_jax.deprecation import fold_keywords
+from delta_jax.losses import DeltaOptions, delta_coefficients, grpo_advantages
+from delta_jax.rewards import RewardScorer
+from delta_jax.sampling import Sampler
 
 if TYPE_CHECKING:
     from delta_jax.losses import DeltaOptions
@@ -229,12 +233,6 @@ def capture_batch(
     Returns:
       A :class:`CoefficientBatch` of ``P · n`` rows.
     """
-    import jax.numpy as jnp
-
-    from delta_jax.losses import DeltaOptions, delta_coefficients, grpo_advantages
-    from delta_jax.rewards import RewardScorer
-    from delta_jax.sampling import Sampler
-
     sampling = fold_keywords("capture_batch", sampling, legacy, "sampling=CaptureSampling(...)")
     n = sampling.n
     if len(prompt_ids) != len(records) or not records:

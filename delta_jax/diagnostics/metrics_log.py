@@ -68,7 +68,7 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._truncate_after(resume_step)
         self._file = open(self.path, "a")  # noqa: SIM115 — lives as long as the run
-        if tensorboard:
+        if tensorboard:  # lazy: tensorboardX (and protobuf) only for a run that writes events
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))

@@ -32,6 +32,7 @@ def plot_runs(
 
       plot_runs(["runs/delta", "runs/dapo"], "curves.png")  # delta-jax plot runs/delta runs/dapo
     """
+    # Lazy: matplotlib (seconds to import) only where a figure is drawn.
     import matplotlib
 
     matplotlib.use("Agg")  # headless: no display on CPU hosts or in CI

@@ -193,6 +193,7 @@ def plot_delta_stats(
     Returns:
       ``out_path``.
     """
+    # Lazy: matplotlib (seconds to import) only where a figure is drawn.
     import matplotlib
 
     matplotlib.use("Agg")  # headless: no display on CPU hosts or in CI

@@ -25,7 +25,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import gguf
 import numpy as np
+from gguf import quants
+
+from delta_jax.models.config import ModelConfig
+from delta_jax.models.transformer import rope_inv_freq
 
 GGUF_SUFFIX = ".gguf"
 # general.architecture -> the Hugging Face architecture the weights are mapped to.
@@ -78,12 +83,6 @@ def open_gguf(path: str | os.PathLike):
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such GGUF file")
-    try:
-        import gguf
-    except ImportError:  # pragma: no cover - a dependency of the package
-        raise GGUFError(
-            f"{path}: reading GGUF needs the `gguf` package (pip install gguf)"
-        ) from None
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # truncated header, bad magic, offsets past the end, ...
@@ -170,9 +169,6 @@ def _llama3_rope(reader, path: str, config: dict[str, Any]) -> dict[str, Any]:
     releases use (the original context first from ``rope.scaling.original_context_length``
     when the file states it), accepted only if they reproduce every stored factor.
     """
-    from delta_jax.models.config import ModelConfig
-    from delta_jax.models.transformer import rope_inv_freq
-
     tensor = next(t for t in reader.tensors if t.name == _ROPE_FREQS)
     stored = np.asarray(tensor.data, np.float64).reshape(-1)
     base = ModelConfig.from_hf(config)
@@ -207,8 +203,6 @@ class GGUFTensors:
     """
 
     def __init__(self, reader, path: str, config: dict[str, Any]):
-        import gguf
-
         self.path = path
         self._tensors: dict[str, Any] = {}
         self._permute: dict[str, int] = {}
@@ -244,8 +238,6 @@ class GGUFTensors:
         return tuple(int(d) for d in reversed(self._tensors[name].shape))
 
     def get(self, name: str) -> np.ndarray:
-        from gguf import quants
-
         t = self._tensors[name]
         w = np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32)
         w = w.reshape(self.shape(name))
@@ -303,6 +295,7 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     Raises:
       GGUFError: another tokenizer kind (SentencePiece ``llama``, ...) or pre-tokenizer.
     """
+    # Lazy: transformers takes seconds to import; only a GGUF file's tokenizer needs it.
     from tokenizers import (
         AddedToken,
         Regex,

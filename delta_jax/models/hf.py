@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from huggingface_hub import hf_hub_download, snapshot_download
 from safetensors import safe_open
 
 from delta_jax import hub
@@ -135,7 +136,6 @@ def resolve_model_dir(path_or_id: str | os.PathLike, *, revision: str | None = N
         raise FileNotFoundError(f"{path!r}: no such GGUF file")
     if not hub.looks_like_hub_id(path):
         raise FileNotFoundError(f"{path!r}: no such model directory (nor a hub id 'org/name')")
-    from huggingface_hub import snapshot_download
 
     try:
         with hub.download_lock("model", path):
@@ -161,7 +161,6 @@ def model_config_file(path_or_id: str | os.PathLike, *, revision: str | None = N
         return os.path.join(path, "config.json")
     if not hub.looks_like_hub_id(path):
         raise FileNotFoundError(f"{path!r}: no such model directory (nor a hub id 'org/name')")
-    from huggingface_hub import hf_hub_download
 
     try:
         return hf_hub_download(path, "config.json", revision=revision)

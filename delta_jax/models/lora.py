@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors.numpy import save_file
 
 # PEFT / transformers module name -> (our weight, number of leading input dims of our layout,
 # HF module path under ``model.layers.{i}``).
@@ -192,8 +193,6 @@ def save_peft_adapters(model: Any, path: str | os.PathLike, base_model: str) -> 
     ``[r, in]`` and ``...lora_B.weight`` ``[out, r]``), so ``peft.PeftModel.from_pretrained``
     loads them onto the ``transformers`` base model ``base_model``.
     """
-    from safetensors.numpy import save_file
-
     cfg = model.config
     if not cfg.lora_rank:
         raise ValueError("the model has no LoRA adapters to export")

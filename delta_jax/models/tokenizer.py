@@ -28,6 +28,7 @@ def load_tokenizer(path_or_id: str | os.PathLike, *, revision: str | None = None
     Examples:
       >>> tok = load_tokenizer("/models/Qwen3-0.6B")  # doctest: +SKIP
     """
+    # Lazy: transformers takes seconds to import; the models need it only for tokenizers.
     from transformers import AutoTokenizer
 
     model_dir = resolve_model_dir(path_or_id, revision=revision)

@@ -12,6 +12,7 @@ import jax
 from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
 
 from delta_jax import sharding as sh
+from delta_jax.config import load_config
 from delta_jax.plan.compiler import resolve_compiler
 from delta_jax.plan.roofline import Workload
 from delta_jax.plan.search import plan
@@ -87,8 +88,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the planner for parsed ``args`` (see :func:`build_parser`); prints the table."""
-    from delta_jax.config import load_config
-
     if not 0 < args.headroom <= 1:
         raise ValueError(f"--headroom={args.headroom} must be in (0, 1]")
     if args.tokens_per_step is not None and args.no_roofline:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 import jax
+from jax.experimental import topologies
 
 from delta_jax import extras
 from delta_jax import sharding as sh
@@ -50,8 +51,6 @@ def tpu_topology_devices(topology_name: str) -> tuple[str, list]:
 
     Example: ``v5p-64`` (32 chips) -> ``"v5p:2x4x4"``; ``v5e-8`` -> ``"v5e:2x4"``.
     """
-    from jax.experimental import topologies
-
     # Compile-only use touches no chip: several processes (parallel plans, tests) may load it.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     chips = sh.topology(topology_name).chips

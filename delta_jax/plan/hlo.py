@@ -31,6 +31,8 @@ import functools
 import math
 import re
 
+import jax
+
 COMPUTATION_HEAD = re.compile(r"(ENTRY )?%([\w.\-]+) ")
 _WHILE = re.compile(r"%[\w.\-]+ = .* while\(%([\w.\-]+)\), condition=%([\w.\-]+), body=%([\w.\-]+)")
 _DEF = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = .*? ([\w\-]+)\((.*?)\)(?:, |$)")
@@ -277,7 +279,8 @@ def loop_cost(text: str) -> Cost:
     """FLOPs and HBM bytes of the module printed in ``text`` (``compiled.as_text()``), every
     loop body times its trip count (XLA's cost analysis of each body, on the CPU client, less
     its on-chip bytes)."""
-    import jax
+    # Lazy: JAX's private HLO bindings (they move between releases), loaded only where a
+    # module's loops are costed.
     from jax._src.lib import _jax
     from jaxlib import _hlo
 

@@ -15,6 +15,9 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
+import huggingface_hub.constants
+from huggingface_hub import try_to_load_from_cache
+
 from delta_jax import hub
 from delta_jax.models import ModelConfig, gguf, pypi
 from delta_jax.models.hf import model_config_file, resolve_model_dir
@@ -71,16 +74,12 @@ def known_model(name: str) -> str | None:
 
 def _cached_config(repo_id: str, revision: str | None) -> str | None:
     """``config.json`` of ``repo_id`` in the local Hugging Face cache (no network), or None."""
-    from huggingface_hub import try_to_load_from_cache
-
     found = try_to_load_from_cache(repo_id, "config.json", revision=revision)
     return found if isinstance(found, str) else None
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the hub endpoint (``HF_ENDPOINT``) accepts a connection within ``timeout``."""
-    import huggingface_hub.constants
-
     url = urllib.parse.urlsplit(huggingface_hub.constants.ENDPOINT)
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
@@ -122,8 +121,6 @@ def resolve_model_config(config, log: Callable[[str], None] | None = None):
         )
         return known_model_config(m.path, **runtime)
     if not hub.offline() and not hub_reachable():
-        import huggingface_hub.constants
-
         raise hub.HubError(
             f"model {m.path!r}: config.json is not in the local cache and the hub "
             f"({huggingface_hub.constants.ENDPOINT}) does not answer: check the network (or "

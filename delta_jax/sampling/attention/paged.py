@@ -276,6 +276,7 @@ def pallas_attention(q, kv, positions, valid, page_table):
 
 def _ragged_call(q, kv, kv_lens, page_table, T: int):
     """One ragged paged attention kernel call: ``T`` queries per row, ``q [B * T, N, D]``."""
+    # Lazy: the Pallas TPU kernel's module (Mosaic) loads only where the kernel is called.
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
     B, D = kv_lens.shape[0], q.shape[-1]
