@@ -223,6 +223,7 @@ class Planner:
             decode_slots=slots,
             page_size=c.rollout.page_size,
             num_pages=num_pages,
+            speculate=draft_tokens > 0,
             draft_tokens=draft_tokens,
             draft_depth=draft_depth,
         )
