@@ -51,8 +51,8 @@ def _samplers(model, pad_id, stops, slots: int, args) -> dict[str, Sampler]:
     samplers = {}
     for name in args.paths.split(","):
         attention, _, drafts = name.partition("+")
-        if drafts:  # "+auto": rollout.speculate=auto, else always; "+NxD": a trie
-            when = "auto" if drafts == "auto" else "always"
+        if drafts:  # "+auto": rollout.speculate=auto, else true; "+NxD": a trie
+            when = "auto" if drafts == "auto" else True
             k, _, depth = (str(args.k) if drafts == "auto" else drafts).partition("x")
             spec = dict(draft_tokens=int(k), draft_depth=int(depth or 0), speculate=when)
             spec.update(decode_chunk=args.verify_chunk)

@@ -86,7 +86,7 @@ def main() -> None:
             prompts = rng.integers(0, vocab, (batch, args.prompt_len)).tolist()
             kw = dict(engine="continuous", attention="xla", decode_slots=batch, stop_token_ids=())
             plain, _ = _time(Sampler(model, **kw), prompts, args.new_tokens, args.repeats)
-            spec = Sampler(model, draft_tokens=args.k, **kw)
+            spec = Sampler(model, speculate=True, draft_tokens=args.k, **kw)
             verify, stats = _time(spec, prompts, args.new_tokens, args.repeats)
             print(
                 f"{shape:>11} {batch:5d} | {plain:8.3f} {verify:8.3f} | {verify / plain:9.2f}x "

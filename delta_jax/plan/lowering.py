@@ -19,11 +19,11 @@ from delta_jax.models import Transformer
 from delta_jax.models.axes import logical_to_mesh
 from delta_jax.sampling.attention.backends import backend_for
 from delta_jax.sampling.attention.paged import PAGE_AXES, Groups, PagePool, Tokens
+from delta_jax.sampling.engine.chunk import decode_program
 from delta_jax.sampling.engine.decode import (
     DecodeOptions,
     RequestInputs,
     Weights,
-    decode_program,
     prefill_chunk,
     write_observations,
 )

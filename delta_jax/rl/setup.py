@@ -413,9 +413,9 @@ def build_run_parts(
         decode_slots=config.rollout.decode_slots,
         page_size=config.rollout.page_size,
         num_pages=config.rollout.num_pages or None,
-        draft_tokens=config.rollout.draft_tokens if config.rollout.speculate else 0,
-        draft_depth=config.rollout.draft_depth if config.rollout.speculate else 0,
-        speculate="auto" if config.rollout.speculate == "auto" else "always",
+        speculate=config.rollout.speculate,
+        draft_tokens=config.rollout.draft_tokens,
+        draft_depth=config.rollout.draft_depth,
     )
     train_scorer, scorer = make_scorers(config, reward_fns, reward_weights)
     return RunParts(

@@ -382,7 +382,7 @@ class Trainer:
             self.state, self._stand_in, self.state.params, self.ref_params, log=log.info
         )
         requests = 0
-        if parts.episodes is None and not parts.sampler.draft_tokens:
+        if parts.episodes is None and not parts.sampler.speculate:
             requests = warm_up_rollout(
                 parts.sampler,
                 self._sampling_params(),

@@ -46,6 +46,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from delta_jax.deprecation import warn
 from delta_jax.models import Transformer
 from delta_jax.models.axes import logical_to_mesh
 from delta_jax.sampling.attention import NAMES, dense_cpu, resolve_attention
@@ -60,7 +61,7 @@ from delta_jax.sampling.engine import (
     size_engine,
 )
 from delta_jax.sampling.output import SamplerOutput
-from delta_jax.sampling.speculation import AutoSpeculation, Drafter
+from delta_jax.sampling.speculation import Drafter, Speculation, speculation_for
 from delta_jax.sampling.static import StaticOptions, static_program
 from delta_jax.sampling.strategies import (
     make_strategy,
@@ -70,6 +71,40 @@ from delta_jax.sampling.strategies import (
 from delta_jax.sharding import SAMPLE_RULES as SAMPLING_RULES
 
 __all__ = ["SAMPLING_RULES", "Sampler", "SamplerOutput"]
+
+
+DRAFT_TOKENS = 4  # drafted tokens per verify step when speculating without draft_tokens
+
+
+def _speculation_fields(sampler) -> tuple[bool | str, int, int]:
+    """``(speculate, draft_tokens, draft_depth)`` of a sampler as it runs: ``speculate`` False,
+    True or ``"auto"`` (the earlier spellings, ``draft_tokens=k`` alone and ``"always"``, warn
+    and mean True), the drafts' fields 0 without speculation. Raises ``ValueError`` for values
+    that cannot run."""
+    speculate, k, depth = sampler.speculate, sampler.draft_tokens, sampler.draft_depth
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise ValueError(f"draft_tokens must be an int >= 0, got {k!r}")
+    if speculate is None:  # not given: Sampler(draft_tokens=k) speculated, for one release
+        speculate = bool(k)
+        if speculate:
+            warn(f"Sampler(draft_tokens={k}) without speculate", "speculate=True", stacklevel=5)
+    elif speculate == "always":
+        warn('Sampler(speculate="always")', "speculate=True", stacklevel=5)
+        speculate = True
+    if not (isinstance(speculate, bool) or speculate == "auto"):
+        raise ValueError(f"speculate must be True, False or 'auto', got {speculate!r}")
+    if not speculate:
+        return False, 0, 0
+    k = DRAFT_TOKENS if k is None else k
+    if k < 1:
+        raise ValueError(f"speculate={speculate!r} needs draft_tokens >= 1, got {k}")
+    if sampler.engine != "continuous":
+        raise ValueError(
+            f"speculate={speculate!r} (speculative decoding) needs engine='continuous'"
+        )
+    if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= k:
+        raise ValueError(f"draft_depth must be an int in [0, draft_tokens={k}], got {depth!r}")
+    return speculate, k, depth
 
 
 def _validate_turns(turns, engine: str, vocab_size: int) -> None:
@@ -142,20 +177,26 @@ class Sampler:
       attention: paged attention: ``"auto"`` (the Pallas ragged paged attention kernel on TPU,
         the ``"dense"`` CPU path on CPU, else ``"xla"``), ``"xla"``, ``"pallas"`` or
         ``"dense"`` (see :mod:`delta_jax.sampling.attention.paged`).
-      draft_tokens: speculative decoding (continuous engine, every attention path): tokens
-        drafted per sequence and verify step from the rollout's own text
+      speculate: speculative decoding (continuous engine, every attention path), as
+        ``rollout.speculate``: False decodes one token per step; True verifies up to
+        ``draft_tokens`` tokens per sequence and step, drafted from the rollout's own text
         (:mod:`delta_jax.sampling.speculation.drafts`: the sequence's own text, its siblings',
-        earlier calls' rollouts of the same prompt, kept by this sampler); 0 decodes one token per
-        step. The tokens are the same either way (greedy and sampled): a drafted token is
-        kept only where it equals the token drawn at its index with that index's key.
+        earlier calls' rollouts of the same prompt, kept by this sampler); ``"auto"`` either
+        way per request
+        (:class:`~delta_jax.sampling.speculation.auto_speculation.AutoSpeculation`: never on
+        CPU; on accelerators the faster way as measured on this sampler's requests). The tokens
+        are the same either way (greedy and sampled): a drafted token is kept only where it
+        equals the token drawn at its index with that index's key. (Deprecated, for one
+        release: ``draft_tokens=k > 0`` without ``speculate`` means True, as does
+        ``"always"``; both warn.)
+      draft_tokens: tokens drafted per sequence and verify step, ``>= 1`` when speculating
+        (default 4); read as 0 without speculation.
       draft_depth: 0 drafts one line of up to ``draft_tokens`` tokens per verify step; ``d >
         0`` a trie of up to ``draft_tokens`` nodes at most ``d`` deep (the continuations most
         of the occurrences go on with; each scored position attends to its ancestors), so a
         verify step may keep one of several ways the text goes on (every attention path; on
-        the TPU kernel's, :mod:`delta_jax.sampling.attention.trie_kernel`).
-      speculate: with ``draft_tokens > 0``, ``"always"`` (every request) or ``"auto"``
-        (:class:`~delta_jax.sampling.speculation.auto_speculation.AutoSpeculation`: never on CPU; on
-        accelerators the faster way as measured on this sampler's requests).
+        the TPU kernel's, :mod:`delta_jax.sampling.attention.trie_kernel`); read as 0 without
+        speculation.
 
     Examples:
       >>> from delta_jax.models import ModelConfig
@@ -180,12 +221,12 @@ class Sampler:
     decode_chunk: int = EngineSettings.decode_chunk
     prefill_chunk: int = EngineSettings.prefill_chunk
     attention: str = "auto"
-    draft_tokens: int = 0
+    draft_tokens: int | None = None
     draft_depth: int = 0
-    speculate: str = "always"
+    speculate: bool | str | None = None  # None (not given): False, or True from draft_tokens
     _programs: ProgramCache = dataclasses.field(init=False, repr=False)
     _drafter: Drafter | None = dataclasses.field(init=False, repr=False)
-    _auto: AutoSpeculation | None = dataclasses.field(init=False, repr=False)
+    _speculation: Speculation = dataclasses.field(init=False, repr=False)
 
     @property
     def num_compilations(self) -> int:
@@ -311,27 +352,21 @@ class Sampler:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        k = self.draft_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"draft_tokens must be an int >= 0, got {k!r}")
-        if k and self.engine != "continuous":
-            raise ValueError("draft_tokens > 0 (speculative decoding) needs engine='continuous'")
-        depth = self.draft_depth
-        if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= max(k, 0):
-            raise ValueError(f"draft_depth must be an int in [0, draft_tokens={k}], got {depth!r}")
-        if self.speculate not in ("always", "auto"):
-            raise ValueError(f"speculate must be 'always' or 'auto', got {self.speculate!r}")
+        speculate, k, depth = _speculation_fields(self)
+        for name, value in (("speculate", speculate), ("draft_tokens", k), ("draft_depth", depth)):
+            object.__setattr__(self, name, value)
         # Speculative decoding's drafts, with the history of this sampler's earlier requests
         # (a verify step emits at most depth + 1 tokens: its windows are sized for that).
-        object.__setattr__(self, "_drafter", Drafter(depth or k) if k else None)
-        auto = k and self.speculate == "auto"
-        object.__setattr__(self, "_auto", AutoSpeculation(_platform(self.mesh)) if auto else None)
+        drafter = Drafter(depth or k) if speculate else None
+        object.__setattr__(self, "_drafter", drafter)
+        speculation = speculation_for(speculate, drafter, _platform(self.mesh))
+        object.__setattr__(self, "_speculation", speculation)
 
     def _generate_continuous(
         self, prompts, request, n, strategy, seed, return_hidden, params, on_sample_done, turns
     ):
         arrays = [np.asarray(p, np.int32) for p in prompts]
-        drafting = self._drafter is not None and (self._auto is None or self._auto.next())
+        way = self._speculation.for_request()  # how this request decodes
         start = time.perf_counter()
         out, stats = generate_continuous(
             self.model,
@@ -343,19 +378,22 @@ class Sampler:
             params,
             setup=EngineSetup(
                 self.engine_spec(
-                    request, n, return_hidden, multi_turn=turns is not None, speculative=drafting
+                    request,
+                    n,
+                    return_hidden,
+                    multi_turn=turns is not None,
+                    speculative=way.drafting,
                 ),
                 self._programs,
                 self.resolved_cache_dtype(),
-                self._drafter if drafting else None,
+                way,
             ),
             on_sample_done=on_sample_done,
             turns=turns,
         )
-        if self._auto is not None:
-            self._auto.record(drafting, time.perf_counter() - start, stats.useful_steps)
-        if self._drafter is not None:
-            stats = dataclasses.replace(stats, speculative=drafting)
+        self._speculation.record_request(way, time.perf_counter() - start, stats.useful_steps)
+        if self.speculate:  # did this call speculate? (None: the sampler never does)
+            stats = dataclasses.replace(stats, speculative=way.drafting)
         return dataclasses.replace(out, engine_stats=stats)
 
     def engine_spec(

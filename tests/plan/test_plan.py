@@ -319,6 +319,7 @@ def test_planner_sizes_the_engine_with_the_samplers_function():
             engine="continuous",
             decode_slots=slots,
             page_size=config.rollout.page_size,
+            speculate=k > 0,
             draft_tokens=k,
             draft_depth=depth,
         )

@@ -180,6 +180,7 @@ def test_multiturn_episodes_equal_reprefilling_the_history(
         num_pages=num_pages,
         decode_chunk=chunk,
         attention=attention,
+        speculate=draft_tokens > 0,
         draft_tokens=draft_tokens,
         draft_depth=draft_depth,
     )

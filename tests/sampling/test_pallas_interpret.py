@@ -208,7 +208,7 @@ def test_trie_speculation_on_the_kernels_draws_the_xla_engines_tokens(interpret)
         decode_chunk=2,
     )  # fmt: skip
     want = engine(attention="xla").generate(prompts, **kw)
-    got = engine(attention="pallas", num_pages=16, draft_tokens=6, draft_depth=3)
+    got = engine(attention="pallas", num_pages=16, speculate=True, draft_tokens=6, draft_depth=3)
     got = got.generate(prompts, **kw)
     assert got.tokens == want.tokens
     np.testing.assert_allclose(

@@ -65,7 +65,7 @@ def test_same_tokens_log_probs_and_hidden_states_with_and_without_drafts(model, 
     attention, k, depth = DRAFTS[drafts]
     kw = dict(max_new_tokens=BUDGETS, n=3, temperature=0.5, seed=5, return_hidden=True)
     plain = engine(model).generate(PROMPTS, **kw)
-    spec = dict(draft_tokens=k, draft_depth=depth, attention=attention)
+    spec = dict(speculate=True, draft_tokens=k, draft_depth=depth, attention=attention)
     tight = engine(model, num_pages=13, **spec)
     tight = tight.generate(PROMPTS, **kw)
     _same_outputs(plain, tight)
@@ -99,7 +99,7 @@ def test_drafts_come_from_siblings_and_earlier_requests(model):
     the smaller budgets start after the others and follow their text); the same prompts
     requested again draft from the first request's rollouts (greedy: the very same text),
     kept by the sampler. On the dense CPU path, what ``attention="auto"`` picks on CPU."""
-    sampler = engine(model, decode_slots=4, draft_tokens=4, attention="auto")
+    sampler = engine(model, decode_slots=4, speculate=True, draft_tokens=4, attention="auto")
     kw = dict(max_new_tokens=[12, 24, 12, 24] * 2, n=4, temperature=0.0)
     first = sampler.generate(PROMPTS[:2], **kw)
     again = sampler.generate(PROMPTS[:2], **kw)
@@ -123,7 +123,7 @@ def test_drawn_tokens_at_drafted_positions_follow_the_models_law(model, drafts):
     prompt = [3, 1, 4, 1, 5]
     kw = dict(temperature=1.0, top_k=8)
     attention, k, depth = DRAFTS[drafts]
-    spec = dict(draft_tokens=k, draft_depth=depth, attention=attention)
+    spec = dict(speculate=True, draft_tokens=k, draft_depth=depth, attention=attention)
     sampler = engine(model, decode_slots=64, decode_chunk=3, **spec)
     sampler.generate([prompt], max_new_tokens=3, n=64, seed=1, **kw)  # the history
     out = sampler.generate([prompt] * 8, max_new_tokens=3, n=64, seed=2, **kw)
@@ -164,18 +164,52 @@ def test_a_tight_pool_never_preempts_an_older_sequence_for_a_younger_one(model, 
     monkeypatch.setattr(scheduler.Scheduler, "_decode", bounded)
     kw = dict(max_new_tokens=[14, 9, 40, 12, 15], n=3, temperature=0.5, seed=5)
     plain = engine(model).generate(PROMPTS, **kw)
-    tight = engine(model, num_pages=20, draft_tokens=6).generate(PROMPTS, **kw)
+    tight = engine(model, num_pages=20, speculate=True, draft_tokens=6).generate(PROMPTS, **kw)
     assert tight.tokens == plain.tokens
     assert tight.engine_stats.preemptions > 0
 
 
 def test_speculative_decoding_is_refused_where_it_cannot_run(model):
     with pytest.raises(ValueError, match="needs engine='continuous'"):
-        Sampler(model, draft_tokens=2)
+        Sampler(model, speculate=True)
     with pytest.raises(ValueError, match="draft_tokens must be an int >= 0"):
-        engine(model, draft_tokens=-1)
+        engine(model, speculate=True, draft_tokens=-1)
+    for speculate in (True, "auto"):
+        with pytest.raises(ValueError, match="needs draft_tokens >= 1, got 0"):
+            engine(model, speculate=speculate, draft_tokens=0)
     with pytest.raises(ValueError, match=r"draft_depth must be an int in \[0, draft_tokens=3\]"):
-        engine(model, draft_tokens=3, draft_depth=4)
+        engine(model, speculate=True, draft_tokens=3, draft_depth=4)
+    with pytest.raises(ValueError, match="speculate must be True, False or 'auto'"):
+        engine(model, speculate="sometimes")
+    # Without speculation the drafts' fields are not used (a run's config holds them anyway).
+    plain = Sampler(model, speculate=False, draft_tokens=4, draft_depth=9)
+    assert (plain.speculate, plain.draft_tokens, plain.draft_depth) == (False, 0, 0)
+    assert engine(model, speculate=True).draft_tokens == 4  # the config's default
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (dict(draft_tokens=3), dict(speculate=True, draft_tokens=3)),
+        (dict(draft_tokens=3, speculate="always"), dict(speculate=True, draft_tokens=3)),
+        (dict(speculate="always"), dict(speculate=True)),
+    ],
+    ids=["draft_tokens-alone", "always-with-draft_tokens", "always"],
+)
+def test_the_earlier_spellings_warn_and_speculate_as_before(model, old, new):
+    """``Sampler(draft_tokens=k)`` without ``speculate``, and ``speculate="always"``, speculate
+    for one more release, with a ``DeprecationWarning`` at the caller's line."""
+    with pytest.warns(DeprecationWarning, match="pass speculate=True instead") as caught:
+        sampler = engine(model, **old)
+    assert {w.filename for w in caught} == {__file__}
+    kw = dict(max_new_tokens=BUDGETS[:2], n=3, temperature=0.0)
+    out, want = (
+        sampler.generate(PROMPTS[:2], **kw),
+        engine(model, **new).generate(PROMPTS[:2], **kw),
+    )
+    assert (sampler.speculate, sampler.draft_tokens) == (True, new.get("draft_tokens", 4))
+    assert out.tokens == want.tokens and out.engine_stats.speculative
+    assert out.engine_stats.verify_steps == want.engine_stats.verify_steps > 0
 
 
 def test_auto_measures_both_ways_then_runs_the_faster_and_probes_the_other():
@@ -213,14 +247,12 @@ def test_auto_never_speculates_on_cpu_and_switches_per_request_elsewhere(model):
     assert plain.engine_stats.speculative is None  # no drafts at all
     # The accelerators' policy, run here: each way twice, then the faster one; the same tokens
     # whichever way a request goes.
-    object.__setattr__(sampler, "_auto", AutoSpeculation("gpu"))  # a frozen dataclass
+    sampler._speculation.auto = auto = AutoSpeculation("gpu")
     ways, faster = [], []
     for _ in range(5):
-        faster.append(sampler._auto.faster())
+        faster.append(auto.faster())
         out = sampler.generate(PROMPTS[:2], **kw)
         assert out.tokens == plain.tokens
         ways.append(out.engine_stats.speculative)
         assert (out.engine_stats.verify_steps > 0) == out.engine_stats.speculative
     assert ways == [True, True, False, False, faster[4]]
-    with pytest.raises(ValueError, match="speculate must be 'always' or 'auto'"):
-        engine(model, draft_tokens=2, speculate="sometimes")

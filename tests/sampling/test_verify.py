@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from delta_jax.sampling.attention.paged import PageList
-from delta_jax.sampling.engine.decode import SlotState, advance_by
+from delta_jax.sampling.engine.chunk import advance_by
+from delta_jax.sampling.engine.decode import SlotState
 from delta_jax.sampling.speculation.speculate import (
     accepted_path,
     line_trie,
@@ -220,7 +221,8 @@ def _decode_all(
     from flax import nnx
 
     from delta_jax.sampling.attention.paged import Tokens, init_pool, paged_forward
-    from delta_jax.sampling.engine.decode import DecodeOptions, speculative_step, token_sampler
+    from delta_jax.sampling.engine.chunk import speculative_step
+    from delta_jax.sampling.engine.decode import DecodeOptions, token_sampler
 
     # Room for every verify step's k + 1 columns in the dense path's views.
     S, page_size, per_seq = len(prompts), 4, 16 if backend.name != "dense" else 64

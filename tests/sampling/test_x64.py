@@ -44,6 +44,7 @@ def _peaked_float64_model():
                 decode_slots=2,
                 page_size=4,
                 decode_chunk=4,
+                speculate=k > 0,
                 draft_tokens=k,
                 draft_depth=depth,
                 attention=attention,

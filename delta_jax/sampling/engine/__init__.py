@@ -1,6 +1,7 @@
 """The continuous-batching engine: a host scheduler over requests, slots and pages
-(:mod:`~delta_jax.sampling.engine.scheduler`), the device programs as pure functions
-(:mod:`~delta_jax.sampling.engine.decode`), their compilation and state
+(:mod:`~delta_jax.sampling.engine.scheduler`), the device programs as pure functions (the
+decode chunk, :mod:`~delta_jax.sampling.engine.chunk`, with its plain or verify step; the rest,
+:mod:`~delta_jax.sampling.engine.decode`), their compilation and state
 (:mod:`~delta_jax.sampling.engine.programs`), one request's types
 (:mod:`~delta_jax.sampling.engine.requests`), their sizing
 (:mod:`~delta_jax.sampling.engine.sizing`), and the engine that puts them together for one

@@ -1,13 +1,14 @@
-"""The continuous engine's device programs as pure functions of the parameters, the page pool
-and the output buffers: the decode chunk (the static decode loop, a ``lax.while_loop`` of
-decode steps over the slots), the prefill chunk and the observation write.
+"""The continuous engine's device programs' parts as pure functions of the parameters, the page
+pool and the output buffers: the slots' state and how a step advances it, the token draw, the
+prefill chunk and the observation write (the decode chunk, on them:
+:mod:`~delta_jax.sampling.engine.chunk`).
 :class:`~delta_jax.sampling.engine.programs.EnginePrograms` compiles them and owns their state.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,38 +24,20 @@ from delta_jax.sampling.attention.paged import (
     PageList,
     PagePool,
     Tokens,
-    copy_pages,
     paged_forward,
     write_rows,
 )
-from delta_jax.sampling.engine.requests import SLOT_FIELDS, STATUS_FIELDS, EngineSpec
-from delta_jax.sampling.speculation.drafts import SOURCES, Drafts
-from delta_jax.sampling.speculation.speculate import (
-    DRAFT_ACCEPTED,
-    DRAFT_NONE,
-    DRAFT_REJECTED,
-    Trie,
-    accepted_path,
-    ancestors,
-    line_trie,
-    lookup_drafts,
-    lookup_tree,
-    next_tail,
-)
+from delta_jax.sampling.engine.requests import SLOT_FIELDS, EngineSpec
 from delta_jax.sampling.strategies import Categorical, Greedy
 
 __all__ = [
     "DecodeOptions",
     "RequestInputs",
     "SlotState",
-    "Verified",
     "Weights",
-    "advance_by",
-    "decode_chunk",
-    "decode_program",
+    "advance",
     "init_outputs",
     "prefill_chunk",
-    "speculative_step",
     "token_sampler",
     "unpack_slots",
     "write_observations",
@@ -148,7 +131,7 @@ class RequestInputs(NamedTuple):
     """What every decode chunk of one request reads: the sampling strategy and its seed,
     whether a sequence that stops may continue later from its pages (``resumable``: a
     multi-turn request, a turn's end), and a multi-turn request's stop sequences (see
-    :func:`decode_chunk`; None for single-turn requests)."""
+    :func:`~delta_jax.sampling.engine.chunk.decode_chunk`; None for single-turn requests)."""
 
     strategy: Greedy | Categorical
     seed: Int[Array, ""]
@@ -190,118 +173,6 @@ class DecodeOptions:
         )
 
 
-def decode_chunk(
-    options: DecodeOptions,
-    weights: Weights,
-    pool: PagePool,
-    out: dict[str, Array],
-    slots: SlotState,
-    limit: Int[Array, ""],
-    request: RequestInputs,
-    drafts: Drafts | None = None,
-) -> dict[str, Any]:
-    """Up to ``limit`` decode steps of every live slot (exits early when none is live).
-
-    Each step's token, log-probs and hidden state go straight into the request's output
-    buffers ``out`` (``[rows, gen_len]``, carried on device from chunk to chunk and read once
-    at the end) at the sequence's row and token index, so a chunk returns only the slots' new
-    state and its length is a traced value (no recompilation for a longer chunk).
-
-    ``request.stop_sequences`` (multi-turn requests): a slot also stops at the step where the
-    ids it drew in its turn (``slots.recent``, shifted every step) end with one of these rows,
-    right-aligned and left-padded with -1 (a wildcard); None (single-turn requests) leaves the
-    window out of the program and of the status.
-
-    ``request.resumable`` (multi-turn requests): a sequence that stops in this chunk may
-    continue later from its pages (a turn's end). The CPU path writes the chunk's K/V back into
-    the pages only when a sequence may read them again: one still live after the chunk, or a
-    resumable one; the last chunk of a request skips the write-back.
-
-    ``options.backend``: the paged attention path
-    (:mod:`delta_jax.sampling.attention.backends`): what a step attends with, and what a
-    chunk's start and end do (the CPU path's views and chunk-local buffers). ``weights``: see
-    :class:`Weights`.
-
-    ``drafts`` (speculative chunks, ``options.draft_tokens`` = k >= 1): each step is a verify
-    step (:func:`speculative_step`) scoring up to ``k`` drafted tokens per slot (a line, or
-    with ``draft_depth`` a trie up to that deep); the chunk also returns the tokens each slot
-    emitted (``emitted [S, emitted_width]``, -1 after them) and per-slot counters ``counts [S,
-    1 + 2 * len(SOURCES)]``: verify steps, then drafted and accepted tokens by draft source.
-    """
-    backend, stop_sequences = options.backend, request.stop_sequences
-    model: Transformer = nnx.merge(options.graphdef, weights.params, weights.rest)
-    pool = copy_pages(pool, slots.copy_src, slots.copy_dst, backend.groups)
-    draw = token_sampler(
-        model, request.strategy, request.seed, options.return_hidden, options.pad_id
-    )
-    start, first = slots.pos, slots.count
-
-    def body(carry):
-        i, state, s, written, draft_state = carry
-        layers = model.layer_params() if weights.layers is None else weights.layers
-        if drafts is None:
-            h, state = backend.step(model, layers, s, state)
-            cols = draw(h[:, 0], s)
-            written = backend.write(written, cols, s, i)
-            return i + 1, state, _advance(s, cols["tokens"], stop_sequences), written, draft_state
-        tail, emitted, counts = draft_state
-        window = drafts.window
-        new, state, v = speculative_step(
-            options, model, layers, draw, s, state, window, tail, stop_sequences
-        )
-        written = backend.write_verified(written, v.cols, s, v.taken, first)
-        emitted = _record(emitted, v.cols["tokens"], s.count - first, v.taken)
-        counts = counts + _draft_counts(drafts.sources, v, s.active)
-        return i + 1, state, new, written, (v.tail, emitted, counts)
-
-    def cond(carry):
-        i, _, s, _, _ = carry
-        return (i < limit) & jnp.any(s.active)
-
-    draft_state = ()  # a speculative chunk's carry: each slot's tail, emitted tokens, counters
-    if drafts is not None:
-        S = slots.last.shape[0]
-        emitted = jnp.full((S, options.emitted_width), -1, jnp.int32)
-        counts = jnp.zeros((S, 1 + 2 * len(SOURCES)), jnp.int32)
-        draft_state = (drafts.tail, emitted, counts)
-    state, written = backend.begin_chunk(pool, slots, out, drafts is not None)
-    _, state, slots, written, draft_state = jax.lax.while_loop(
-        cond, body, (jnp.zeros((), jnp.int32), state, slots, written, draft_state)
-    )
-    keep = request.resumable | jnp.any(slots.active)
-    pool, out = backend.end_chunk(state, written, out, first, start, slots, keep)
-    status = jnp.stack([getattr(slots, f).astype(jnp.int32) for f in STATUS_FIELDS], axis=1)
-    if stop_sequences is not None:
-        status = jnp.concatenate([status, slots.recent], axis=1)
-    result = dict(pool=pool, out=out, status=status)
-    if drafts is not None:
-        result["emitted"], result["counts"] = draft_state[1], draft_state[2]
-    return result
-
-
-def _record(emitted, tokens, at, taken):
-    """``emitted`` with each slot's first ``taken`` ``tokens`` written from column ``at``."""
-    S, E = emitted.shape
-    j = jnp.arange(tokens.shape[1])
-    col = jnp.where(j < taken[:, None], at[:, None] + j, E)  # out of range: dropped
-    return emitted.at[jnp.arange(S)[:, None], col].set(tokens, mode="drop")
-
-
-def _draft_counts(sources, v: Verified, live) -> Int[Array, "S C"]:
-    """One verify step's counters per slot: 1 (a live slot's step), then its drafted and its
-    accepted tokens by source (one column per :data:`SOURCES` entry each)."""
-    trie, N = v.trie, v.trie.tokens.shape[1]
-    src = jnp.take_along_axis(sources, jnp.clip(trie.where, 0, sources.shape[1] - 1), 1)
-    onehot = src[:, :, None] == jnp.arange(len(SOURCES))  # [S, N, sources]
-    j = jnp.arange(v.path.shape[1])[None, :, None]
-    node = jnp.arange(1, N + 1)[None, None, :]
-    kept = jnp.any((v.path[:, :, None] == node) & (j < v.taken[:, None, None]), axis=1)
-    drafted = trie.real[:, :, None] & onehot
-    accepted = (kept & trie.real)[:, :, None] & onehot
-    per = [live[:, None], drafted.sum(1), accepted.sum(1)]
-    return jnp.concatenate([x.astype(jnp.int32) for x in per], axis=1)
-
-
 def token_sampler(model: Transformer, strategy, seed, return_hidden: bool, pad_id: int):
     """``draw(h [S, H], slots)``: every slot's next token drawn from its hidden state (``pad_id``
     for idle slots), with its log-probs (and the hidden state), each slot with its sequence's
@@ -328,99 +199,7 @@ def token_sampler(model: Transformer, strategy, seed, return_hidden: bool, pad_i
     return draw
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Verified:
-    """What one verify step did, per slot: the drafts it scored (``trie``), the positions it
-    kept (``path``, :func:`~delta_jax.sampling.speculation.speculate.accepted_path`), the drawn
-    columns along the path ``cols`` (``[S, depth + 1]``: tokens, log-probs, hidden, draft outcomes),
-    the tokens emitted (the first ``taken`` columns), and the slot's last tokens after them."""
-
-    trie: Trie
-    path: Int[Array, "S L"]
-    cols: dict[str, Array]
-    taken: Int[Array, " S"]
-    tail: Int[Array, "S m"]
-
-
-def speculative_step(
-    options: DecodeOptions,
-    model: Transformer,
-    layers,
-    draw,
-    s: SlotState,
-    state,
-    window: Int[Array, "S D"],
-    tail: Int[Array, "S m"],
-    stop_sequences=None,
-):
-    """One verify step of every slot: its drafts looked up in its window by its last tokens
-    ``tail``, scored with the fed token in one forward pass, the token at each position drawn
-    with the key of its index, the drafts kept down the path of the drawn tokens.
-
-    The drafts (``k``, ``depth``: ``options.draft_tokens``, ``options.draft_depth``; the
-    verify step runs on ``options.backend``): with ``depth = 0`` one line of up to ``k`` tokens
-    (:func:`~delta_jax.sampling.speculation.speculate.lookup_drafts`); else a trie of up to ``k``
-    nodes at most ``depth`` deep (:func:`~delta_jax.sampling.speculation.speculate.lookup_tree`),
-    each node attending to its ancestors only. ``draw``: :func:`token_sampler`'s ``draw(h [S, H],
-    slots)``. A slot drafts no further than one token short of its budget, at positions its
-    pages hold.
-
-    Returns:
-      ``(slots, state, verified)``: the slots advanced by the tokens emitted, the attention
-      state, and what the step did (:class:`Verified`).
-    """
-    backend, k, depth = options.backend, options.draft_tokens, options.draft_depth
-    tree = depth > 0
-    if tree:
-        trie = lookup_tree(window, tail, k, depth)
-    else:
-        trie, depth = line_trie(*lookup_drafts(window, tail, k)), k
-    # A slot drafts no further than one token short of its budget, and scores a node only at a
-    # position plain decoding writes (up to ``left - 1`` past the fed token's; the page tables
-    # hold no more). A node sits at its index, its level at most that (a line's: equal).
-    left = (s.max_new - s.count)[:, None]
-    trie = trie._replace(real=trie.real & (jnp.arange(1, k + 1) < left))
-    S, T = s.last.shape[0], k + 1
-    ids = jnp.concatenate([s.last[:, None], trie.tokens], axis=1)
-    level = jnp.concatenate([jnp.zeros((S, 1), jnp.int32), trie.level], axis=1)
-    valid = s.active[:, None] & jnp.concatenate([jnp.ones((S, 1), bool), trie.real], axis=1)
-    inside = ancestors(trie, depth) if tree else None
-    h, state = backend.verify(model, layers, s, ids, level, inside, valid, state)
-
-    def at(lv, h_t):  # a position at level lv: the key of index count + lv
-        return draw(h_t, dataclasses.replace(s, count=s.count + lv))
-
-    cols = jax.vmap(at, in_axes=(1, 1), out_axes=1)(level, h)
-    path, emit = accepted_path(trie, cols["tokens"], depth)
-    if tree:  # the columns along the kept path (a line's are its first ones already)
-        cols = {name: _along(col, path) for name, col in cols.items()}
-    new = advance_by(s, cols["tokens"], emit, stop_sequences)
-    taken = new.count - s.count
-    cols["drafted"] = _outcomes(trie, path, taken)
-    state = backend.kept(state, s, path, taken, T, tree)
-    tail = next_tail(tail, cols["tokens"], taken)
-    return new, state, Verified(trie, path, cols, taken, tail)
-
-
-def _along(col, path):
-    """``col [S, T, ...]`` at each slot's ``path [S, L]`` positions."""
-    index = path.reshape(*path.shape, *(1,) * (col.ndim - 2))
-    return jnp.take_along_axis(col, index, axis=1)
-
-
-def _outcomes(trie: Trie, path, taken) -> Int[Array, "S L"]:
-    """Each emitted token's draft outcome: a kept node's token was drafted and accepted; the
-    last token was drawn in place of a rejected draft where its position had a drafted child,
-    else nothing was drafted at its index."""
-    up = jnp.where(trie.real, trie.parent + 1, -1)  # each node's parent position
-    has_child = jnp.any(up[:, None, :] == path[:, :, None], axis=2)  # [S, L]
-    j = jnp.arange(path.shape[1])
-    rejected = jnp.where(has_child, DRAFT_REJECTED, DRAFT_NONE)
-    return jnp.where(j < taken[:, None] - 1, DRAFT_ACCEPTED, rejected).astype(jnp.int8)
-
-
-def _advance(s: SlotState, token, stop_sequences) -> SlotState:
+def advance(s: SlotState, token, stop_sequences) -> SlotState:
     """The slots after a step that drew ``token``: live ones count it and feed it next; a slot
     stops at one of its stop ids, at its budget, or (multi-turn) where its turn's ids end with
     a stop sequence."""
@@ -441,37 +220,6 @@ def _advance(s: SlotState, token, stop_sequences) -> SlotState:
         count=count,
         active=live & ~stopped,
     )
-
-
-def advance_by(
-    s: SlotState, drawn: Int[Array, "S k1"], emit: Int[Array, " S"], stop_sequences=None
-) -> SlotState:
-    """The slots after a verify step that emits ``drawn[:, :emit]``: as that many decode steps
-    (:func:`_advance`, in order), so a slot still stops at the first stop id, stop sequence or
-    the end of its budget among them; the tokens after a stop are not counted."""
-    for j in range(drawn.shape[1]):
-        go = s.active & (j < emit)
-        step = _advance(dataclasses.replace(s, active=go), drawn[:, j], stop_sequences)
-        s = dataclasses.replace(step, active=jnp.where(go, step.active, s.active))
-    return s
-
-
-def decode_program(
-    options: DecodeOptions,
-    weights: Weights,
-    pool: PagePool,
-    out: dict[str, Array],
-    packed: Int[Array, "S F"],
-    pages: Int[Array, "U 3"],
-    limit: Int[Array, ""],
-    request: RequestInputs,
-    drafts: Drafts | None = None,
-) -> dict[str, Any]:
-    """:func:`decode_chunk` on the packed slot matrix and page list the host sends."""
-    stop_sequences = request.stop_sequences
-    window = 0 if stop_sequences is None else stop_sequences.shape[1]
-    slots = unpack_slots(packed, pages, options.stop_width, window)
-    return decode_chunk(options, weights, pool, out, slots, limit, request, drafts)
 
 
 def init_outputs(

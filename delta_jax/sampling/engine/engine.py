@@ -47,10 +47,13 @@ length), a decode chunk runs one of at most five slot buckets and prefill length
 power-of-two buckets; each program compiles once.
 
 The engine is cut along its seams: :mod:`~delta_jax.sampling.engine.scheduler` is the host side
-(requests, slots, pages, turns, stats; NumPy only), :mod:`~delta_jax.sampling.engine.decode` the
-device programs as pure functions, :mod:`~delta_jax.sampling.engine.programs` compiles them and owns
-their state, :mod:`~delta_jax.sampling.attention.paged` is the paged forward pass and its attention
-paths. This module puts them together for one request.
+(requests, slots, pages, turns, stats; NumPy only), :mod:`~delta_jax.sampling.engine.chunk` and
+:mod:`~delta_jax.sampling.engine.decode` the device programs as pure functions,
+:mod:`~delta_jax.sampling.engine.programs` compiles them and owns their state,
+:mod:`~delta_jax.sampling.attention.paged` is the paged forward pass and its attention paths,
+and :mod:`~delta_jax.sampling.speculation.decoding` how a request's chunks decode (plain decode
+steps, or verify steps of drafts), one object whichever way. This module puts them together for
+one request.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ from delta_jax.sampling.engine.requests import (
 )
 from delta_jax.sampling.engine.scheduler import DevicePrograms, Scheduler
 from delta_jax.sampling.output import SamplerOutput
-from delta_jax.sampling.speculation.drafts import Drafter
+from delta_jax.sampling.speculation.decoding import PLAIN, Speculation
 
 __all__ = ["EngineSetup", "generate_continuous", "run_engine"]
 
@@ -116,7 +119,7 @@ def run_engine(
     on_done=None,
     turns: Turns | None = None,
     read=None,
-    drafter: Drafter | None = None,
+    speculation: Speculation = PLAIN,
 ) -> tuple[list[Seq], EngineStats]:
     """Runs every (prompt, sample) sequence to its end; returns them in row order and stats.
 
@@ -130,9 +133,10 @@ def run_engine(
     ``turns`` (multi-turn requests, :class:`Turns`) needs ``read(seqs)``: the sequences'
     output tokens ``[:length]`` as lists, read when their turns end.
 
-    ``drafter`` (speculative decoding, ``spec.draft_tokens > 0``): drafts each chunk's windows
-    for this request (:meth:`~delta_jax.sampling.speculation.drafts.Drafter.begin` here, ``finish``
-    at the end: the request's texts join its history).
+    ``speculation``: how the chunks decode
+    (:class:`~delta_jax.sampling.speculation.decoding.Speculation`: plain decode steps, or verify
+    steps of drafts, ``spec.draft_tokens > 0``); it learns of the request's start here and of its
+    end (a drafter's texts join its history).
     """
     stats = EngineStats(group_pages=spec.group_pages)
     owner = assign_groups(prompts, n, max_new, spec.groups)
@@ -154,14 +158,12 @@ def run_engine(
     seqs.sort(key=lambda s: -s.max_new)
     groups = [[s for s in seqs if owner[s.prompt] == g] for g in range(spec.groups)]
     backend = backend_for(spec.attention)
-    if drafter is not None:
-        drafter.begin(prompts, n)
+    speculation.begin(prompts, n)
     scheduler = Scheduler(
-        spec, records, groups, programs, backend, stats, on_done, turns, read, drafter
+        spec, records, groups, programs, backend, stats, on_done, turns, read, speculation
     )
     done = scheduler.run()
-    if drafter is not None:
-        drafter.finish()
+    speculation.finish()
     done.sort(key=lambda s: (s.prompt, s.sample))
     return done, stats
 
@@ -169,15 +171,16 @@ def run_engine(
 @dataclasses.dataclass(frozen=True)
 class EngineSetup:
     """What the sampler hands the engine for one call: the call's static configuration
-    (``Sampler.engine_spec``), its :class:`ProgramCache`, the KV pages' dtype and, for
-    speculative decoding (``spec.draft_tokens > 0``), the drafter, a
-    :class:`~delta_jax.sampling.speculation.drafts.Drafter` kept across requests (its
+    (``Sampler.engine_spec``), its :class:`ProgramCache`, the KV pages' dtype and how its
+    chunks decode (:class:`~delta_jax.sampling.speculation.decoding.Speculation`: plain decode
+    steps, or, with ``spec.draft_tokens > 0``, verify steps of the drafts of a
+    :class:`~delta_jax.sampling.speculation.decoding.Drafting`, kept across requests: its
     history)."""
 
     spec: EngineSpec
     programs: ProgramCache
     cache_dtype: Any
-    drafter: Drafter | None = None
+    speculation: Speculation = PLAIN
 
 
 def generate_continuous(
@@ -243,9 +246,8 @@ def generate_continuous(
             for seq, tokens in zip(seqs, read(seqs), strict=True):
                 on_sample_done(seq.index, tokens)
 
-    drafter = setup.drafter if spec.draft_tokens else None
     seqs, stats = run_engine(
-        spec, prompts, n, request.max_new, stop_ids, device, on_done, turns, read, drafter
+        spec, prompts, n, request.max_new, stop_ids, device, on_done, turns, read, setup.speculation
     )
     # Global buffer row of each request row: its group's block, then its row in the block.
     index = np.array([owner[r // n] * block + local[r] for r in range(len(seqs))], np.int32)

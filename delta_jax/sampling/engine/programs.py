@@ -30,11 +30,11 @@ from delta_jax.models.axes import logical_to_mesh
 from delta_jax.sampling.attention import dense_cpu
 from delta_jax.sampling.attention.backends import PagedBackend
 from delta_jax.sampling.attention.paged import Tokens, init_pool
+from delta_jax.sampling.engine.chunk import decode_program
 from delta_jax.sampling.engine.decode import (
     DecodeOptions,
     RequestInputs,
     Weights,
-    decode_program,
     init_outputs,
     prefill_chunk,
     write_observations,
@@ -173,7 +173,7 @@ class EnginePrograms:
 
     def _setup(self, model: Transformer, cache_dtype):
         """The pool, the output buffers and, on CPU, each layer's weights sliced once for every
-        program of the request (see :func:`~delta_jax.sampling.engine.decode.decode_chunk`): one
+        program of the request (see :func:`~delta_jax.sampling.engine.chunk.decode_chunk`): one
         call."""
         spec, mesh, graphdef = self.spec, self.cache.mesh, self.graphdef
         make_pool = functools.partial(init_pool, model, spec.num_pages, spec.page_size, cache_dtype)
@@ -247,9 +247,8 @@ class EnginePrograms:
         packed, pages, steps = place(packed), place(pages), np.int32(steps)
         signature = (self.width, strategy_signature(self.strategy), spec.return_hidden)
         signature += (spec.attention, *(() if sequences is None else (sequences.shape,)))
-        if drafts is not None:
-            signature += (spec.draft_tokens, spec.draft_depth, drafts.window.shape)
-            signature += (drafts.tail.shape,)
+        signature += (spec.draft_tokens, spec.draft_depth)  # and the drafts' shapes, if any
+        signature += tuple(x.shape for x in jax.tree.leaves(drafts))
         key = ("decode", packed.shape, pages.shape, self.rows, self.gen_len, *signature)
         fn = functools.partial(decode_program, self.options)
         args = (self.weights, self.pool, self.out, packed, pages, steps, self.request, drafts)

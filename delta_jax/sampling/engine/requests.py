@@ -147,7 +147,7 @@ class Turns:
     Token ``t`` of a sequence is still drawn with the key of its column ``t``, so the tokens do
     not depend on the slot count, on how long the host takes or on preemptions. Stop sequences
     are matched on device, at the step that draws their last id (a window of the turn's last
-    ids per slot, see :func:`~delta_jax.sampling.engine.decode.decode_chunk`); a one-id sequence is
+    ids per slot, see :func:`~delta_jax.sampling.engine.chunk.decode_chunk`); a one-id sequence is
     a stop id.
     """
 

@@ -30,7 +30,7 @@ from delta_jax.sampling.engine.requests import (
     Turns,
     turn_stops,
 )
-from delta_jax.sampling.speculation.drafts import Drafter
+from delta_jax.sampling.speculation.decoding import PLAIN, Speculation
 
 __all__ = ["DevicePrograms", "Scheduler"]
 
@@ -89,7 +89,8 @@ class _Group:
 class Scheduler:
     """Host side of one engine call: a queue, slots and pages per data group; one device call
     (prefill or decode) serves every group at once. The device programs are ``programs``; the
-    page layout they read is the attention ``backend``'s (its host half)."""
+    page layout they read is the attention ``backend``'s (its host half); how a decode chunk
+    runs (plain decode steps, or verify steps of drafts) is ``speculation``'s."""
 
     def __init__(
         self,
@@ -102,7 +103,7 @@ class Scheduler:
         on_done=None,
         turns: Turns | None = None,
         read=None,
-        drafter: Drafter | None = None,
+        speculation: Speculation = PLAIN,
     ):
         self.spec, self.backend = spec, backend
         self.prompts = prompts
@@ -114,10 +115,10 @@ class Scheduler:
         self.turns = turns
         self.turn_ids, self.stop_sequences = turn_stops(turns)
         self.read = read  # read(seqs) -> their tokens [:length] (multi-turn hand-overs)
-        # Speculative decoding: the request's drafter (its rows are the sequences' indices);
-        # a verify step emits up to ``draft_tokens + 1`` tokens, pages are grown for that many.
-        self.drafter = drafter
-        self.per_step = 1 + (spec.draft_tokens if drafter is not None else 0)
+        # How the chunks decode (its rows are the sequences' indices); pages are grown for the
+        # tokens a step may emit (``draft_tokens + 1`` for a verify step).
+        self.speculation = speculation
+        self.per_step = speculation.tokens_per_step(spec)
         self.admitted = 0
         self.done: list[Seq] = []
         self.ended: list[Seq] = []  # ended since the last report (on_done)
@@ -184,8 +185,7 @@ class Scheduler:
         self._release(group, seq)
         # Its rows of the output buffers are written again from there on.
         seq.length = len(seq.history or ())
-        if self.drafter is not None:
-            self.drafter.truncate(seq.index, seq.length)
+        self.speculation.truncate(seq.index, seq.length)
         seq.resume = None
         self.stats.preemptions += 1
         return True
@@ -358,7 +358,7 @@ class Scheduler:
         width = next(g.queue[0] for g in self.groups if g.queue).stops.size
         window = 0 if self.stop_sequences is None else self.stop_sequences.shape[1]
         state = HostSlots.empty(S, width, window)
-        if self.drafter is None:
+        if not self.speculation.drafting:  # verify chunks compile as they come
             self._compile_chunks(state)
         while any(g.queue or g.running or g.waiting for g in self.groups):
             self._collect(block=False)
@@ -426,8 +426,9 @@ class Scheduler:
         run ``spec.steps``: any step may end a turn that the host should start answering. A
         tail chunk also ends where its sequences' budgets leave at most half its rows busy
         (:meth:`_bucket`)."""
-        if self.turns is not None or self.drafter is not None or any(g.queue for g in self.groups):
-            return self.spec.steps  # speculative chunks: fresh drafts every chunk
+        drafting = self.speculation.drafting  # speculative chunks: fresh drafts every chunk
+        if self.turns is not None or drafting or any(g.queue for g in self.groups):
+            return self.spec.steps
         left, rests = 0, []
         for group in self.groups:
             need = 0
@@ -476,13 +477,12 @@ class Scheduler:
         pos, left = state.pos[rows][live], (state.max_new - state.count)[rows][live]
         steps, table, pages = self.backend.decode_pages(spec, tables, B, pos, left, steps)
         before = state.count.copy()
+        seqs = {slot: seq for g in self.groups for slot, seq in g.running}
+        index = [seqs[slot].index if slot in seqs else None for slot in rows]
         packed = state.pack(rows, table)
-        if self.drafter is None:
-            status = self.programs.decode(packed, pages, steps)
-            state.read_status(rows, status)
-            self.stats.decode_steps += int((state.count - before).max()) * len(rows)
-        else:
-            self._verify(state, rows, packed, pages, steps)
+        chunk = self.speculation.decode(spec, self.programs, packed, pages, steps, index)
+        state.read_status(rows, chunk.status)
+        self.speculation.record(chunk, index, (state.count - before)[rows], self.stats)
         self.stats.chunks += 1
         new = state.count - before
         turn_ends = []
@@ -500,18 +500,6 @@ class Scheduler:
         if turn_ends:
             self._hand_over(turn_ends)
         self._report()
-
-    def _verify(self, state: HostSlots, rows, packed, pages, steps: int) -> None:
-        """A speculative chunk: the running sequences' draft windows, the verify steps, and the
-        tokens they emitted back to the drafter."""
-        seqs = {slot: seq for g in self.groups for slot, seq in g.running}
-        index = [seqs[slot].index if slot in seqs else None for slot in rows]
-        drafts = self.drafter.drafts(index, self.spec.draft_window)
-        before = state.count[rows].copy()
-        status, emitted, counts = self.programs.verify(packed, pages, steps, drafts)
-        state.read_status(rows, status)
-        self.drafter.extend_rows(index, emitted, state.count[rows] - before)
-        self.stats.add_verify(counts)
 
     # ---- turns -------------------------------------------------------------------------------
 
@@ -567,8 +555,7 @@ class Scheduler:
                         ids = np.concatenate([seq.history[-1:], obs[:-1]]).astype(np.int32)
                         seq.resume = (first, ids, False)
                     seq.write = (col, obs)
-                    if self.drafter is not None:
-                        self.drafter.extend(seq.index, obs)
+                    self.speculation.extend(seq.index, obs)
                     seq.observed.append((col, col + obs.size))
                     seq.history += obs.tolist()
                     seq.length += obs.size
