@@ -5,6 +5,7 @@ import json
 import math
 import re
 
+import jax
 import numpy as np
 import pytest
 
@@ -13,6 +14,13 @@ from delta_jax.plan import lengths as lengths_lib
 from delta_jax.plan import schedules
 
 DEMO = "configs/demo.yaml"  # rollout.max_new_tokens: 24
+
+
+@pytest.fixture(autouse=True)
+def _session_devices():
+    """JAX starts with the session's fake devices before a ``plan`` CLI call (which starts it with
+    one device per chip of its topology when it is first) could, so later tests keep them."""
+    jax.devices()
 
 
 def test_continuous_batching_by_hand():
