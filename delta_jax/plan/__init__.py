@@ -29,12 +29,15 @@ attention plans as ``chunked`` there).
 The package, in data-flow order: :mod:`.models` (which model), :mod:`.compiler` (which compiler
 and devices, one program compiled), :mod:`.programs` (the run's programs, built abstractly),
 :mod:`.search` (:func:`plan`: compile, report, search), :mod:`.roofline` (the RL step's time
-bounds from the compiler's cost analysis and the chip's peaks), :mod:`.report` (the figures and
-their table), :mod:`.cli` (``delta-jax plan``).
+bounds from the compiler's cost analysis and the chip's peaks), :mod:`.lengths` and
+:mod:`.schedules` (the rollout at a response-length distribution: synchronous, partial,
+asynchronous on split meshes), :mod:`.report` (the figures and their table), :mod:`.cli`
+(``delta-jax plan``).
 """
 
 from delta_jax.plan.cli import build_parser, main, run
 from delta_jax.plan.compiler import resolve_compiler, tpu_compiler_available, tpu_topology_devices
+from delta_jax.plan.lengths import Lengths, parse_lengths
 from delta_jax.plan.models import KNOWN_MODELS, known_model_config, resolve_model_config
 from delta_jax.plan.report import PlanReport, ProgramMemory, SplashCalls
 from delta_jax.plan.roofline import Workload
@@ -42,6 +45,7 @@ from delta_jax.plan.search import compile_train_step, largest_fitting, plan
 
 __all__ = [
     "KNOWN_MODELS",
+    "Lengths",
     "PlanReport",
     "ProgramMemory",
     "SplashCalls",
@@ -51,6 +55,7 @@ __all__ = [
     "known_model_config",
     "largest_fitting",
     "main",
+    "parse_lengths",
     "plan",
     "resolve_compiler",
     "resolve_model_config",

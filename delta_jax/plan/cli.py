@@ -14,6 +14,7 @@ from jax._src import xla_bridge  # backends_are_initialized: no public equivalen
 from delta_jax import sharding as sh
 from delta_jax.config import load_config
 from delta_jax.plan.compiler import resolve_compiler
+from delta_jax.plan.lengths import parse_lengths
 from delta_jax.plan.roofline import Workload
 from delta_jax.plan.search import plan
 
@@ -64,6 +65,21 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "roofline also bounds the rollout with rollout.draft_tokens drafts a step",
     )
     parser.add_argument(
+        "--lengths",
+        default=None,
+        metavar="SPEC",
+        help="a response-length distribution: lognormal:mean=M,sigma=S (the mean of the lengths "
+        "capped at rollout.max_new_tokens), lognormal:median=M,sigma=S, quantiles:0.5=L,0.9=L,..., "
+        "list:L,L,... or a run's metrics.jsonl; the roofline also bounds the rollout at these "
+        "lengths: synchronous, partial and asynchronous on split meshes (docs/planner.md)",
+    )
+    parser.add_argument(
+        "--max-staleness",
+        type=int,
+        default=1,
+        help="policy versions a sequence may span in the asynchronous bound (>= 1; default 1)",
+    )
+    parser.add_argument(
         "--programs",
         action="store_true",
         help="also compile every program a run compiles (the train step at each bucket of "
@@ -92,13 +108,19 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--headroom={args.headroom} must be in (0, 1]")
     if args.tokens_per_step is not None and args.no_roofline:
         raise ValueError("--tokens-per-step bounds the rollout in the roofline: drop --no-roofline")
+    if args.lengths is not None and args.no_roofline:
+        raise ValueError("--lengths bounds the rollout in the roofline: drop --no-roofline")
+    if args.max_staleness < 1:
+        raise ValueError(f"--max-staleness={args.max_staleness} must be >= 1")
     kind, _ = resolve_compiler(args.compiler)
     # Compile-only TPU planning keeps the default backend on CPU (no TPU probing).
     _ensure_devices(sh.topology(args.topology).chips if kind == "cpu" else 1)
     config = load_config(args.config, args.overrides)
-    workload = Workload(args.mean_new_tokens, args.tokens_per_step)
-    if args.no_roofline:
-        workload.mean_new(config.rollout)  # --mean-new-tokens is checked all the same
+    lengths = None
+    if args.lengths is not None:
+        lengths = parse_lengths(args.lengths, config.rollout.max_new_tokens)
+    workload = Workload(args.mean_new_tokens, args.tokens_per_step, lengths, args.max_staleness)
+    workload.mean_new(config.rollout)  # checked before any compile
     report = plan(
         config,
         args.topology,

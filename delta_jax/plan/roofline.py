@@ -148,6 +148,7 @@ class StepTime:
     verify_step_bytes: float = 0.0
     verify_steps: int = 0
     verify_s: float = 0.0
+    lengths: Any = None  # schedules.LengthBounds: the rollout at a length distribution
 
     @property
     def rollout_s(self) -> float:
@@ -205,6 +206,7 @@ class StepTime:
             ),
             f"  step >= {self.step_s:,.1f} s; {self.steps} steps >= {h:,.1f} h = "
             f"{h * self.chips:,.0f} chip-hours on {self.chips} chips",
+            *(self.lengths.lines() if self.lengths is not None else []),
         ]
 
     def _speculative_lines(self) -> list[str]:
@@ -231,14 +233,24 @@ class Workload:
     ``mean_new_tokens``: the expected new tokens per sequence (None: ``rollout.max_new_tokens``,
     the longest); ``tokens_per_step``: a measured tokens per speculative verify step (e.g. a
     run's ``speculate/tokens_per_step``): the roofline also bounds the rollout with speculation
-    (None: it does not).
+    (None: it does not); ``lengths``: a response-length distribution (``lengths.Lengths``): the
+    mean new tokens are its mean, and the roofline also bounds the rollout at its lengths
+    (``schedules``), asynchronous rollouts with at most ``max_staleness`` versions in flight.
     """
 
     mean_new_tokens: float | None = None
     tokens_per_step: float | None = None
+    lengths: Any = None
+    max_staleness: int = 1
 
     def mean_new(self, rollout) -> float:
         """The mean new tokens per sequence, checked against the run's ``rollout`` config."""
+        if self.max_staleness < 1:
+            raise ValueError(f"--max-staleness={self.max_staleness} must be >= 1")
+        if self.lengths is not None:
+            if self.mean_new_tokens is not None:
+                raise ValueError("--lengths sets the mean new tokens: drop --mean-new-tokens")
+            return self.lengths.mean
         longest = rollout.max_new_tokens
         mean_new = longest if self.mean_new_tokens is None else self.mean_new_tokens
         if not 0 < mean_new <= longest:

@@ -11,6 +11,7 @@ from typing import Any
 from delta_jax import sharding as sh
 from delta_jax.deprecation import fold_keywords
 from delta_jax.plan import roofline as roofline_lib
+from delta_jax.plan import schedules
 from delta_jax.plan.buckets import compile_buckets
 from delta_jax.plan.compiler import plan_mesh
 from delta_jax.plan.models import describe, resolve_model_config
@@ -349,7 +350,24 @@ def _step_time(planner: Planner, report: PlanReport, slots: int, workload: Workl
     tpu = roofline_lib.Slice(report.topology, chips=chips, devices=report.chips)
     update = _update_shape(planner, report.micro_batch_rows, mean_new)
     rollout = _rollout_shape(planner, spec, mean_new)
-    return roofline_lib.estimate(mc, tpu, programs, update, rollout, c.run.steps, speculation)
+    step_time = roofline_lib.estimate(mc, tpu, programs, update, rollout, c.run.steps, speculation)
+    if workload.lengths is None:
+        return step_time
+    engine = schedules.Engine(
+        groups=spec.groups,
+        chips=chips,
+        sequences=rollout.sequences_per_group,
+        slots=rollout.group_slots,
+        prompts=rollout.prompts_per_group,
+        prompt_len=rollout.prompt_len,
+        decode_step_s=step_time.decode_s / max(step_time.decode_steps, 1),
+        prefill_token_s=step_time.prefill_s / (rollout.prompts_per_group * rollout.prompt_len),
+    )
+    sampled = schedules.sample_steps(workload.lengths, engine)
+    at_lengths = schedules.bounds(
+        workload.lengths, sampled, engine, step_time.update_s, workload.max_staleness
+    )
+    return dataclasses.replace(step_time, lengths=at_lengths)
 
 
 def _speculation(planner: Planner, slots: int, tokens_per_step: float, log):

@@ -31,6 +31,9 @@ from delta_jax.losses import advantages as adv_lib
 from delta_jax.rewards import concat_batches
 from delta_jax.rl.compilation import CompileCounter
 
+# Percentiles of a step's response lengths recorded beside their mean, min and max.
+LENGTH_PERCENTILES = (10, 25, 50, 75, 90, 99)
+
 
 @dataclasses.dataclass
 class Rollout:
@@ -201,6 +204,12 @@ def _assemble(kept: list[Group], outputs, spec: RolloutSpec, stats) -> Rollout:
             "response_length_mean": float(lengths.mean()),
             "response_length_max": float(lengths.max()),
             "response_clip_fraction": float((lengths >= gen_len).mean()),
+            # The length distribution in a few numbers (the planner's --lengths reads them).
+            "response_length_min": float(lengths.min()),
+            **{
+                f"response_length_p{q}": float(np.percentile(lengths, q))
+                for q in LENGTH_PERCENTILES
+            },
         }
     )
     return Rollout(

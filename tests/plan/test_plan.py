@@ -227,6 +227,8 @@ def test_main_prints_table(capsys):
                 "cpu",
                 "--tokens-per-step",
                 "1.5",
+                "--lengths",
+                "list:24",  # every response at the cap: the roofline's lengths, as without
                 "rollout.prompts_per_step=2",
                 "rollout.samples_per_prompt=2",
             ]
@@ -250,6 +252,13 @@ def test_main_prints_table(capsys):
     # (Stand-in CPU devices: the verify chunk compiled on the dense CPU attention path.)
     assert "rollout with speculation >= " in out
     assert "(k=4, dense attention, 1.50 tokens per verify step" in out
+    # At a length distribution, the three rollout bounds; every length 24 on as many slots as
+    # sequences: one round of 24 decode steps, the slots full, as the uniform bound has it.
+    assert "rollout at response lengths list:24 (capped at 24): mean 24" in out
+    assert "synchronous (slots refilled, the step waits for its last sequence): rollout" in out
+    assert "(24 decode steps x " in out and "slot occupancy 100%" in out
+    assert "partial rollouts (slots kept full" in out
+    assert "asynchronous on split meshes (max staleness 1): no split" in out
 
 
 def test_without_libtpu_plan_says_it_used_the_cpu_estimate(monkeypatch):

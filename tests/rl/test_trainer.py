@@ -16,6 +16,7 @@ from delta_jax import Trainer
 from delta_jax.config import ConfigError, load_config
 from delta_jax.diagnostics.metrics_log import read_metrics
 from delta_jax.models import from_pretrained, load_tokenizer
+from delta_jax.plan.lengths import METRIC_QUANTILES
 from tests.rl.conftest import tiny_overrides
 
 ROOT = Path(__file__).parents[2]
@@ -136,6 +137,10 @@ def test_objects_replace_what_the_config_builds(tmp_path, demo_model_dir):
         busy = 8 / slots
         lengths = row["response_length_mean"] / row["response_length_max"]
         assert busy * lengths <= row["rollout/occupancy"] <= busy
+        # The step's length distribution in a few numbers, min to max (the planner reads them).
+        quantiles = [row[k] for k in METRIC_QUANTILES]
+        assert quantiles[0] >= 1 and quantiles[-1] == row["response_length_max"]
+        assert all(a <= b for a, b in zip(quantiles, quantiles[1:], strict=False))
         assert row["rollout/preemptions"] == 0
         # A prompt keeps its prefix (all but its last token; at most 15 tokens, under
         # data.max_prompt_length) in one shared page; each sample owns the page the prefix ends
