@@ -211,7 +211,7 @@ def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int
     )
     lengths: list[np.ndarray] = []
 
-    class Programs:  # the device programs' stand-in (sampling.engine.scheduler.DevicePrograms)
+    class Programs:  # the device programs' stand-in (sampling.engine.protocol.DevicePrograms)
         def prefill(self, *arrays):
             return None
 

@@ -72,6 +72,7 @@ from delta_jax.sampling.attention.paged import Groups
 from delta_jax.sampling.buckets import RequestArrays
 from delta_jax.sampling.engine.decode import RequestInputs
 from delta_jax.sampling.engine.programs import EnginePrograms, ProgramCache
+from delta_jax.sampling.engine.protocol import DevicePrograms
 from delta_jax.sampling.engine.requests import (
     EngineSpec,
     EngineStats,
@@ -83,7 +84,7 @@ from delta_jax.sampling.engine.requests import (
     turn_stops,
     validate_engine_request,
 )
-from delta_jax.sampling.engine.scheduler import DevicePrograms, Scheduler
+from delta_jax.sampling.engine.scheduler import Scheduler
 from delta_jax.sampling.output import SamplerOutput
 from delta_jax.sampling.speculation.decoding import PLAIN, Speculation
 

@@ -3,8 +3,9 @@
 :class:`Scheduler` runs one engine call: a queue, slots and a page allocator per data group,
 admission and preemption, the prefill jobs, the decode chunks' slot matrices and page lists,
 multi-turn hand-overs. The device programs are an object with three named methods
-(:class:`DevicePrograms`; :class:`~delta_jax.sampling.engine.programs.EnginePrograms` on a device),
-so the scheduler runs, and is tested, without compiling anything.
+(:class:`~delta_jax.sampling.engine.protocol.DevicePrograms`;
+:class:`~delta_jax.sampling.engine.programs.EnginePrograms` on a device), so the scheduler runs,
+and is tested, without compiling anything.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import time
-from typing import Protocol
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from delta_jax.sampling.attention.pages import (
     pages_for,
     pow2,
 )
+from delta_jax.sampling.engine.protocol import DevicePrograms
 from delta_jax.sampling.engine.requests import (
     EngineSpec,
     HostSlots,
@@ -32,39 +33,7 @@ from delta_jax.sampling.engine.requests import (
 )
 from delta_jax.sampling.speculation.decoding import PLAIN, Speculation
 
-__all__ = ["DevicePrograms", "Scheduler"]
-
-
-class DevicePrograms(Protocol):
-    """What the scheduler asks of the device: three programs over the pool and the output
-    buffers the implementation owns; every argument is a NumPy array."""
-
-    def prefill(self, ids, positions, valid, pages) -> None:
-        """Writes the K/V of ``ids [B, T]`` at ``positions`` (where ``valid``) into the pages:
-        a flat page list ``[U, 3]`` (page, seq, index), or page tables ``[B, NB]`` on the
-        ``dense`` path."""
-
-    def write(self, rows, cols, ids, valid) -> None:
-        """Writes observation ``ids [S, T]`` into output row ``rows[s]`` (-1: none) from
-        column ``cols[s]`` on."""
-
-    def decode(self, packed, pages, steps: int):
-        """Runs up to ``steps`` decode steps of the packed ``[S, F]`` slot matrix
-        (``SLOT_FIELDS``, stop ids, stop-sequence window, page table) over the page list
-        ``[U, 3]``; returns the slots' ``[S, 4 + L]`` status (``STATUS_FIELDS``, then the
-        stop-sequence window of multi-turn requests with stop sequences of up to ``L`` ids)."""
-
-    def compile_decode(self, packed, pages) -> None:
-        """Compiles the :meth:`decode` program of these shapes without running it."""
-
-    def compile_prefill(self, ids, positions, valid, pages) -> None:
-        """Compiles the :meth:`prefill` program of these shapes without running it."""
-
-    def verify(self, packed, pages, steps: int, drafts):
-        """As :meth:`decode`, in speculative verify steps with each slot's ``drafts``
-        (:class:`~delta_jax.sampling.speculation.drafts.Drafts`); returns the status, the tokens
-        each slot emitted ``[S, E]`` (-1 after them) and its counters ``[S, 1 + 2 * sources]``
-        (verify steps, drafted and accepted tokens by draft source)."""
+__all__ = ["Scheduler"]
 
 
 class _Group:
