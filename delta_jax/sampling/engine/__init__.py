@@ -1,5 +1,6 @@
 """The continuous-batching engine: a host scheduler over requests, slots and pages
-(:mod:`~delta_jax.sampling.engine.scheduler`), the protocol it calls the device through
+(:mod:`~delta_jax.sampling.engine.scheduler`) with each data group's slots and page accounting
+(:mod:`~delta_jax.sampling.engine.groups`), the protocol it calls the device through
 (:mod:`~delta_jax.sampling.engine.protocol`), the device programs as pure functions (the
 decode chunk, :mod:`~delta_jax.sampling.engine.chunk`, with its plain or verify step; the rest,
 :mod:`~delta_jax.sampling.engine.decode`), their compilation and state

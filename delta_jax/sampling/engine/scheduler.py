@@ -1,28 +1,23 @@
 """The continuous engine's host side: requests, slots, pages, turns and stats (NumPy only).
 
-:class:`Scheduler` runs one engine call: a queue, slots and a page allocator per data group,
-admission and preemption, the prefill jobs, the decode chunks' slot matrices and page lists,
-multi-turn hand-overs. The device programs are an object with three named methods
-(:class:`~delta_jax.sampling.engine.protocol.DevicePrograms`;
+:class:`Scheduler` runs one engine call: a :class:`~delta_jax.sampling.engine.groups.DataGroup`
+per data group (its queue, slots and pages), admission, the prefill jobs, the decode chunks'
+slot matrices and page lists, multi-turn hand-overs. The device programs are an object with
+three named methods (:class:`~delta_jax.sampling.engine.protocol.DevicePrograms`;
 :class:`~delta_jax.sampling.engine.programs.EnginePrograms` on a device), so the scheduler runs,
 and is tested, without compiling anything.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import time
 
 import numpy as np
 
 from delta_jax.sampling.attention.backends import PagedBackend
-from delta_jax.sampling.attention.pages import (
-    SCRATCH_PAGE,
-    PageAllocator,
-    pages_for,
-    pow2,
-)
+from delta_jax.sampling.attention.pages import SCRATCH_PAGE, pages_for, pow2
+from delta_jax.sampling.engine.groups import DataGroup
 from delta_jax.sampling.engine.protocol import DevicePrograms
 from delta_jax.sampling.engine.requests import (
     EngineSpec,
@@ -36,30 +31,11 @@ from delta_jax.sampling.speculation.decoding import PLAIN, Speculation
 __all__ = ["Scheduler"]
 
 
-class _Group:
-    """One data group's host state: its slots (global slots ``base + i``), its page allocator
-    (group-local page indices) and its queue of sequences."""
-
-    def __init__(self, base: int, slots: int, num_pages: int, seqs: list[Seq]):
-        self.base = base
-        self.slots: list[Seq | None] = [None] * slots
-        self.alloc = PageAllocator(num_pages)
-        self.queue = collections.deque(seqs)
-        self.waiting: list[Seq] = []  # multi-turn: sequences whose observation is pending
-        self.waiting_pages_peak = 0
-
-    @property
-    def running(self) -> list[tuple[int, Seq]]:
-        """``(global slot, sequence)`` of the occupied slots, oldest admission first."""
-        pairs = [(self.base + i, s) for i, s in enumerate(self.slots) if s is not None]
-        return sorted(pairs, key=lambda p: p[1].order)
-
-
 class Scheduler:
-    """Host side of one engine call: a queue, slots and pages per data group; one device call
-    (prefill or decode) serves every group at once. The device programs are ``programs``; the
-    page layout they read is the attention ``backend``'s (its host half); how a decode chunk
-    runs (plain decode steps, or verify steps of drafts) is ``speculation``'s."""
+    """Host side of one engine call: a :class:`DataGroup` (queue, slots, pages) per data group;
+    one device call (prefill or decode) serves every group at once. The device programs are
+    ``programs``; the page layout they read is the attention ``backend``'s (its host half); how
+    a decode chunk runs (plain decode steps, or verify steps of drafts) is ``speculation``'s."""
 
     def __init__(
         self,
@@ -76,109 +52,25 @@ class Scheduler:
     ):
         self.spec, self.backend = spec, backend
         self.prompts = prompts
-        Sg, Pg = spec.group_slots, spec.group_pages
-        self.groups = [_Group(g * Sg, Sg, Pg, seqs) for g, seqs in enumerate(groups)]
+        self.groups = [
+            DataGroup(g, spec, prompts, seqs, speculation, stats) for g, seqs in enumerate(groups)
+        ]
         self.programs = programs
         self.stats = stats
         self.on_done = on_done  # on_done(sequences) with those that ended in a host round
         self.turns = turns
         self.turn_ids, self.stop_sequences = turn_stops(turns)
         self.read = read  # read(seqs) -> their tokens [:length] (multi-turn hand-overs)
-        # How the chunks decode (its rows are the sequences' indices); pages are grown for the
-        # tokens a step may emit (``draft_tokens + 1`` for a verify step).
+        # How the chunks decode (its rows are the sequences' indices); the groups grow pages for
+        # the tokens a step may emit (``draft_tokens + 1`` for a verify step).
         self.speculation = speculation
-        self.per_step = speculation.tokens_per_step(spec)
         self.admitted = 0
         self.done: list[Seq] = []
         self.ended: list[Seq] = []  # ended since the last report (on_done)
 
-    # ---- pages -------------------------------------------------------------------------------
-
-    def _pos(self, seq: Seq) -> int:
-        """Position of the token the sequence feeds next (its column ``length - 1``'s token,
-        or the prompt's last one)."""
-        return self.prompts[seq.prompt].prefix + seq.length
-
-    def _end_pos(self, seq: Seq) -> int:
-        """Last position the sequence writes K/V at (its last token is never fed back)."""
-        return self.prompts[seq.prompt].prefix + seq.max_new - 1
-
-    def _chunk_pages(self, seq: Seq, pos: int, steps: int | None = None) -> int:
-        tokens = (self.spec.steps if steps is None else steps) * self.per_step
-        return min(pos + tokens - 1, self._end_pos(seq)) // self.spec.page_size + 1
-
-    def _release(self, group: _Group, seq: Seq) -> None:
-        group.alloc.free(seq.pages)
-        seq.pages, seq.table = [], []
-        self.prompts[seq.prompt].running -= 1
-
-    def _free_idle_prompts(self, group: _Group, keep: int = -1) -> bool:
-        """Frees the pages of the group's resident prompts with no running sample (but prompt
-        ``keep``): cheaper to prefill again than preempting a running sequence."""
-        g = self.groups.index(group)
-        idle = [
-            p
-            for i, p in enumerate(self.prompts)
-            if p.group == g and p.pages and p.running == 0 and i != keep
-        ]
-        for p in idle:
-            group.alloc.free(p.pages)
-            p.pages = None
-        return bool(idle)
-
-    def _preempt_youngest(self, group: _Group, keep: Seq | None) -> bool:
-        """Frees idle prompt pages, or else the pages of the group's youngest running sequence
-        (back to its queue front), or else those of its youngest sequence holding pages without
-        a slot (waiting on the host, or queued after its observation).
-
-        A preempted sequence restarts from its last hand-over: its context up to there is on
-        the host and is prefilled again when it re-joins (from the start when it has none).
-        """
-        if self._free_idle_prompts(group):
-            return True
-        running = [(s.order, i) for i, s in enumerate(group.slots) if s not in (None, keep)]
-        if running:
-            if keep in group.slots:  # a running sequence that grows: it may be the youngest
-                running.append((keep.order, group.slots.index(keep)))
-            _, i = max(running)
-            seq = group.slots[i]
-            group.slots[i] = None
-            group.queue.appendleft(seq)
-        else:
-            # Sequences holding pages without a slot: waiting on the host, or answered and
-            # queued to re-join (their observation is kept and written when they do).
-            held = [s for s in (*group.waiting, *group.queue) if s.table and s is not keep]
-            if not held:
-                return False
-            seq = max(held, key=lambda s: s.order)
-        self._release(group, seq)
-        # Its rows of the output buffers are written again from there on.
-        seq.length = len(seq.history or ())
-        self.speculation.truncate(seq.index, seq.length)
-        seq.resume = None
-        self.stats.preemptions += 1
-        return True
-
-    def _grow(self, group: _Group, seq: Seq, pos: int, steps: int | None = None) -> bool:
-        """Pages for the next chunk of ``seq``, preempting younger sequences if needed (``seq``
-        itself when it is the youngest running one: an older sequence is never preempted for a
-        younger one, so the oldest always runs and the call ends)."""
-        need = self._chunk_pages(seq, pos, steps) - len(seq.table)
-        while need > 0:
-            got = group.alloc.alloc(need)
-            if got is not None:
-                seq.pages += got
-                seq.table += got
-                return True
-            if not self._preempt_youngest(group, keep=seq):
-                return False
-            if seq not in group.slots:
-                return True  # preempted itself: back to its queue
-        return True
-
     # ---- admission and prefill ---------------------------------------------------------------
 
-    def _admit(self, group: _Group, state: HostSlots) -> list[int]:
+    def _admit(self, group: DataGroup, state: HostSlots) -> list[int]:
         """Fills the group's free slots from its queue while its pages allow; returns the
         prompts to prefill."""
         ps = self.spec.page_size
@@ -192,13 +84,13 @@ class Scheduler:
             kept = bool(seq.table)  # re-joins after an observation, its pages its own
             fresh = not kept and prompt.pages is None and seq.prompt not in new_prompts
             need = pages_for(prompt.prefix, ps) if fresh else 0
-            need += self._chunk_pages(seq, self._pos(seq)) - (len(seq.table) if kept else full)
-            if need > group.alloc.num_free and self._free_idle_prompts(group, seq.prompt):
+            need += group.chunk_pages(seq, group.pos(seq)) - (len(seq.table) if kept else full)
+            if need > group.alloc.num_free and group.free_idle_prompts(seq.prompt):
                 continue
             if need > group.alloc.num_free:
                 if any(s is not None for s in group.slots) or joined:
                     break  # wait for running sequences to end
-                if not self._preempt_youngest(group, keep=seq if kept else None):
+                if not group.preempt_youngest(keep=seq if kept else None):
                     break
                 continue
             group.queue.popleft()
@@ -210,7 +102,7 @@ class Scheduler:
                 if fresh:
                     prompt.pages = group.alloc.alloc(pages_for(prompt.prefix, ps))
                     new_prompts.append(seq.prompt)
-                own = group.alloc.alloc(self._chunk_pages(seq, self._pos(seq)) - full)
+                own = group.alloc.alloc(group.chunk_pages(seq, group.pos(seq)) - full)
                 seq.pages = own
                 seq.table = prompt.pages[:full] + own
                 prompt.running += 1
@@ -225,14 +117,14 @@ class Scheduler:
             slot = free_slots.pop(0)
             group.slots[slot] = seq
             joined = True
-            self._join(group.base + slot, seq, state)
+            self._join(group.base + slot, seq, group.pos(seq), state)
         return new_prompts
 
-    def _join(self, slot: int, seq: Seq, state: HostSlots) -> None:
+    def _join(self, slot: int, seq: Seq, pos: int, state: HostSlots) -> None:
         prompt, ps = self.prompts[seq.prompt], self.spec.page_size
         full = prompt.prefix // ps
         state.last[slot] = seq.history[-1] if seq.history else prompt.ids[-1]
-        state.pos[slot] = self._pos(seq)
+        state.pos[slot] = pos
         state.count[slot] = seq.length
         state.active[slot] = True
         state.max_new[slot] = seq.max_new
@@ -341,7 +233,7 @@ class Scheduler:
                 for slot, seq in group.running:
                     if group.slots[slot - group.base] is not seq:
                         continue  # preempted while an older sequence grew
-                    if not self._grow(group, seq, int(state.pos[slot]), steps):
+                    if not group.grow(seq, int(state.pos[slot]), steps):
                         raise RuntimeError("page pool exhausted by a single sequence")
                 for i, s in enumerate(group.slots):
                     if s is None:  # idle, or joined then preempted: no copy, no step
@@ -409,7 +301,7 @@ class Scheduler:
                 pos, rest = int(state.pos[slot]), seq.max_new - int(state.count[slot])
                 left = max(left, rest)
                 rests[-1].append(rest)
-                need += self._chunk_pages(seq, pos, seq.max_new) - len(seq.table)
+                need += group.chunk_pages(seq, pos, seq.max_new) - len(seq.table)
             if need > group.alloc.num_free:
                 return self.spec.steps
         if self.on_done is not None:  # no stop ids: end the chunk where the next one ends
@@ -482,7 +374,7 @@ class Scheduler:
             return True
         return patterns is not None and bool(((patterns < 0) | (recent == patterns)).all(1).any())
 
-    def _hand_over(self, ended: list[tuple[_Group, Seq]]) -> None:
+    def _hand_over(self, ended: list[tuple[DataGroup, Seq]]) -> None:
         """Sends the turns that just ended to the host (one read of their rows); the sequences
         wait, holding their pages."""
         tokens = self.read([seq for _, seq in ended])
@@ -532,16 +424,10 @@ class Scheduler:
                 group.queue.appendleft(seq)
         self._report()
 
-    def _finish(self, group: _Group, seq: Seq) -> None:
-        if seq.table:  # else preempted while it waited: its pages and prompt hold are gone
-            self._release(group, seq)
-        prompt = self.prompts[seq.prompt]
-        prompt.left -= 1
+    def _finish(self, group: DataGroup, seq: Seq) -> None:
+        group.finish(seq)
         self.done.append(seq)
         self.ended.append(seq)
-        if prompt.left == 0:
-            group.alloc.free(prompt.pages or [])
-            prompt.pages = None
 
     def _report(self) -> None:
         """Hands the sequences that ended in this host round over (one ``on_done`` call)."""
