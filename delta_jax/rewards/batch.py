@@ -1,8 +1,9 @@
 """Batch scoring of a rollout batch in a process pool with per-item deadlines.
 
 :class:`RewardScorer` owns ``num_workers`` worker processes (``spawn``: the trainer's threads
-make ``fork`` unsafe), each with its own pipe. Items go one at a time to idle workers; the
-parent keeps a wall-clock deadline for each item and
+make ``fork`` unsafe), each with its own pipe: a :class:`~delta_jax.rewards.pool.WorkerPool`,
+which starts, watches and replaces them. Items go one at a time to idle workers; the parent
+keeps a wall-clock deadline for each item and
 
 * kills a worker past its deadline (SIGKILL: a verifier stuck in C code ignores signals) and
   starts a replacement; the item gets reward 0, reason ``"timeout"`` (a code sandbox the worker
@@ -56,39 +57,31 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import itertools
 import logging
-import math
 import multiprocessing as mp
-import multiprocessing.connection
 import os
-import sys
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from delta_jax.rewards.code import cleanup_sandboxes_of
-from delta_jax.rewards.custom import check_call, error_line, load_reward_fn
+from delta_jax.rewards.custom import check_call, load_reward_fn
 from delta_jax.rewards.gym import GYM_ENTRY
+from delta_jax.rewards.pool import STARTUP_TIMEOUT_S, WorkerPool
 from delta_jax.rewards.units import (
     Scored,
     call_with_deadline,
     failed,
     make_unit_fn,
     runs_in_process,
-    worker_main,
 )
 
 _BUILTIN = ("math", "code", "format", "reasoning_gym")
 _REQUIRED_FIELD = {"math": "answer", "code": "tests", "reasoning_gym": GYM_ENTRY}
 _CODE_GRACE_S = 10.0  # Pool deadline past run_code's own timeout: sandbox start and clean-up.
-_STARTUP_TIMEOUT_S = 120.0
-_MAX_STARTUP_FAILURES = 3
 
 log = logging.getLogger(__name__)
 
@@ -109,16 +102,6 @@ class RewardBatch:
     reasons: list[str]
     counts: dict[str, int]
     components: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class _Worker:
-    process: Any
-    conn: Any
-    started: float
-    ready: bool = False
-    task: int | None = None
-    deadline: float = math.inf
 
 
 def concat_batches(batches: Sequence[RewardBatch]) -> RewardBatch:
@@ -152,25 +135,6 @@ class _Job:
 
     def batch(self) -> RewardBatch:
         return RewardBatch(self.rewards, self.reasons, dict(collections.Counter(self.reasons)))
-
-
-@contextlib.contextmanager
-def _main_program_left_out():
-    """A spawned process runs the parent's main program first (as ``__mp_main__``), unless it
-    has neither a file nor a module spec: a user's script without an ``if __name__ ==
-    "__main__":`` guard would start its trainer again in every reward worker, which then never
-    becomes ready. The workers need nothing from it (functions of ``__main__`` run in this
-    process, :func:`~delta_jax.rewards.units.runs_in_process`), so it is hidden while one
-    starts."""
-    main = sys.modules["__main__"]
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__spec__ = None
-    try:
-        yield
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
 
 
 class RewardScorer:
@@ -246,9 +210,7 @@ class RewardScorer:
         self.num_workers = num_workers
         self.deadline_s = timeout_s + (_CODE_GRACE_S if kind == "code" else 0.0)
         self._options = {"pattern": format_pattern, "code_kwargs": code_kwargs, "batched": batched}
-        self._workers: list[_Worker] = []
-        self._startup_failures = 0
-        self._ctx = mp.get_context("spawn")
+        self._pool = WorkerPool(kind, self._options, self.deadline_s)
         self._closed = False
         self._jobs: list[_Job] = []
         self._reported: set[str] = set()
@@ -271,32 +233,7 @@ class RewardScorer:
                 self.deadline_s,
             )
         if not self.in_process:
-            self._workers = [self._spawn() for _ in range(num_workers)]
-
-    def _spawn(self) -> _Worker:
-        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(
-            target=worker_main, args=(child_conn, self.kind, self._options), daemon=True
-        )
-        with _main_program_left_out():
-            process.start()
-        child_conn.close()
-        return _Worker(process, parent_conn, time.monotonic())
-
-    def _replace(self, worker: _Worker) -> None:
-        if worker.process.is_alive():
-            worker.process.kill()
-        worker.process.join()
-        worker.conn.close()
-        cleanup_sandboxes_of(worker.process.pid)
-        if not worker.ready:
-            self._startup_failures += 1
-            if self._startup_failures > _MAX_STARTUP_FAILURES:
-                raise RuntimeError(
-                    f"reward workers for kind {self.kind!r} keep dying before they are ready "
-                    f"(last exit code {worker.process.exitcode})"
-                )
-        self._workers[self._workers.index(worker)] = self._spawn()
+            self._pool.start(num_workers)
 
     def score(
         self,
@@ -469,91 +406,17 @@ class RewardScorer:
 
         add(jobs)
         try:
-            while todo or any(w.task is not None for w in self._workers):
-                self._pool_round(todo, finish, fail)
+            while todo or self._pool.busy():
+                self._pool.round(todo, finish, fail, wake=self._wake_r)
                 if self._wake_r.poll():  # jobs submitted meanwhile join the stream
                     add(self._take_jobs(block=False) or [])
         except BaseException as e:  # noqa: BLE001 - a broken pool fails its jobs, loudly
             for job in left:
                 job.future.set_exception(e)
 
-    def _pool_round(self, todo: collections.deque, finish, fail) -> None:
-        """Gives idle workers the next tasks, then waits for a result, a dead worker, a deadline
-        or a new submission, and handles what came."""
-        for worker in list(self._workers):
-            if worker.ready and worker.task is None and todo:
-                task = todo.popleft()
-                try:
-                    worker.conn.send(task)
-                except (BrokenPipeError, OSError):
-                    todo.appendleft(task)  # Not this item's fault: the worker was gone.
-                    self._replace(worker)
-                    continue
-                except Exception as e:  # noqa: BLE001 - pickling runs before a byte is sent
-                    cause = f"its rows cannot be sent to a reward worker: {error_line(e)}"
-                    fail(task[0], "error:unpicklable_row", cause)
-                    continue
-                worker.task, worker.deadline = task[0], time.monotonic() + self.deadline_s
-        if not todo and all(w.task is None for w in self._workers):
-            return  # every task failed to send: nothing to wait for
-        now = time.monotonic()
-        wake = min(w.deadline if w.ready else w.started + _STARTUP_TIMEOUT_S for w in self._workers)
-        waitables = [w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
-        timeout = None if math.isinf(wake) else max(0.0, wake - now)
-        ready = set(mp.connection.wait([*waitables, self._wake_r], timeout=timeout))
-        for worker in list(self._workers):
-            if worker.conn in ready:
-                try:
-                    msg = worker.conn.recv()
-                except (EOFError, OSError):
-                    msg = None
-                if msg is None:
-                    if worker.task is not None:
-                        fail(worker.task, "worker_died", self._died(worker))
-                    self._replace(worker)
-                elif msg[0] == "ready":
-                    worker.ready, self._startup_failures = True, 0
-                elif msg[0] == "init_error":
-                    raise RuntimeError(f"reward worker failed to start: {msg[1]}")
-                else:
-                    finish(*msg)
-                    worker.task, worker.deadline = None, math.inf
-            elif worker.process.sentinel in ready:
-                if worker.task is not None:
-                    fail(worker.task, "worker_died", self._died(worker))
-                self._replace(worker)
-        now = time.monotonic()
-        for worker in list(self._workers):
-            if worker.task is not None and now > worker.deadline:
-                cause = (
-                    f"did not return within its {self.deadline_s:g} s deadline "
-                    "(reward.timeout_s); its worker process was killed and replaced"
-                )
-                fail(worker.task, "timeout", cause)
-                worker.ready = True  # A hang while scoring is not a start-up failure.
-                self._replace(worker)
-            elif not worker.ready and now > worker.started + _STARTUP_TIMEOUT_S:
-                self._replace(worker)
-
-    @staticmethod
-    def _died(worker: _Worker) -> str:
-        worker.process.join(timeout=1.0)  # its exit code, once the process is reaped
-        code = worker.process.exitcode
-        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        return f"its worker process died ({how}: os._exit, a crash, the OOM killer)"
-
-    def wait_ready(self, timeout_s: float = _STARTUP_TIMEOUT_S) -> None:
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """Blocks until every worker has started (imports done), e.g. before timing a batch."""
-        end = time.monotonic() + timeout_s
-        for worker in self._workers:
-            if worker.ready:
-                continue
-            if not worker.conn.poll(max(0.0, end - time.monotonic())):
-                raise RuntimeError(f"reward worker not ready after {timeout_s} s")
-            msg = worker.conn.recv()
-            if msg[0] != "ready":
-                raise RuntimeError(f"reward worker failed to start: {msg[1]}")
-            worker.ready = True
+        self._pool.wait_ready(timeout_s)
 
     def close(self) -> None:
         """Shuts the workers down (idempotent); jobs still waiting are cancelled."""
@@ -565,21 +428,7 @@ class RewardScorer:
             self._wakeup.notify()
         if self._dispatcher is not None and self._dispatcher is not threading.current_thread():
             self._dispatcher.join(timeout=max(5.0, self.deadline_s + 5.0))
-        for worker in self._workers:
-            if not worker.ready or worker.task is not None:
-                worker.process.kill()  # Still starting, or stuck: nothing to wait for.
-                continue
-            try:
-                worker.conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-        for worker in self._workers:
-            worker.process.join(timeout=5.0)
-            if worker.process.is_alive():
-                worker.process.kill()
-                worker.process.join()
-            worker.conn.close()
-        self._workers = []
+        self._pool.close()
         if self._dispatcher is None or not self._dispatcher.is_alive():
             self._wake_r.close()
             self._wake_w.close()
@@ -591,5 +440,5 @@ class RewardScorer:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_workers", None):
+        if getattr(self, "_pool", None) and self._pool.workers:
             self.close()

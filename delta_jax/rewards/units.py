@@ -5,7 +5,8 @@ What runs inside a reward worker process (:func:`worker_main`) and, for callable
 reach one, in the trainer's process (:func:`call_with_deadline`): the built-in kinds' score
 functions, the per-item and batched calling conventions, and the conversion of what a function
 returns into a reward, a reason and, for a failure, its first cause on one line. The pool that
-schedules units, keeps deadlines and replaces dead workers is :mod:`delta_jax.rewards.batch`.
+runs units, keeps deadlines and replaces dead workers is :mod:`delta_jax.rewards.pool`; the
+scorer that splits batches into units is :mod:`delta_jax.rewards.batch`.
 """
 
 from __future__ import annotations

@@ -56,8 +56,8 @@ def test_hanging_verifier_is_cut_and_the_pool_keeps_working(math_scorer):
     assert TIMEOUT_S <= elapsed < TIMEOUT_S + 8.0
     after = _score(math_scorer, [r"\boxed{3}"] * 4, ["3"] * 4)
     assert after.counts == {"correct": 4}
-    assert len(math_scorer._workers) == 2
-    assert all(w.process.is_alive() for w in math_scorer._workers)
+    assert len(math_scorer._pool.workers) == 2
+    assert all(w.process.is_alive() for w in math_scorer._pool.workers)
 
 
 def test_two_hangs_at_once_with_two_workers(math_scorer):
@@ -151,7 +151,7 @@ def test_bad_arguments_raise():
 
 def test_close_is_idempotent_and_final():
     scorer = RewardScorer("math", num_workers=1)
-    processes = [w.process for w in scorer._workers]
+    processes = [w.process for w in scorer._pool.workers]
     scorer.close()
     scorer.close()
     assert not any(p.is_alive() for p in processes)
@@ -162,7 +162,7 @@ def test_close_is_idempotent_and_final():
 def test_killed_worker_takes_its_sandbox_down():
     with RewardScorer("tests.rewards.custom_fns:sandboxed_spin", num_workers=1, timeout_s=1.5) as s:
         s.wait_ready()
-        worker_pid = s._workers[0].process.pid
+        worker_pid = s._pool.workers[0].process.pid
         batch = s.score(["p"], ["r"], [{}])
     assert batch.reasons == ["timeout"]
     deadline = time.monotonic() + 5.0
