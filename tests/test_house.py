@@ -38,7 +38,7 @@ WIDE_SIGNATURES = {
 LAYERS = [
     ["losses"],
     ["extras", "deprecation", "distributed", "hub", "sharding", "models"],
-    ["checkpoint", "data", "rewards", "envs", "sampling", "eval_sets", "demo"],
+    ["checkpoint", "data", "rewards", "envs", "sampling", "eval_sets", "eval_metrics", "demo"],
     ["config", "diagnostics"],
     ["rl", "eval"],
     ["plan"],
