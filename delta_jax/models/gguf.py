@@ -30,7 +30,7 @@ import numpy as np
 from gguf import quants
 
 from delta_jax.models.config import ModelConfig
-from delta_jax.models.transformer import rope_inv_freq
+from delta_jax.models.layers import rope_inv_freq
 
 GGUF_SUFFIX = ".gguf"
 # general.architecture -> the Hugging Face architecture the weights are mapped to.
