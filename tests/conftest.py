@@ -13,6 +13,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     _flags += f" {FAKE_DEVICES}"
+# A collective among fake devices waits for every device's thread. On a loaded 2-core machine
+# (CI, two test workers beside subprocess runs) a thread can wait past XLA:CPU's default 40 s
+# and abort the process though nothing is stuck; a real hang still meets the test's own timeout.
+_TERMINATE = "xla_cpu_collective_call_terminate_timeout_seconds"
+if _TERMINATE not in _flags:
+    _flags += f" --{_TERMINATE}=600"
 # XLA:CPU at optimisation level 0: the suite's tiny programs compile faster (tests.compile_flags).
 os.environ["XLA_FLAGS"] = with_fast_compile(_flags.strip())
 # The compile-only TPU tests load libtpu, which by default takes a machine-wide lock: another
