@@ -157,11 +157,12 @@ def _initial_state(params, optimizer):
                           jax.devices()[0])  # fmt: skip
 
 
-def _rl_update(setup, config, plan, optimizer=SGD):
-    """One full RL update (prepare + every mini-batch update) through the loop's stages."""
+def _rl_update(setup, config, plan, optimizer=SGD, updater=None):
+    """One full RL update (prepare + every mini-batch update) through the loop's stages, by
+    ``updater`` (default: a new one of ``plan``: its programs compiled afresh)."""
     graphdef, params, rollout = setup
-    mesh = _mesh()
-    updater = Updater(graphdef, optimizer, plan, mesh, seed=config.run.seed, donate=False)
+    if updater is None:
+        updater = Updater(graphdef, optimizer, plan, _mesh(), seed=config.run.seed, donate=False)
     ref_params = jax.tree.map(jnp.copy, params) if plan.reference else None
     batch, metrics = updater.prepare(rollout, 1, params, ref_params)
     state, update_metrics = updater.update(_initial_state(params, optimizer), batch)
@@ -172,15 +173,22 @@ def _rl_update(setup, config, plan, optimizer=SGD):
 def results(setup, setup_multi):
     """``results(loss, packing, mini, micro, multi_turn=False, **algo)``: one full RL update (SGD
     lr 1) of the rollout (or of its multi-turn form), each run once; ``results.train_step(...)``
-    (same arguments): the jitted update it ran."""
-    cache = {}
+    (same arguments): the jitted update it ran.
+
+    One :class:`Updater` per plan (equal plans, e.g. a default spelled out, are one): the
+    single- and multi-turn rollouts have the same lengths, so the same shapes of rows, and
+    their updates run the same compiled programs, as a run's steps do (the tests that replay
+    an update check its train step compiled once)."""
+    cache, updaters = {}, {}
 
     def run(loss="delta", packing=True, mini=1, micro=1, multi_turn=False, **algo):
-        key = (loss, packing, mini, micro, multi_turn, tuple(sorted(algo.items())))
-        if key not in cache:
-            cfg, plan = _plan(loss, packing, mini, micro, **algo)
-            cache[key] = _rl_update(setup_multi if multi_turn else setup, cfg, plan)
-        return cache[key]
+        cfg, plan = _plan(loss, packing, mini, micro, **algo)
+        if plan not in updaters:
+            updaters[plan] = Updater(setup[0], SGD, plan, _mesh(), seed=cfg.run.seed, donate=False)
+        if (plan, multi_turn) not in cache:
+            rollout = setup_multi if multi_turn else setup
+            cache[plan, multi_turn] = _rl_update(rollout, cfg, plan, updater=updaters[plan])
+        return cache[plan, multi_turn]
 
     def get(*args, **kwargs):
         return run(*args, **kwargs)[:3]
