@@ -27,6 +27,7 @@ from tests.rl.test_train_step import (
     _build_setup,
     _initial_state,
     _max_diff,
+    _mesh,
     _multi_turn,
     _plan,
     _rl_update,
@@ -40,15 +41,19 @@ def setup():
 
 @pytest.fixture(scope="module")
 def update(setup):
-    """``update(share, loss, mini, micro, multi_turn, **algo)``: one full RL update, cached."""
-    cache, multi = {}, (setup[0], setup[1], _multi_turn(setup[2]))
+    """``update(share, loss, mini, micro, multi_turn, **algo)``: one full RL update, cached.
+    One :class:`Updater` per plan: the single- and multi-turn rollouts (same lengths, same
+    shapes of rows) run its compiled programs (``tests.rl.test_train_step``'s ``results``)."""
+    cache, updaters, multi = {}, {}, (setup[0], setup[1], _multi_turn(setup[2]))
 
     def run(share, loss="delta", mini=1, micro=1, multi_turn=False, **algo):
-        key = (share, loss, mini, micro, multi_turn, tuple(sorted(algo.items())))
-        if key not in cache:
-            cfg, plan = _plan(loss, True, mini, micro, share_prompts=share, **algo)
-            cache[key] = _rl_update(multi if multi_turn else setup, cfg, plan)
-        return cache[key]
+        cfg, plan = _plan(loss, True, mini, micro, share_prompts=share, **algo)
+        if plan not in updaters:
+            updaters[plan] = Updater(setup[0], SGD, plan, _mesh(), seed=cfg.run.seed, donate=False)
+        if (plan, multi_turn) not in cache:
+            rollout = multi if multi_turn else setup
+            cache[plan, multi_turn] = _rl_update(rollout, cfg, plan, updater=updaters[plan])
+        return cache[plan, multi_turn]
 
     return run
 
@@ -137,12 +142,18 @@ def test_shared_update_equals_unshared(setup, update, loss, mini, micro, rows, m
     np.testing.assert_allclose(shared[1]["loss"], unshared[1]["loss"], rtol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def setup64():
+    """The rollout and model in float64 (x64 on while it is built and used only)."""
+    with jax.enable_x64(True):
+        return _build_setup(jnp.float64)
+
+
 @pytest.mark.parametrize("mini", [1, 4])
-def test_shared_update_equals_unshared_in_float64(mini):
+def test_shared_update_equals_unshared_in_float64(setup64, mini):
     """Model, DelTA and loss in float64: the parameters agree to 1e-9 (one update, and a chain
     of four)."""
     with jax.enable_x64(True):
-        setup64 = _build_setup(jnp.float64)
         plans = [_plan("delta", True, mini, 1, share_prompts=s) for s in (True, False)]
         a, b = (_rl_update(setup64, *p) for p in plans)
         assert jax.tree.leaves(a[0].params)[0].dtype == jnp.float64
