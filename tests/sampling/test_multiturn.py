@@ -138,6 +138,21 @@ class Host:
         return self.pool.submit(answer)
 
 
+@pytest.fixture(scope="module")
+def two_slots(models):
+    """The engine of the single-turn-reference tests (2 slots, the defaults otherwise): one
+    sampler, so that its compiled programs are reused."""
+    return Sampler(models[1], engine="continuous", stop_token_ids=(), decode_slots=2)
+
+
+@pytest.fixture(scope="module")
+def plain_samplers():
+    """The samplers without drafts of the episodes test by attention path, shared by its two
+    kinds of stop (their programs in common compile once). A sampler that speculates is built
+    per test: it keeps earlier requests' rollouts as drafts."""
+    return {}
+
+
 @pytest.fixture(scope="module", params=["stop_id", "stop_sequences"])
 def reference(models, request):
     hf, _ = models
@@ -157,7 +172,7 @@ def reference(models, request):
     ids=["dense", "xla", "dense-speculative", "xla-speculative", "dense-trie", "xla-trie"],
 )
 def test_multiturn_episodes_equal_reprefilling_the_history(
-    models, reference, attention, draft_tokens, draft_depth
+    models, reference, plain_samplers, attention, draft_tokens, draft_depth
 ):
     _, model = models
     stop_ids, sequences, expected, expected_actions, expected_calls = reference
@@ -171,8 +186,7 @@ def test_multiturn_episodes_equal_reprefilling_the_history(
         assert {2, 3} <= ends, expected_calls
 
     host = Host(seed=slots)
-    sampler = Sampler(
-        model,
+    settings = dict(
         engine="continuous",
         stop_token_ids=(),
         decode_slots=slots,
@@ -184,6 +198,12 @@ def test_multiturn_episodes_equal_reprefilling_the_history(
         draft_tokens=draft_tokens,
         draft_depth=draft_depth,
     )
+    if draft_tokens:
+        sampler = Sampler(model, **settings)
+    else:
+        if attention not in plain_samplers:
+            plain_samplers[attention] = Sampler(model, **settings)
+        sampler = plain_samplers[attention]
     out = sampler.generate(
         PROMPTS,
         max_new_tokens=BUDGET,
@@ -217,16 +237,16 @@ def test_multiturn_episodes_equal_reprefilling_the_history(
         assert 0 < stats.verify_steps < stats.useful_steps
 
 
-def test_episodes_that_end_on_the_host_end_the_call(models):
+def test_episodes_that_end_on_the_host_end_the_call(models, two_slots):
     """Every episode ends when the host answers its first turn with None: the call returns
     (once the last answer is in, nothing is left to run) with each episode's first turn."""
-    hf, model = models
+    hf, _ = models
     stop_ids, _ = _turn_stops(hf, "stop_id")
     expected = [_hf_greedy(hf, p, BUDGET, [stop_ids]) for p in PROMPTS]
     assert sum(_ends_turn(t, [stop_ids]) for t in expected) >= 3
     done = concurrent.futures.Future()
     done.set_result(None)
-    sampler = Sampler(model, engine="continuous", stop_token_ids=(), decode_slots=2)
+    sampler = two_slots
     turns = Turns(stop_ids, MAX_TURNS, lambda row, turn: done)
     out = sampler.generate(PROMPTS, max_new_tokens=BUDGET, temperature=0.0, turns=turns)
     assert out.tokens == expected
@@ -235,17 +255,17 @@ def test_episodes_that_end_on_the_host_end_the_call(models):
     assert out.engine_stats.wait_s == 0.0
 
 
-def test_the_engine_waits_on_the_host_when_nothing_else_can_run(models):
+def test_the_engine_waits_on_the_host_when_nothing_else_can_run(models, two_slots):
     """``EngineStats.wait_s`` (the trainer's ``time/tool_wait``) is host time blocked on
     observations while no sequence can run: one episode whose first turn ends at the stop id,
     answered (episode over) 0.2 s after its hand-over, leaves the engine nothing else to do."""
-    hf, model = models
+    hf, _ = models
     stop_ids, _ = _turn_stops(hf, "stop_id")
     greedy = ((p, _hf_greedy(hf, p, BUDGET, [stop_ids])) for p in PROMPTS)
     prompt, first = next((p, t) for p, t in greedy if _ends_turn(t, [stop_ids]))
     delay = 0.2
     host = concurrent.futures.ThreadPoolExecutor(1)
-    sampler = Sampler(model, engine="continuous", stop_token_ids=(), decode_slots=2)
+    sampler = two_slots
     turns = Turns(stop_ids, MAX_TURNS, lambda r, turn: host.submit(time.sleep, delay))
     start = time.perf_counter()
     out = sampler.generate([prompt], max_new_tokens=BUDGET, temperature=0.0, turns=turns)
@@ -298,13 +318,13 @@ class _Env:
         return StepResult(123 if self.bad else "w3 w4", False)
 
 
-def test_a_bad_environment_ends_its_episode_and_the_others_finish(models):
+def test_a_bad_environment_ends_its_episode_and_the_others_finish(models, two_slots):
     """Through the engine: the episodes whose environment breaks the protocol end at their
     first hand-over (counted in episode/env_errors); the others get their observations."""
     from delta_jax.envs.episodes import EpisodeRunner
     from tests.envs.helpers import word_tokenizer
 
-    hf, model = models
+    hf, _ = models
     stop_ids, _ = _turn_stops(hf, "stop_id")
     tok = word_tokenizer(chat_template=None)  # ids 0-207: the model's 128 decode
     first = [_hf_greedy(hf, p, BUDGET, [stop_ids]) for p in PROMPTS]
@@ -315,7 +335,7 @@ def test_a_bad_environment_ends_its_episode_and_the_others_finish(models):
     runner = EpisodeRunner(env, tok, max_turns=MAX_TURNS, max_observation_tokens=8, end_ids=[])
     episodes = runner.start([{"prompt": "w5", "bad": bad.get(r)} for r in range(len(PROMPTS))])
     assert episodes.turns.stop_ids == stop_ids
-    sampler = Sampler(model, engine="continuous", stop_token_ids=(), decode_slots=2)
+    sampler = two_slots
     out = sampler.generate(PROMPTS, max_new_tokens=BUDGET, temperature=0.0, turns=episodes.turns)
     for row, tokens in enumerate(out.tokens):
         episodes.finish(row, tokens)

@@ -32,6 +32,23 @@ def engine(model, **kw) -> Sampler:
     return Sampler(model, stop_token_ids=(), engine="continuous", **kw)
 
 
+# The reference without speculation, one sampler for the module: its compiled programs are
+# reused. A sampler that speculates is never shared: it keeps earlier requests' rollouts as
+# drafts, so its outputs' statistics depend on what it ran before.
+@pytest.fixture(scope="module")
+def plain(model):
+    return engine(model)
+
+
+SAMPLED = dict(max_new_tokens=BUDGETS, n=3, temperature=0.5, seed=5, return_hidden=True)
+
+
+@pytest.fixture(scope="module")
+def plain_sampled(plain):
+    """The rollout of ``SAMPLED`` without drafts, the reference of every draft layout."""
+    return plain.generate(PROMPTS, **SAMPLED)
+
+
 def _same_outputs(a, b):
     """Same tokens; log-probs and hidden states within the whole-model tolerance (``ATOL``: a
     verify step attends for several positions at once, another order of float32 sums; in
@@ -55,7 +72,9 @@ DRAFTS = {
 
 
 @pytest.mark.parametrize("drafts", ["xla", "dense", "xla-trie", "dense-trie"])
-def test_same_tokens_log_probs_and_hidden_states_with_and_without_drafts(model, drafts):
+def test_same_tokens_log_probs_and_hidden_states_with_and_without_drafts(
+    model, plain_sampled, drafts
+):
     """Sampled: 4 slots for 15 sequences (slots refilled) and a pool small enough to preempt:
     the same outputs as decoding one token per step, in fewer verify steps than tokens, on the
     XLA path and on the dense CPU path (whose views hold a verify step's rejected tokens in
@@ -63,8 +82,7 @@ def test_same_tokens_log_probs_and_hidden_states_with_and_without_drafts(model, 
     ``test_drafts_come_from_siblings_and_earlier_requests`` and ``test_x64.py``; the TPU
     kernel: ``test_pallas_interpret.py``.)"""
     attention, k, depth = DRAFTS[drafts]
-    kw = dict(max_new_tokens=BUDGETS, n=3, temperature=0.5, seed=5, return_hidden=True)
-    plain = engine(model).generate(PROMPTS, **kw)
+    kw, plain = SAMPLED, plain_sampled
     spec = dict(speculate=True, draft_tokens=k, draft_depth=depth, attention=attention)
     tight = engine(model, num_pages=13, **spec)
     tight = tight.generate(PROMPTS, **kw)
@@ -94,7 +112,7 @@ def test_same_tokens_log_probs_and_hidden_states_with_and_without_drafts(model, 
     assert not outcome[np.arange(outcome.shape[1]) >= lengths[:, None]].any()
 
 
-def test_drafts_come_from_siblings_and_earlier_requests(model):
+def test_drafts_come_from_siblings_and_earlier_requests(model, plain):
     """A request's samples draft from each other (4 slots for 8 sequences: the samples with
     the smaller budgets start after the others and follow their text); the same prompts
     requested again draft from the first request's rollouts (greedy: the very same text),
@@ -103,7 +121,7 @@ def test_drafts_come_from_siblings_and_earlier_requests(model):
     kw = dict(max_new_tokens=[12, 24, 12, 24] * 2, n=4, temperature=0.0)
     first = sampler.generate(PROMPTS[:2], **kw)
     again = sampler.generate(PROMPTS[:2], **kw)
-    assert again.tokens == first.tokens == engine(model).generate(PROMPTS[:2], **kw).tokens
+    assert again.tokens == first.tokens == plain.generate(PROMPTS[:2], **kw).tokens
     assert first.engine_stats.accepted["siblings"] > 0
     assert first.engine_stats.accepted["history"] == 0
     assert again.engine_stats.accepted["history"] > 0
@@ -147,7 +165,7 @@ def test_drawn_tokens_at_drafted_positions_follow_the_models_law(model, drafts):
     assert chisquare_pvalue(rows[:, 2], law([first, second])) > 1e-3
 
 
-def test_a_tight_pool_never_preempts_an_older_sequence_for_a_younger_one(model, monkeypatch):
+def test_a_tight_pool_never_preempts_an_older_sequence_for_a_younger_one(model, plain, monkeypatch):
     """Two samples of a long answer on a pool that holds one of them and the chunks' pages
     ahead (a verify step's 7 per step): the younger one, not the one growing, gives way, so the
     oldest always runs and the call ends (before, the two preempted each other in turn and the
@@ -163,7 +181,7 @@ def test_a_tight_pool_never_preempts_an_older_sequence_for_a_younger_one(model, 
 
     monkeypatch.setattr(scheduler.Scheduler, "_decode", bounded)
     kw = dict(max_new_tokens=[14, 9, 40, 12, 15], n=3, temperature=0.5, seed=5)
-    plain = engine(model).generate(PROMPTS, **kw)
+    plain = plain.generate(PROMPTS, **kw)
     tight = engine(model, num_pages=20, speculate=True, draft_tokens=6).generate(PROMPTS, **kw)
     assert tight.tokens == plain.tokens
     assert tight.engine_stats.preemptions > 0
@@ -237,9 +255,9 @@ def test_auto_measures_both_ways_then_runs_the_faster_and_probes_the_other():
     assert not any(cpu.next() for _ in range(20))
 
 
-def test_auto_never_speculates_on_cpu_and_switches_per_request_elsewhere(model):
+def test_auto_never_speculates_on_cpu_and_switches_per_request_elsewhere(model, plain):
     kw = dict(max_new_tokens=12, n=4, temperature=0.0)
-    plain = engine(model).generate(PROMPTS[:2], **kw)
+    plain = plain.generate(PROMPTS[:2], **kw)
     sampler = engine(model, draft_tokens=3, speculate="auto")
     out = sampler.generate(PROMPTS[:2], **kw)
     assert out.tokens == plain.tokens
