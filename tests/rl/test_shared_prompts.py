@@ -27,10 +27,10 @@ from tests.rl.test_train_step import (
     _build_setup,
     _initial_state,
     _max_diff,
-    _mesh,
     _multi_turn,
     _plan,
     _rl_update,
+    cached_updates,
 )
 
 
@@ -44,16 +44,11 @@ def update(setup):
     """``update(share, loss, mini, micro, multi_turn, **algo)``: one full RL update, cached.
     One :class:`Updater` per plan: the single- and multi-turn rollouts (same lengths, same
     shapes of rows) run its compiled programs (``tests.rl.test_train_step``'s ``results``)."""
-    cache, updaters, multi = {}, {}, (setup[0], setup[1], _multi_turn(setup[2]))
+    updates = cached_updates(setup, (setup[0], setup[1], _multi_turn(setup[2])))
 
     def run(share, loss="delta", mini=1, micro=1, multi_turn=False, **algo):
-        cfg, plan = _plan(loss, True, mini, micro, share_prompts=share, **algo)
-        if plan not in updaters:
-            updaters[plan] = Updater(setup[0], SGD, plan, _mesh(), seed=cfg.run.seed, donate=False)
-        if (plan, multi_turn) not in cache:
-            rollout = multi if multi_turn else setup
-            cache[plan, multi_turn] = _rl_update(rollout, cfg, plan, updater=updaters[plan])
-        return cache[plan, multi_turn]
+        plan = _plan(loss, True, mini, micro, share_prompts=share, **algo)
+        return updates(*plan, multi_turn)
 
     return run
 

@@ -169,6 +169,23 @@ def _rl_update(setup, config, plan, optimizer=SGD, updater=None):
     return state, {**metrics, **update_metrics}, batch, updater.train_step
 
 
+def cached_updates(setup, setup_multi):
+    """``updates(cfg, plan, multi_turn)``: one full RL update of ``setup``'s rollout (or of
+    ``setup_multi``'s), each run once, with one :class:`Updater` per plan (the single- and
+    multi-turn rollouts have the same shapes of rows: one compiled update serves both)."""
+    cache, updaters = {}, {}
+
+    def run(cfg, plan, multi_turn=False):
+        if plan not in updaters:
+            updaters[plan] = Updater(setup[0], SGD, plan, _mesh(), seed=cfg.run.seed, donate=False)
+        if (plan, multi_turn) not in cache:
+            rollout = setup_multi if multi_turn else setup
+            cache[plan, multi_turn] = _rl_update(rollout, cfg, plan, updater=updaters[plan])
+        return cache[plan, multi_turn]
+
+    return run
+
+
 @pytest.fixture(scope="module")
 def results(setup, setup_multi):
     """``results(loss, packing, mini, micro, multi_turn=False, **algo)``: one full RL update (SGD
@@ -179,16 +196,10 @@ def results(setup, setup_multi):
     single- and multi-turn rollouts have the same lengths, so the same shapes of rows, and
     their updates run the same compiled programs, as a run's steps do (the tests that replay
     an update check its train step compiled once)."""
-    cache, updaters = {}, {}
+    updates = cached_updates(setup, setup_multi)
 
     def run(loss="delta", packing=True, mini=1, micro=1, multi_turn=False, **algo):
-        cfg, plan = _plan(loss, packing, mini, micro, **algo)
-        if plan not in updaters:
-            updaters[plan] = Updater(setup[0], SGD, plan, _mesh(), seed=cfg.run.seed, donate=False)
-        if (plan, multi_turn) not in cache:
-            rollout = setup_multi if multi_turn else setup
-            cache[plan, multi_turn] = _rl_update(rollout, cfg, plan, updater=updaters[plan])
-        return cache[plan, multi_turn]
+        return updates(*_plan(loss, packing, mini, micro, **algo), multi_turn)
 
     def get(*args, **kwargs):
         return run(*args, **kwargs)[:3]
