@@ -27,6 +27,11 @@ This engine keeps ``decode_slots`` sequences running instead:
    and it re-joins a free slot. The history is prefilled once; only a sequence preempted after
    a hand-over prefills its context again (from the host's copy). Sequences waiting on the
    host are preempted last.
+6. partial rollouts: with a ``quota`` the call stops once that many prompts have all their
+   samples ended (after that chunk), and the sequences left come back unfinished, their pages
+   freed; a later call continues such *carried* rows (their tokens written into their output
+   rows, prompt and tokens prefilled into their own pages as after a multi-turn preemption),
+   each drawing with the RNG identity (seed, prompt, sample) of the call that started it.
 
 On a mesh the engine is data parallel: the ``decode_slots`` slots and the pool's pages split
 evenly over the *data groups* (the row shards of the sampling mesh, e.g. 4 groups of 8 chips for
