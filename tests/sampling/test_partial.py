@@ -197,3 +197,16 @@ def test_mesh_data_groups_continue_carried_rows(model, sampler):
     carried = [stopped.carry(r) for r in range(len(PROMPTS) * N)]
     out = on_mesh.generate(PROMPTS, carried=carried, **request)
     _check_continued(out, full)
+
+
+def test_quota_met_by_rows_that_had_ended_runs_no_chunk(sampler):
+    request = _request(greedy=True)
+    full = sampler.generate(PROMPTS, **request)
+    rows = len(PROMPTS) * N
+    carried = [full.carry(r) if r < N else None for r in range(rows)]
+    assert all(c.finished for c in carried[:N])
+    out = sampler.generate(PROMPTS, quota=1, carried=carried, **request)
+    assert out.finished_array.tolist() == [True] * N + [False] * (rows - N)
+    assert out.tokens[:N] == full.tokens[:N] and out.lengths[N:] == [0] * (rows - N)
+    assert out.logprobs[:N] == full.logprobs[:N]
+    assert out.engine_stats.chunks == 0 and out.engine_stats.unfinished == rows - N
