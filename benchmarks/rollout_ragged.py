@@ -190,7 +190,7 @@ def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int
     counts every data group's.
     """
     from delta_jax.sampling.attention import pages_for
-    from delta_jax.sampling.engine import EngineSpec, run_engine
+    from delta_jax.sampling.engine import EngineRows, EngineSpec, run_engine
     from delta_jax.sampling.engine.requests import SLOT_FIELDS
 
     longest = pages_for(max(map(len, prompts)) + max(budgets), page)
@@ -240,7 +240,8 @@ def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int
 
     arrays = [np.asarray(p, np.int32) for p in prompts]
     stops = np.full((len(budgets), 1), -1, np.int32)
-    _, stats = run_engine(spec, arrays, n, np.asarray(budgets), stops, Programs())
+    rows = EngineRows(arrays, n, np.asarray(budgets), stops)
+    _, stats = run_engine(spec, rows, Programs())
     assert stats.useful_steps == sum(budgets)
     return np.stack(lengths), len(budgets) + stats.preemptions, stats
 

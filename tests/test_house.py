@@ -52,7 +52,7 @@ LAYERS = [
 ROOMS = {
     "sampling": [
         ["strategies", "output", "buckets", "speculation", "attention"],
-        ["engine", "static"],
+        ["engine", "static", "partial"],
         ["sampler"],
     ],
 }

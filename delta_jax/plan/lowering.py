@@ -25,7 +25,7 @@ from delta_jax.sampling.engine.decode import (
     RequestInputs,
     Weights,
     prefill_chunk,
-    write_observations,
+    write_tokens,
 )
 from delta_jax.sampling.engine.requests import SLOT_FIELDS, EngineSpec
 from delta_jax.sampling.speculation.drafts import MAX_NGRAM, Drafts
@@ -134,7 +134,6 @@ def lower_decode(
     limit = jax.ShapeDtypeStruct((), i32, sharding=scalar)
     request = RequestInputs(
         strategy=make_strategy(1.0),
-        seed=jax.ShapeDtypeStruct((), jnp.uint32, sharding=scalar),
         resumable=jax.ShapeDtypeStruct((), jnp.bool_, sharding=scalar),
         stop_sequences=jax.ShapeDtypeStruct((Q, L), i32, sharding=scalar) if L else None,
     )
@@ -196,9 +195,9 @@ def lower_prefill(
 def lower_write(
     config, mesh: Mesh, rules, *, slots: int, width: int, rows: int, gen_len: int
 ) -> jax.stages.Lowered:
-    """The observation write (:func:`write_observations`) lowered for abstract inputs: up to
-    ``width`` ids for each of ``slots`` slots into ``rows`` x ``gen_len`` output buffers (no
-    hidden states), donated as the engine donates them."""
+    """The token write (:func:`write_tokens`: observations, carried rows) lowered for abstract
+    inputs: up to ``width`` ids with their log-probs for each of ``slots`` slots into ``rows`` x
+    ``gen_len`` output buffers (no hidden states), donated as the engine donates them."""
     _, _, _, aval = abstract_model(config, mesh, rules, jnp.float32)
     out = _abstract_outputs(aval, rows, gen_len)
     row = ("batch",)
@@ -207,7 +206,9 @@ def lower_write(
         aval((slots,), jnp.int32, row),
         aval((slots, width), jnp.int32, row),
         aval((slots, width), jnp.bool_, row),
+        aval((slots, width), jnp.float32, row),
+        aval((slots, width), jnp.float32, row),
     )
-    fn = functools.partial(write_observations, groups=Groups(mesh, config.num_kv_heads))
+    fn = functools.partial(write_tokens, groups=Groups(mesh, config.num_kv_heads))
     with jax.set_mesh(mesh), spmd.logical_axis_rules(rules):
         return jax.jit(fn, donate_argnums=(0,)).lower(out, *args)

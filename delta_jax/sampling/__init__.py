@@ -8,13 +8,14 @@ attention backends (:mod:`~delta_jax.sampling.attention`) and may speculate
 
 from delta_jax.sampling.buckets import Buckets
 from delta_jax.sampling.engine import Turns
-from delta_jax.sampling.output import SamplerOutput
+from delta_jax.sampling.output import Carry, SamplerOutput
 from delta_jax.sampling.sampler import SAMPLING_RULES, Sampler
 from delta_jax.sampling.strategies import Categorical, Greedy, SampleResult, make_strategy
 
 __all__ = [
     "SAMPLING_RULES",
     "Buckets",
+    "Carry",
     "Categorical",
     "Greedy",
     "SampleResult",

@@ -12,7 +12,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jaxtyping import Array, Bool, Float, Int
 
-__all__ = ["SamplerOutput", "to_host"]
+__all__ = ["Carry", "SamplerOutput", "to_host"]
 
 
 def to_host(array: jax.Array) -> np.ndarray:
@@ -20,6 +20,34 @@ def to_host(array: jax.Array) -> np.ndarray:
     if isinstance(array, jax.Array) and not array.is_fully_addressable:
         return np.asarray(multihost_utils.process_allgather(array, tiled=True))
     return np.asarray(array)
+
+
+@dataclasses.dataclass(frozen=True)
+class Carry:
+    """One row of a partial rollout, to be continued by a later ``Sampler.generate`` call
+    (``carried=``) or passed through it when it has ended (``finished``).
+
+    Every sequence draws its token ``t`` with ``fold_in(fold_in(fold_in(key(seed), prompt),
+    sample), t)``: ``seed``, ``prompt`` and ``sample`` are the identity the row was drawn with
+    (the call and row that started it), kept wherever it is continued, so that the continued
+    row draws the tokens an uninterrupted call would have.
+
+    Attributes:
+      tokens: the ids drawn so far.
+      logprobs: their behaviour log-probs.
+      untruncated: their untruncated log-probs.
+      seed: the uint32 seed of the call that started the row.
+      prompt, sample: the row's prompt and sample index in that call.
+      finished: the row has ended (a stop id or its budget).
+    """
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    untruncated: tuple[float, ...]
+    seed: int
+    prompt: int
+    sample: int
+    finished: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +78,11 @@ class SamplerOutput:
         draft outcome (:data:`~delta_jax.sampling.speculation.speculate.DRAFT_OUTCOMES`: 0 none
         drafted at its index, 1 a drafted token rejected there, 2 the drafted token accepted);
         else None.
+      finished_array: bool [num_rows] (continuous engine): the row has ended; False for rows
+        a ``quota`` stopped (partial rollouts), which hold their tokens so far. None from the
+        static sampler.
+      key_array: int [num_rows, 3] (continuous engine): the RNG identity each row was drawn
+        with (seed, prompt, sample; see :class:`Carry`). None from the static sampler.
     """
 
     token_array: Int[Array, "R G"]
@@ -64,6 +97,26 @@ class SamplerOutput:
     engine_stats: Any = None
     action_mask_array: Bool[Array, "R G"] | None = None
     drafted_array: Int[Array, "R G"] | None = None
+    finished_array: np.ndarray | None = None
+    key_array: np.ndarray | None = None
+
+    def carry(self, row: int) -> Carry:
+        """Row ``row`` as a :class:`Carry`, for a later call to continue (or pass through when
+        it has ended). Continuous engine only."""
+        if self.finished_array is None or self.key_array is None:
+            raise ValueError("carry() needs the output of Sampler(engine='continuous')")
+        if not 0 <= row < self.num_rows:
+            raise ValueError(f"row {row} is outside the output's {self.num_rows} rows")
+        seed, prompt, sample = (int(x) for x in self.key_array[row])
+        return Carry(
+            tokens=tuple(self.tokens[row]),
+            logprobs=tuple(self.logprobs[row]),
+            untruncated=tuple(self.untruncated_logprobs[row]),
+            seed=seed,
+            prompt=prompt,
+            sample=sample,
+            finished=bool(self.finished_array[row]),
+        )
 
     @functools.cached_property
     def lengths(self) -> list[int]:

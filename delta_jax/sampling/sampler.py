@@ -52,6 +52,7 @@ from delta_jax.models.axes import logical_to_mesh
 from delta_jax.sampling.attention import NAMES, dense_cpu, resolve_attention
 from delta_jax.sampling.buckets import Buckets, RequestArrays, prepare_request
 from delta_jax.sampling.engine import (
+    EngineRows,
     EngineSettings,
     EngineSetup,
     ProgramCache,
@@ -60,7 +61,8 @@ from delta_jax.sampling.engine import (
     generate_continuous,
     size_engine,
 )
-from delta_jax.sampling.output import SamplerOutput
+from delta_jax.sampling.output import Carry, SamplerOutput
+from delta_jax.sampling.partial import PartialRequest, validate_partial
 from delta_jax.sampling.speculation import Drafter, Speculation, speculation_for
 from delta_jax.sampling.static import StaticOptions, static_program
 from delta_jax.sampling.strategies import (
@@ -249,6 +251,8 @@ class Sampler:
         params: nnx.State | None = None,
         on_sample_done: Callable[[int, list[int]], None] | None = None,
         turns: Turns | None = None,
+        quota: int | None = None,
+        carried: list[Carry | None] | None = None,
     ) -> SamplerOutput:
         """Samples ``n`` continuations of every prompt.
 
@@ -277,6 +281,17 @@ class Sampler:
             and id sequences that end a turn, the turn limit, and the host's ``submit(row, turn)``
             returning a future of the observation's ids); continuous engine only. Observations
             are written into the rows as context and marked in ``action_mask_array``.
+          quota: partial rollouts (continuous engine): once this many prompts have all their
+            ``n`` samples ended, the call stops after the decode chunk in which that happened;
+            the rows still running or queued come back unfinished (``finished_array`` False,
+            their tokens so far; every chunk then runs ``decode_chunk`` steps). None: every row
+            runs to its end.
+          carried: partial rollouts (continuous engine): one entry per row, None for a fresh
+            row or a :class:`~delta_jax.sampling.output.Carry` (``SamplerOutput.carry``) of an
+            earlier call's row: it continues from its tokens with its own RNG identity (the
+            tokens an uninterrupted call would have drawn under the same weights), or, when it
+            has ended (``finished``), is returned as it is. Its tokens count against the row's
+            ``max_new_tokens``. Not with ``turns`` or ``return_hidden``.
 
         Returns:
           A :class:`~delta_jax.sampling.output.SamplerOutput`.
@@ -303,9 +318,13 @@ class Sampler:
         strategy = make_strategy(temperature, top_p, top_k, min_p)
         if turns is not None:
             _validate_turns(turns, self.engine, config.vocab_size)
+        carried = self._check_partial(request, n, turns, return_hidden, quota, carried)
         if self.engine == "continuous":
+            arrays = [np.asarray(p, np.int32) for p in prompts]
+            seed = np.uint32(seed % 2**32)
+            rows = EngineRows(arrays, n, request.max_new, request.stop_ids, seed, carried)
             return self._generate_continuous(
-                prompts, request, n, strategy, seed, return_hidden, params, on_sample_done, turns
+                request, rows, strategy, return_hidden, params, on_sample_done, turns, quota
             )
         graphdef, own_params, rest = nnx.split(self.model, nnx.Param, ...)
         params = own_params if params is None else params
@@ -362,24 +381,35 @@ class Sampler:
         speculation = speculation_for(speculate, drafter, _platform(self.mesh))
         object.__setattr__(self, "_speculation", speculation)
 
+    def _check_partial(self, request, n, turns, return_hidden, quota, carried):
+        """The request's partial-rollout arguments checked (:func:`validate_partial`); returns
+        the carried rows (None: none)."""
+        partial = PartialRequest(
+            self.engine,
+            request.num_rows // n,
+            n,
+            request.max_new,
+            self.model.config.vocab_size,
+            multi_turn=turns is not None,
+            return_hidden=return_hidden,
+        )
+        return validate_partial(partial, quota, carried)
+
     def _generate_continuous(
-        self, prompts, request, n, strategy, seed, return_hidden, params, on_sample_done, turns
+        self, request, rows, strategy, return_hidden, params, on_sample_done, turns, quota
     ):
-        arrays = [np.asarray(p, np.int32) for p in prompts]
         way = self._speculation.for_request()  # how this request decodes
         start = time.perf_counter()
         out, stats = generate_continuous(
             self.model,
             request,
-            arrays,
-            n,
+            rows,
             strategy,
-            np.uint32(seed % 2**32),
             params,
             setup=EngineSetup(
                 self.engine_spec(
                     request,
-                    n,
+                    rows.n,
                     return_hidden,
                     multi_turn=turns is not None,
                     speculative=way.drafting,
@@ -390,6 +420,7 @@ class Sampler:
             ),
             on_sample_done=on_sample_done,
             turns=turns,
+            quota=quota,
         )
         self._speculation.record_request(way, time.perf_counter() - start, stats.useful_steps)
         if self.speculate:  # did this call speculate? (None: the sampler never does)

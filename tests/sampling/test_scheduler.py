@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from delta_jax.sampling.attention.pages import SCRATCH_PAGE, pages_for
-from delta_jax.sampling.engine import run_engine
+from delta_jax.sampling.engine import EngineRows, run_engine
 from delta_jax.sampling.engine.requests import SLOT_FIELDS, STATUS_FIELDS, EngineSpec
 
 PAGE = 4
@@ -22,7 +22,7 @@ class FakeDevice:
         assert ids.shape in self.compiled  # every prefill length compiled before the first
         self.prefills.append((ids.copy(), valid.copy(), pages.copy()))
 
-    def write(self, rows, cols, ids, valid):
+    def write(self, rows, cols, ids, valid, logprobs, untruncated):
         raise AssertionError("single-turn requests write no observations")
 
     def compile_decode(self, packed, pages):
@@ -70,7 +70,7 @@ def _run(spec, n=2, budgets=(5, 9, 3, 12, 7, 1)):
     max_new = np.asarray(budgets[: len(prompts) * n], np.int64)
     stops = np.full((max_new.size, 1), -1, np.int32)
     device = FakeDevice()
-    seqs, stats = run_engine(spec, prompts, n, max_new, stops, device)
+    seqs, stats = run_engine(spec, EngineRows(prompts, n, max_new, stops), device)
     return seqs, stats, device, max_new
 
 

@@ -53,6 +53,7 @@ def _slots(rng, S, window):
         "count": rng.integers(0, 6, S),
         "active": rng.random(S) < 0.8,
         "max_new": rng.integers(3, 12, S),
+        "seed": np.zeros(S),
         "prompt": np.arange(S),
         "sample": np.zeros(S),
         "row": np.arange(S),
@@ -247,6 +248,7 @@ def _decode_all(
         count=jnp.zeros(S, jnp.int32),
         active=jnp.ones(S, bool),
         max_new=jnp.asarray(budgets, jnp.int32),
+        seed=jnp.full(S, 5, jnp.int32),
         prompt=jnp.arange(S, dtype=jnp.int32),
         sample=jnp.zeros(S, jnp.int32),
         row=jnp.arange(S, dtype=jnp.int32),
@@ -257,7 +259,7 @@ def _decode_all(
         copy_src=jnp.zeros(S, jnp.int32),
         copy_dst=jnp.zeros(S, jnp.int32),
     )
-    draw = token_sampler(model, strategy, jnp.asarray(5), return_hidden=True, pad_id=0)
+    draw = token_sampler(model, strategy, return_hidden=True, pad_id=0)
     window = jnp.full((S, 1), -1, jnp.int32) if windows is None else jnp.asarray(windows)
     tail = jnp.asarray([p[-m:] for p in prompts], jnp.int32)
     state, _ = backend.begin_chunk(pool, s, dict(tokens=jnp.zeros((S, 1))), True)

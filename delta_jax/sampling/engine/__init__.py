@@ -11,10 +11,11 @@ request (:mod:`~delta_jax.sampling.engine.engine`)."""
 
 from delta_jax.sampling.engine.engine import EngineSetup, generate_continuous, run_engine
 from delta_jax.sampling.engine.programs import ProgramCache
-from delta_jax.sampling.engine.requests import EngineSpec, EngineStats, Turns
+from delta_jax.sampling.engine.requests import EngineRows, EngineSpec, EngineStats, Turns
 from delta_jax.sampling.engine.sizing import EngineSettings, RequestShape, size_engine
 
 __all__ = [
+    "EngineRows",
     "EngineSettings",
     "EngineSetup",
     "EngineSpec",

@@ -97,9 +97,7 @@ def decode_chunk(
     backend, stop_sequences = options.backend, request.stop_sequences
     model: Transformer = nnx.merge(options.graphdef, weights.params, weights.rest)
     pool = copy_pages(pool, slots.copy_src, slots.copy_dst, backend.groups)
-    draw = token_sampler(
-        model, request.strategy, request.seed, options.return_hidden, options.pad_id
-    )
+    draw = token_sampler(model, request.strategy, options.return_hidden, options.pad_id)
     start, first = slots.pos, slots.count
     step = chunk_step(options, draw, stop_sequences, drafts, first)
 

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from delta_jax.models import Transformer, lm_head_weight
 from delta_jax.models import axes as ax
@@ -40,7 +40,7 @@ __all__ = [
     "prefill_chunk",
     "token_sampler",
     "unpack_slots",
-    "write_observations",
+    "write_tokens",
 ]
 
 
@@ -55,6 +55,8 @@ class SlotState:
       count: tokens generated so far (the index of the next token's RNG stream).
       active: slot holds a sequence that has not ended.
       max_new: the sequence's token budget.
+      seed: the int32 bits of the sequence's uint32 seed (RNG stream: the request's, or a
+        carried row's from the call that started it).
       prompt: prompt index of the sequence (RNG stream).
       sample: sample index of the sequence (RNG stream).
       row: the sequence's row of the output buffers (group-local; out of range for an idle
@@ -76,6 +78,7 @@ class SlotState:
     count: Int[Array, " S"]
     active: Bool[Array, " S"]
     max_new: Int[Array, " S"]
+    seed: Int[Array, " S"]
     prompt: Int[Array, " S"]
     sample: Int[Array, " S"]
     row: Int[Array, " S"]
@@ -88,10 +91,11 @@ class SlotState:
 
 
 def _row_keys(seed, prompt, sample, count):
-    def one(p, s, t):
-        return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(seed, p), s), t)
+    def one(bits, p, s, t):
+        key = jax.random.key(jax.lax.bitcast_convert_type(bits, jnp.uint32))
+        return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, p), s), t)
 
-    return jax.vmap(one)(prompt, sample, count)
+    return jax.vmap(one)(seed, prompt, sample, count)
 
 
 # Per-slot integer fields of SlotState, packed with the stop ids, the stop-sequence window and
@@ -128,13 +132,13 @@ class Weights(NamedTuple):
 
 
 class RequestInputs(NamedTuple):
-    """What every decode chunk of one request reads: the sampling strategy and its seed,
-    whether a sequence that stops may continue later from its pages (``resumable``: a
-    multi-turn request, a turn's end), and a multi-turn request's stop sequences (see
+    """What every decode chunk of one request reads: the sampling strategy (each slot's seed is
+    its own, :class:`SlotState`), whether a sequence that stops may continue later from its
+    pages (``resumable``: a multi-turn request, a turn's end), and a multi-turn request's stop
+    sequences (see
     :func:`~delta_jax.sampling.engine.chunk.decode_chunk`; None for single-turn requests)."""
 
     strategy: Greedy | Categorical
-    seed: Int[Array, ""]
     resumable: Bool[Array, ""]
     stop_sequences: Int[Array, "Q L"] | None = None
 
@@ -173,19 +177,19 @@ class DecodeOptions:
         )
 
 
-def token_sampler(model: Transformer, strategy, seed, return_hidden: bool, pad_id: int):
+def token_sampler(model: Transformer, strategy, return_hidden: bool, pad_id: int):
     """``draw(h [S, H], slots)``: every slot's next token drawn from its hidden state (``pad_id``
     for idle slots), with its log-probs (and the hidden state), each slot with its sequence's
-    RNG stream at its token index."""
+    RNG stream at its token index: ``fold_in(fold_in(fold_in(key(seed), prompt), sample), t)``
+    (its seed, prompt and sample fields)."""
     tied = model.config.tie_word_embeddings
     head = (model.embed[...] if tied else lm_head_weight(model)).astype(model.dtype)
     head_spec = "SH,VH->SV" if tied else "SH,HV->SV"
-    key = jax.random.key(seed)
     acc = accumulation_dtype(model.dtype)  # float32; float64 for a float64 model (x64 checks)
 
     def draw(h, s: SlotState) -> dict[str, Array]:
         logits = jnp.einsum(head_spec, h, head, preferred_element_type=acc)
-        keys = _row_keys(key, s.prompt, s.sample, s.count)
+        keys = _row_keys(s.seed, s.prompt, s.sample, s.count)
         res = jax.vmap(lambda row, k: strategy(row[None], k))(logits, keys)
         cols = dict(
             tokens=jnp.where(s.active, res.token[:, 0], pad_id),
@@ -242,23 +246,29 @@ def init_outputs(
     return out
 
 
-def write_observations(
+def write_tokens(
     out: dict[str, Array],
     rows: Int[Array, " S"],
     cols: Int[Array, " S"],
     ids: Int[Array, "S T"],
     valid: Bool[Array, "S T"],
+    logprobs: Float[Array, "S T"],
+    untruncated: Float[Array, "S T"],
     *,
     groups: Groups,
 ) -> dict[str, Array]:
-    """Writes observation ``ids[s]`` into output row ``rows[s]`` (-1: none) from column
-    ``cols[s]`` on; their log-probs (and hidden states) are zero: they were not sampled."""
+    """Writes ``ids[s]`` with their log-probs into output row ``rows[s]`` (-1: none) from
+    column ``cols[s]`` on: observations (log-probs zero: they were not sampled), or a carried
+    row's tokens drawn by an earlier call (partial rollouts). Hidden states and draft outcomes
+    are zero."""
     S, T = ids.shape
     dropped = out["tokens"].shape[0]  # out of range: the write is dropped
     at = jnp.where(valid & (rows[:, None] >= 0), rows[:, None], dropped).reshape(-1)
     col = (cols[:, None] + jnp.arange(T)).reshape(-1)
     values = {name: jnp.zeros((S * T, *buf.shape[2:]), buf.dtype) for name, buf in out.items()}
     values["tokens"] = ids.reshape(-1)
+    values["logprobs"] = logprobs.reshape(-1)
+    values["untruncated"] = untruncated.reshape(-1)
     return write_rows(out, at, col, values, groups)
 
 

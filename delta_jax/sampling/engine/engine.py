@@ -27,6 +27,11 @@ This engine keeps ``decode_slots`` sequences running instead:
    and it re-joins a free slot. The history is prefilled once; only a sequence preempted after
    a hand-over prefills its context again (from the host's copy). Sequences waiting on the
    host are preempted last.
+6. partial rollouts: with a ``quota`` the call stops once that many prompts have all their
+   samples ended (after that chunk), and the sequences left come back unfinished, their pages
+   freed; a later call continues such *carried* rows (their tokens written into their output
+   rows, prompt and tokens prefilled into their own pages as after a multi-turn preemption),
+   each drawing with the RNG identity (seed, prompt, sample) of the call that started it.
 
 On a mesh the engine is data parallel: the ``decode_slots`` slots and the pool's pages split
 evenly over the *data groups* (the row shards of the sampling mesh, e.g. 4 groups of 8 chips for
@@ -74,6 +79,7 @@ from delta_jax.sampling.engine.decode import RequestInputs
 from delta_jax.sampling.engine.programs import EnginePrograms, ProgramCache
 from delta_jax.sampling.engine.protocol import DevicePrograms
 from delta_jax.sampling.engine.requests import (
+    EngineRows,
     EngineSpec,
     EngineStats,
     Prompt,
@@ -112,17 +118,16 @@ def _assemble(buffers, index, lengths, prompt_ids, prompt_mask, repeat, *, pad_i
 
 def run_engine(
     spec: EngineSpec,
-    prompts: list[np.ndarray],
-    n: int,
-    max_new: np.ndarray,
-    stop_ids: np.ndarray,
+    rows: EngineRows,
     programs: DevicePrograms,
     on_done=None,
     turns: Turns | None = None,
     read=None,
     speculation: Speculation = PLAIN,
+    quota: int | None = None,
 ) -> tuple[list[Seq], EngineStats]:
-    """Runs every (prompt, sample) sequence to its end; returns them in row order and stats.
+    """Runs every (prompt, sample) sequence of ``rows`` to its end (or until ``quota`` prompts
+    have all their samples ended); returns them in row order and stats.
 
     ``on_done(seqs)``, when given, is called with the sequences that ended in each host round
     (their outputs are final), while the others are still being decoded.
@@ -138,35 +143,57 @@ def run_engine(
     (:class:`~delta_jax.sampling.speculation.decoding.Speculation`: plain decode steps, or verify
     steps of drafts, ``spec.draft_tokens > 0``); it learns of the request's start here and of its
     end (a drafter's texts join its history).
+
+    Partial rollouts: ``rows.carried`` continues rows of an earlier call (their tokens written
+    into their output rows, prompt and tokens prefilled into their own pages, drawing on with
+    their own RNG identity; rows that had ended are returned as they are), and ``quota`` stops
+    the call once that many prompts have all their samples ended (the sequences left are
+    returned unfinished, ``Seq.unfinished``).
     """
-    stats = EngineStats(group_pages=spec.group_pages)
+    prompts, n, max_new = rows.prompts, rows.n, rows.max_new
     owner = assign_groups(prompts, n, max_new, spec.groups)
-    rows, _ = output_rows(owner, n, spec.groups)
+    local, _ = output_rows(owner, n, spec.groups)
     records = [Prompt(ids=p, group=owner[i], left=n) for i, p in enumerate(prompts)]
+    seed = int(np.uint32(rows.seed).view(np.int32))
+    carried = rows.carried or (None,) * (len(prompts) * n)
     seqs = [
-        Seq(
-            prompt=r // n,
-            sample=r % n,
-            max_new=int(max_new[r]),
-            stops=stop_ids[r],
-            row=rows[r],
-            index=r,
-        )
+        _sequence(r, n, int(max_new[r]), rows.stop_ids[r], int(local[r]), seed, carried[r])
         for r in range(len(prompts) * n)
     ]
+    done = [s for s in seqs if carried[s.index] is not None and carried[s.index].finished]
+    for seq in done:
+        records[seq.prompt].left -= 1
     # Longest budget first: a long sequence admitted last would run on alone while the other
     # slots idle. The order changes no token (each sequence has its own RNG stream).
-    seqs.sort(key=lambda s: -s.max_new)
-    groups = [[s for s in seqs if owner[s.prompt] == g] for g in range(spec.groups)]
+    queued = sorted((s for s in seqs if s not in done), key=lambda s: -s.max_new)
+    groups = [[s for s in queued if owner[s.prompt] == g] for g in range(spec.groups)]
     backend = backend_for(spec.attention)
     speculation.begin(prompts, n)
+    for seq in seqs:
+        if seq.history:  # a carried row's text goes on from its tokens
+            speculation.extend(seq.index, seq.history)
     scheduler = Scheduler(
-        spec, records, groups, programs, backend, stats, on_done, turns, read, speculation
+        spec, records, groups, programs, backend, on_done, turns, read, speculation, quota
     )
-    done = scheduler.run()
+    done = scheduler.run(done)
     speculation.finish()
     done.sort(key=lambda s: (s.prompt, s.sample))
-    return done, stats
+    return done, scheduler.stats
+
+
+def _sequence(r: int, n: int, max_new: int, stops, row: int, seed: int, carry) -> Seq:
+    """Request row ``r``'s sequence: fresh (its RNG identity the request's ``seed`` and its own
+    prompt and sample), or continuing ``carry`` (a :class:`Carry`: its tokens so far, its
+    identity)."""
+    seq = Seq(prompt=r // n, sample=r % n, max_new=max_new, stops=stops, row=row, index=r)
+    seq.rng = (seed, r // n, r % n)
+    if carry is not None:
+        tokens = np.asarray(carry.tokens, np.int32)
+        seq.carried = (tokens, np.asarray(carry.logprobs), np.asarray(carry.untruncated))
+        seq.rng = (int(np.uint32(carry.seed).view(np.int32)), carry.prompt, carry.sample)
+        seq.length = tokens.size
+        seq.history = tokens.tolist() or None
+    return seq
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,28 +214,30 @@ class EngineSetup:
 def generate_continuous(
     model: Transformer,
     request: RequestArrays,
-    prompts: list[np.ndarray],
-    n: int,
+    rows: EngineRows,
     strategy,
-    seed,
     params,
     *,
     setup: EngineSetup,
     on_sample_done=None,
     turns: Turns | None = None,
+    quota: int | None = None,
 ) -> tuple[SamplerOutput, EngineStats]:
     """The engine behind ``Sampler(engine="continuous").generate``; same output as the static one.
 
-    The sampler hands over what the engine needs (:class:`EngineSetup`). ``params``: the
-    parameters to sample with (None: the model's own). ``on_sample_done(row, tokens)`` gets
-    each request row's generated ids as soon as it ends, while the others decode. ``turns``: a
-    multi-turn request (:class:`Turns`); the output's ``action_mask_array`` then marks the
-    sampled tokens.
+    The sampler hands over what the engine needs (:class:`EngineSetup`) and the request's rows
+    (:class:`EngineRows`: its prompts, samples, seed and carried rows; ``request`` holds their
+    arrays). ``params``: the parameters to sample with (None: the model's own).
+    ``on_sample_done(row, tokens)`` gets each request row's generated ids as soon as it ends,
+    while the others decode. ``turns``: a multi-turn request (:class:`Turns`); the output's
+    ``action_mask_array`` then marks the sampled tokens. ``quota``: partial rollouts, see
+    :func:`run_engine`.
 
     Returns:
       ``(SamplerOutput, EngineStats)``.
     """
     spec, programs = setup.spec, setup.programs
+    prompts, n = rows.prompts, rows.n
     validate_engine_request(spec, prompts, n, request.max_new)
     # The attention path, picked once, for programs on the sampler's mesh.
     backend = backend_for(spec.attention, Groups(programs.mesh, model.config.num_kv_heads))
@@ -221,7 +250,7 @@ def generate_continuous(
         stop_ids = np.concatenate([stop_ids, extra], axis=1)
     owner = assign_groups(prompts, n, request.max_new, spec.groups)
     local, block = output_rows(owner, n, spec.groups)
-    inputs = RequestInputs(strategy, seed, np.bool_(turns is not None), stop_sequences)
+    inputs = RequestInputs(strategy, np.bool_(turns is not None), stop_sequences)
     device = EnginePrograms(
         programs,
         model,
@@ -236,8 +265,8 @@ def generate_continuous(
     )
 
     def read(seqs: list[Seq]) -> list[list[int]]:
-        rows = np.array([owner[s.prompt] * block + local[s.index] for s in seqs], np.int32)
-        tokens = device.peek(rows)
+        at = np.array([owner[s.prompt] * block + local[s.index] for s in seqs], np.int32)
+        tokens = device.peek(at)
         return [tokens[i, : s.length].tolist() for i, s in enumerate(seqs)]
 
     on_done = None
@@ -247,12 +276,16 @@ def generate_continuous(
             for seq, tokens in zip(seqs, read(seqs), strict=True):
                 on_sample_done(seq.index, tokens)
 
-    seqs, stats = run_engine(
-        spec, prompts, n, request.max_new, stop_ids, device, on_done, turns, read, setup.speculation
-    )
+    rows = dataclasses.replace(rows, max_new=request.max_new, stop_ids=stop_ids)
+    seqs, stats = run_engine(spec, rows, device, on_done, turns, read, setup.speculation, quota)
     # Global buffer row of each request row: its group's block, then its row in the block.
     index = np.array([owner[r // n] * block + local[r] for r in range(len(seqs))], np.int32)
     return _output(device.results(), seqs, index, request, n, spec.pad_id, turns), stats
+
+
+def _unsigned(bits: int) -> int:
+    """The uint32 seed of its int32 bits."""
+    return int(np.int32(bits).view(np.uint32))
 
 
 def _output(buffers, seqs: list[Seq], index, request, n: int, pad_id: int, turns):
@@ -280,6 +313,8 @@ def _output(buffers, seqs: list[Seq], index, request, n: int, pad_id: int, turns
         num_steps=out["steps"],
         num_rows=rows,
         drafted_array=out.get("drafted"),
+        finished_array=np.array([not s.unfinished for s in seqs]),
+        key_array=np.array([[_unsigned(s.rng[0]), *s.rng[1:]] for s in seqs], np.int64),
     )
     if turns is not None:
         actions = np.arange(request.gen_len)[None, :] < lengths[:, None]

@@ -37,7 +37,7 @@ from delta_jax.sampling.engine.decode import (
     Weights,
     init_outputs,
     prefill_chunk,
-    write_observations,
+    write_tokens,
 )
 from delta_jax.sampling.engine.requests import EngineSpec
 from delta_jax.sampling.output import to_host
@@ -117,7 +117,7 @@ class EnginePrograms:
       backend: its paged attention backend, bound to the cache's mesh
         (:func:`~delta_jax.sampling.attention.backends.backend_for`).
       params: the parameters to sample with (None: the model's own).
-      request: the request's strategy, seed, whether its sequences continue after a turn's end
+      request: the request's strategy, whether its sequences continue after a turn's end
         (multi-turn) and its ``[Q, L]`` stop-sequence matrix (NumPy, sent once) or None.
       cache_dtype: the page pool's dtype.
       width: stop ids per sequence.
@@ -191,12 +191,16 @@ class EnginePrograms:
         args = (self.params, self.rest)
         return self._build(key, setup, args)(*args)
 
-    def write(self, rows, cols, ids, valid) -> None:
-        """Writes observation ids into the output buffers (per slot: output row or -1, first
-        column, ids, valid)."""
-        args = (self.out, *(self.cache.place(a) for a in (rows, cols, ids, valid)))
+    def write(self, rows, cols, ids, valid, logprobs, untruncated) -> None:
+        """Writes ids with their log-probs into the output buffers (per slot: output row or
+        -1, first column, ids, valid, log-probs, untruncated log-probs): observations, or
+        carried rows' tokens."""
+        dtype = self.out["logprobs"].dtype  # float32; float64 for a float64 model
+        floats = (np.asarray(x, dtype) for x in (logprobs, untruncated))
+        arrays = (rows, cols, ids, valid, *floats)
+        args = (self.out, *(self.cache.place(a) for a in arrays))
         key = ("write", args[3].shape, self.rows, self.gen_len, self.hidden)
-        fn = functools.partial(write_observations, groups=self.backend.groups)
+        fn = functools.partial(write_tokens, groups=self.backend.groups)
         self.out = self._build(key, fn, args, (0,))(*args)
 
     def prefill(self, ids, positions, valid, pages) -> None:

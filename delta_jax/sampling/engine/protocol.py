@@ -1,6 +1,6 @@
 """What the continuous engine's host side asks of the device: the :class:`DevicePrograms`
 protocol, three programs over the page pool and the output buffers (prefill, decode or verify,
-observation writes) and the compiling ahead of them.
+token writes: observations, carried rows) and the compiling ahead of them.
 :class:`~delta_jax.sampling.engine.programs.EnginePrograms` implements it on a device; the
 :class:`~delta_jax.sampling.engine.scheduler.Scheduler` calls nothing else, so it runs, and is
 tested, with a stand-in that compiles nothing.
@@ -22,9 +22,10 @@ class DevicePrograms(Protocol):
         a flat page list ``[U, 3]`` (page, seq, index), or page tables ``[B, NB]`` on the
         ``dense`` path."""
 
-    def write(self, rows, cols, ids, valid) -> None:
-        """Writes observation ``ids [S, T]`` into output row ``rows[s]`` (-1: none) from
-        column ``cols[s]`` on."""
+    def write(self, rows, cols, ids, valid, logprobs, untruncated) -> None:
+        """Writes ``ids [S, T]`` with their ``logprobs`` and ``untruncated`` log-probs
+        ``[S, T]`` into output row ``rows[s]`` (-1: none) from column ``cols[s]`` on
+        (observations, log-probs zero; or a carried row's tokens)."""
 
     def decode(self, packed, pages, steps: int):
         """Runs up to ``steps`` decode steps of the packed ``[S, F]`` slot matrix

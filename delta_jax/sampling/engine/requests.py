@@ -19,6 +19,7 @@ __all__ = [
     "SLOT_FIELDS",
     "STATUS_FIELDS",
     "Attention",
+    "EngineRows",
     "EngineSpec",
     "EngineStats",
     "HostSlots",
@@ -37,7 +38,7 @@ Attention = Literal["xla", "pallas", "dense"]
 # Per-slot integer fields of the decode program's slot state, packed with the stop ids, the
 # stop-sequence window and the page table into one [S, F] matrix: one host-to-device copy per
 # chunk instead of one per field.
-SLOT_FIELDS = ("last", "pos", "count", "active", "max_new", "prompt", "sample", "row")
+SLOT_FIELDS = ("last", "pos", "count", "active", "max_new", "seed", "prompt", "sample", "row")
 SLOT_FIELDS += ("copy_src", "copy_dst")
 # What the host reads back after a chunk, one [S, 4 + L] matrix (then the window ``recent``).
 STATUS_FIELDS = ("last", "pos", "count", "active")
@@ -49,7 +50,7 @@ class HostSlots:
     chunk is sent (:meth:`pack`) and what it reads back (:meth:`read_status`).
 
     Attributes:
-      last, pos, count, active, max_new, prompt, sample, row, copy_src, copy_dst: int32 [S],
+      last, pos, count, active, max_new, seed, prompt, sample, row, copy_src, copy_dst: int32 [S],
         the fields of :data:`SLOT_FIELDS` (see ``delta_jax.sampling.engine.decode.SlotState``).
       stops: int32 [S, W], each slot's stop ids, padded with -1.
       recent: int32 [S, L], multi-turn stop sequences' window (-1: none yet).
@@ -60,6 +61,7 @@ class HostSlots:
     count: np.ndarray
     active: np.ndarray
     max_new: np.ndarray
+    seed: np.ndarray
     prompt: np.ndarray
     sample: np.ndarray
     row: np.ndarray
@@ -101,6 +103,14 @@ class Seq:
     table: list[int] = dataclasses.field(default_factory=list)  # all pages from position 0
     length: int = 0
     index: int = 0  # request row (prompt * n + sample)
+    # The RNG identity it draws with (its seed's int32 bits, prompt, sample): the request's
+    # seed and its own (prompt, sample), or a carried row's from the call that started it.
+    rng: tuple[int, int, int] = (0, 0, 0)
+    # A carried row (partial rollouts): its tokens, log-probs and untruncated log-probs so far,
+    # written into its output row before the first chunk; ``unfinished``: the call stopped
+    # (its quota met) before the sequence ended.
+    carried: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    unfinished: bool = False
     # Multi-turn: the turns handed over, the response's tokens on the host (from the first
     # hand-over on, up to ``length`` when the sequence waits or re-joins), the observations'
     # columns, the pending observation, and the work before its next decode: tokens to prefill
@@ -201,6 +211,7 @@ class EngineStats:
     accepted: dict[str, int] = dataclasses.field(default_factory=dict)
     # Whether the request speculated (None: its sampler has no drafts, ``draft_tokens = 0``).
     speculative: bool | None = None
+    unfinished: int = 0  # rows returned before they ended (a quota met, partial rollouts)
 
     @property
     def occupancy(self) -> float:
@@ -222,6 +233,21 @@ class EngineStats:
         for i, source in enumerate(SOURCES):
             self.drafted[source] = self.drafted.get(source, 0) + int(counts[:, 1 + i].sum())
             self.accepted[source] = self.accepted.get(source, 0) + int(counts[:, 1 + n + i].sum())
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRows:
+    """The rows of one engine call: ``n`` samples of each of ``prompts`` (int32 arrays), each
+    row's token budget ``max_new`` and stop ids ``stop_ids [R, W]`` (padded with -1), the
+    request's ``seed`` (uint32), and for partial rollouts the rows ``carried`` from an earlier
+    call (per row: None, or a :class:`~delta_jax.sampling.output.Carry`)."""
+
+    prompts: list[np.ndarray]
+    n: int
+    max_new: np.ndarray
+    stop_ids: np.ndarray
+    seed: int = 0
+    carried: tuple | None = None
 
 
 @dataclasses.dataclass

@@ -21,6 +21,7 @@ from delta_jax.sampling.engine.groups import DataGroup
 from delta_jax.sampling.engine.protocol import DevicePrograms
 from delta_jax.sampling.engine.requests import (
     EngineSpec,
+    EngineStats,
     HostSlots,
     Seq,
     Turns,
@@ -35,7 +36,11 @@ class Scheduler:
     """Host side of one engine call: a :class:`DataGroup` (queue, slots, pages) per data group;
     one device call (prefill or decode) serves every group at once. The device programs are
     ``programs``; the page layout they read is the attention ``backend``'s (its host half); how
-    a decode chunk runs (plain decode steps, or verify steps of drafts) is ``speculation``'s."""
+    a decode chunk runs (plain decode steps, or verify steps of drafts) is ``speculation``'s.
+
+    ``quota`` (partial rollouts): once that many prompts have all their samples
+    ended, the call stops after the chunk in which it happened; the sequences still running or
+    queued are returned unfinished (their pages freed)."""
 
     def __init__(
         self,
@@ -44,14 +49,15 @@ class Scheduler:
         groups: list[list[Seq]],
         programs: DevicePrograms,
         backend: PagedBackend,
-        stats,
         on_done=None,
         turns: Turns | None = None,
         read=None,
         speculation: Speculation = PLAIN,
+        quota: int | None = None,
     ):
         self.spec, self.backend = spec, backend
         self.prompts = prompts
+        stats = EngineStats(group_pages=spec.group_pages)
         self.groups = [
             DataGroup(g, spec, prompts, seqs, speculation, stats) for g, seqs in enumerate(groups)
         ]
@@ -65,6 +71,7 @@ class Scheduler:
         # the tokens a step may emit (``draft_tokens + 1`` for a verify step).
         self.speculation = speculation
         self.admitted = 0
+        self.quota = quota
         self.done: list[Seq] = []
         self.ended: list[Seq] = []  # ended since the last report (on_done)
 
@@ -111,7 +118,7 @@ class Scheduler:
                     # pages, from the prompt's partial last page on (not copied from it).
                     ids = np.concatenate([prompt.ids[full * ps :], seq.history[:-1]])
                     seq.resume = (full * ps, ids.astype(np.int32), True)
-            if not seq.history:
+            if not seq.turns:  # a new admission (else it re-joins after a hand-over)
                 seq.order = self.admitted
                 self.admitted += 1
             slot = free_slots.pop(0)
@@ -128,8 +135,7 @@ class Scheduler:
         state.count[slot] = seq.length
         state.active[slot] = True
         state.max_new[slot] = seq.max_new
-        state.prompt[slot] = seq.prompt
-        state.sample[slot] = seq.sample
+        state.seed[slot], state.prompt[slot], state.sample[slot] = seq.rng
         state.row[slot] = seq.row
         state.stops[slot] = seq.stops
         # A sequence joins at the start of a turn (its prompt's end, an observation's end, or
@@ -209,19 +215,57 @@ class Scheduler:
                 ids[slot, : obs.size] = obs
                 valid[slot, : obs.size] = True
                 seq.write = None
-            self.programs.write(rows, cols, ids, valid)
+            zeros = np.zeros(ids.shape, np.float32)  # observations were not sampled
+            self.programs.write(rows, cols, ids, valid, zeros, zeros)
+
+    def _write_carried(self) -> None:
+        """Before the first chunk: every carried row's tokens and log-probs into its output
+        row, ``spec.group_slots`` rows of each group per call (in its block of slots)."""
+        spec, Sg = self.spec, self.spec.group_slots
+        carried = [
+            s
+            for s in (*self.done, *(s for g in self.groups for s in g.queue))
+            if s.carried is not None and s.carried[0].size
+        ]
+        if not carried:
+            return
+        per_group = [
+            [s for s in carried if self.prompts[s.prompt].group == g] for g in range(spec.groups)
+        ]
+        width = pow2(max(max(s.carried[0].size for s in carried), spec.min_len))
+        for start in range(0, max(map(len, per_group)), Sg):
+            rows = np.full(spec.slots, -1, np.int32)  # -1: nothing to write
+            ids = np.zeros((spec.slots, width), np.int32)
+            valid = np.zeros((spec.slots, width), bool)
+            floats = np.zeros((2, spec.slots, width), np.float64)
+            for g, seqs in enumerate(per_group):
+                for i, seq in enumerate(seqs[start : start + Sg]):
+                    slot, (tokens, logprobs, untruncated) = g * Sg + i, seq.carried
+                    rows[slot] = seq.row
+                    ids[slot, : tokens.size] = tokens
+                    valid[slot, : tokens.size] = True
+                    floats[:, slot, : tokens.size] = logprobs, untruncated
+            cols = np.zeros(spec.slots, np.int32)
+            self.programs.write(rows, cols, ids, valid, floats[0], floats[1])
 
     # ---- the loop ----------------------------------------------------------------------------
 
-    def run(self) -> list[Seq]:
+    def run(self, ended: list[Seq] = ()) -> list[Seq]:
+        """Runs the call; returns every sequence, ``ended`` (those that ended before it: carried
+        rows that had ended, partial rollouts) included."""
         spec = self.spec
+        self.done = list(ended)
         S = spec.slots
         width = next(g.queue[0] for g in self.groups if g.queue).stops.size
         window = 0 if self.stop_sequences is None else self.stop_sequences.shape[1]
         state = HostSlots.empty(S, width, window)
         if not self.speculation.drafting:  # verify chunks compile as they come
             self._compile_chunks(state)
+        self._write_carried()
         while any(g.queue or g.running or g.waiting for g in self.groups):
+            if self._quota_met():
+                self._stop()
+                break
             self._collect(block=False)
             state.copy_src[:] = SCRATCH_PAGE
             state.copy_dst[:] = SCRATCH_PAGE
@@ -261,6 +305,28 @@ class Scheduler:
         self.stats.waiting_pages_peak = tuple(g.waiting_pages_peak for g in self.groups)
         return self.done
 
+    def _quota_met(self) -> bool:
+        """Partial rollouts: ``quota`` prompts have all their samples ended."""
+        return self.quota is not None and sum(p.left == 0 for p in self.prompts) >= self.quota
+
+    def _stop(self) -> None:
+        """The quota is met: the sequences still running or queued end unfinished, with the
+        tokens they have so far; every page is freed."""
+        for group in self.groups:
+            seqs = [seq for _, seq in group.running] + list(group.queue)
+            group.slots = [None] * len(group.slots)
+            group.queue.clear()
+            for seq in seqs:
+                if seq.table:
+                    group.release(seq)
+                seq.unfinished = True
+                self.done.append(seq)
+            self.stats.unfinished += len(seqs)
+            for prompt in self.prompts:
+                if prompt.group == group.index and prompt.pages:
+                    group.alloc.free(prompt.pages)
+                    prompt.pages = None
+
     def _compile_chunks(self, state: HostSlots) -> None:
         """Compiles the decode chunk at every slot bucket (:meth:`_bucket`) and the prefill
         chunk at every length up to the longest sequence before the first chunk runs (nothing
@@ -288,7 +354,10 @@ class Scheduler:
         tail chunk also ends where its sequences' budgets leave at most half its rows busy
         (:meth:`_bucket`)."""
         drafting = self.speculation.drafting  # speculative chunks: fresh drafts every chunk
-        if self.turns is not None or drafting or any(g.queue for g in self.groups):
+        # A quota (partial rollouts) is checked between chunks: no chunk runs to the end.
+        if self.turns is not None or drafting or self.quota is not None:
+            return self.spec.steps
+        if any(g.queue for g in self.groups):
             return self.spec.steps
         left, rests = 0, []
         for group in self.groups:
