@@ -122,7 +122,8 @@ def summary(name: str, steps: list[dict], cap: int) -> dict:
     """An arm's totals over its steps, printed; returns its rates."""
     seconds = sum(s["wall"] - s["compile"] for s in steps)
     useful, generated = sum(s["useful"] for s in steps), sum(s["generated"] for s in steps)
-    occupancy = generated / sum(s["slot_steps"] for s in steps)
+    slot_steps = sum(s["slot_steps"] for s in steps)
+    occupancy = generated / slot_steps
     lengths = np.asarray([n for s in steps for n in s["lengths"]])
     percentiles = " ".join(f"p{q} {np.percentile(lengths, q):.0f}" for q in (50, 90, 99))
     print(
@@ -134,6 +135,10 @@ def summary(name: str, steps: list[dict], cap: int) -> dict:
     print(
         f"{'':>7}  returned rows' lengths: mean {lengths.mean():.1f}, {percentiles}, max "
         f"{lengths.max()}, at the cap {np.mean(lengths >= cap):.3f} ({len(lengths)} rows)"
+    )
+    print(
+        f"{'':>7}  {slot_steps / seconds:.0f} slot-steps/s; "
+        f"{sum(s['prefilled'] for s in steps)} carried tokens prefilled again"
     )
     return dict(useful=useful / seconds, generated=generated / seconds, occupancy=occupancy)
 
@@ -158,6 +163,7 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=16, help="decode steps per engine call")
     ap.add_argument("--template", default=TEMPLATE)
+    ap.add_argument("--seed", type=int, default=0, help="offsets every call's seed")
     args = ap.parse_args()
     extra = args.groups if args.extra is None else args.extra
     model, pad_id, stops, pairs = load(args)
@@ -177,20 +183,22 @@ def main() -> None:
         f"cap {args.cap}, stop ids {list(stops)}; {args.groups} groups x {args.n} samples a "
         f"step on {slots} slots (decode chunk {args.chunk}, page {args.page_size}); partial "
         f"asks {args.groups} + {extra} groups with quota {args.groups}; {args.steps} steps, "
-        "interleaved"
+        f"interleaved; seed {args.seed}"
     )
     print("step     arm |  wall s compile | grp useful   gen   occ | carried refill staleness")
     arms = {"sync": [], "partial": []}
     taken = {"sync": 0, "partial": 0}  # prompts each arm has drawn from the shared list
+    base = 10_000 * args.seed
     for step in range(args.steps):
         order = ["sync", "partial"] if step % 2 == 0 else ["partial", "sync"]
         for name in order:
             if name == "sync":
                 fresh = pairs[taken[name] : taken[name] + args.groups]
-                figures = sync_step(sampler, fresh, args, seed=1000 + step)
+                figures = sync_step(sampler, fresh, args, seed=base + 1000 + step)
             else:
                 fresh = pairs[taken[name] : taken[name] + buffer.fresh_needed]
-                figures = partial_step(sampler, buffer, fresh, args, step, seed=2000 + step)
+                seed = base + 2000 + step
+                figures = partial_step(sampler, buffer, fresh, args, step, seed=seed)
             taken[name] += len(fresh)
             arms[name].append(figures)
             print_step(step, name, figures)
