@@ -283,6 +283,12 @@ def policy_gradient_loss(
         weight = truncated_importance_weight(x.old, x.rollout, valid, tis_cap)
         per_token = per_token * weight
         metrics["tis_weight_mean"] = masked_mean(weight, valid)
+        metrics["tis_weight_max"] = masked_max(weight, valid)
+        if tis_cap is not None:  # tokens whose weight the cap cut (off-policy ones, mostly)
+            raw = truncated_importance_weight(x.old, x.rollout, valid, None)
+            metrics["tis_truncated_fraction"] = masked_mean(
+                (raw > tis_cap).astype(weight.dtype), valid
+            )
 
     def agg(per_token_terms):
         per_token_terms = jnp.where(x.keep, per_token_terms, 0)

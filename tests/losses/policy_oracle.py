@@ -109,7 +109,9 @@ def policy_loss_ref(
     pg = 0.0
     grad = np.zeros_like(lp)
     grad_ent = None if entropy is None else np.zeros_like(lp)
-    rec = {k: [] for k in ("ratio", "upper", "lower", "dual", "akl", "w", "kl", "ent", "coef")}
+    rec = {
+        k: [] for k in ("ratio", "upper", "lower", "dual", "akl", "w", "cut", "kl", "ent", "coef")
+    }
     for i in range(n_rows):
         if lengths[i] == 0:
             continue
@@ -140,6 +142,7 @@ def policy_loss_ref(
                 rec["coef"].append(float(coefficients[i, t]))
             if rollout_logprobs is not None:
                 w = math.exp(old[i, t] - float(rollout_logprobs[i, t]))
+                rec["cut"].append(float(tis_cap is not None and w > tis_cap))
                 w = w if tis_cap is None else min(w, tis_cap)
                 rec["w"].append(w)
                 value, dvalue = value * w, dvalue * w
@@ -181,6 +184,9 @@ def policy_loss_ref(
         )
     if rollout_logprobs is not None:
         metrics["tis_weight_mean"] = mean(rec["w"])
+        metrics["tis_weight_max"] = max(rec["w"], default=0.0)
+        if tis_cap is not None:
+            metrics["tis_truncated_fraction"] = mean(rec["cut"])
     if ref_logprobs is not None:
         metrics["kl"] = mean(rec["kl"])
     if entropy is not None:
