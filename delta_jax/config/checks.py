@@ -34,6 +34,7 @@ def validate(config: Config) -> None:
             f"rollout.environment={r.environment!r} needs rollout.engine=continuous (a turn "
             "waits for its observation without holding the batch)"
         )
+    _check_partial(config)
     if r.engine == "continuous" and r.samples_per_prompt > r.decode_slots:
         raise ConfigError(
             f"rollout.samples_per_prompt={r.samples_per_prompt} exceeds "
@@ -82,6 +83,30 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"rollout.samples_per_prompt={r.samples_per_prompt}: group advantages need >= 2 samples"
         )
+
+
+def _check_partial(config: Config) -> None:
+    """Partial rollouts need the continuous engine, single-turn rows and the importance
+    weights; ``max_staleness`` applies to them only."""
+    r = config.rollout
+    if not r.over_provision:
+        if r.max_staleness is not None:
+            raise ConfigError(
+                f"rollout.max_staleness={r.max_staleness} bounds partial rollouts: set "
+                "rollout.over_provision >= 1 too"
+            )
+        return
+    need = [
+        (r.engine != "continuous", "rollout.engine=continuous (it stops and continues rows)"),
+        (bool(r.environment), "single-turn rows (rollout.environment is set)"),
+        (
+            config.algo.tis_cap is None,
+            "algo.tis_cap (tokens drawn by an older policy are weighted against it)",
+        ),
+    ]
+    for failed, what in need:
+        if failed:
+            raise ConfigError(f"rollout.over_provision={r.over_provision} needs {what}")
 
 
 def _check_ranges(config: Config) -> None:

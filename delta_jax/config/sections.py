@@ -131,6 +131,15 @@ class RolloutConfigSection:
     # rewards are not all equal, at most this many extra sampling rounds (0 disables). The
     # built-in defaults are the CPU demo's; paper_base.yaml sets 0.
     dynamic_sampling_rounds: int = ranged(2, 0)
+    # Partial rollouts (continuous engine; delta_jax.rl.partial, docs/engine.md): each sampler
+    # call also asks for this many further batches of prompts_per_step groups, stops once
+    # prompts_per_step groups have all their samples ended, and carries the unfinished groups
+    # into the next call (0: synchronous, every group runs to its end). Tokens drawn by an
+    # older policy are weighted against it: needs algo.tis_cap.
+    over_provision: int = ranged(0, 0)
+    # Partial rollouts: a carried group whose oldest token is more than this many RL steps
+    # behind the policy is dropped and its prompt sampled again (None: no bound).
+    max_staleness: int | None = ranged(None, 0)
     # Multi-turn episodes (delta_jax.envs): "" (one response per prompt), "python_tool" (the
     # built-in Python interpreter tool, delta_jax.envs.PythonTool), or "package.module:factory"
     # (a callable returning a fresh Environment per episode). Trainer(environment=...) takes an

@@ -30,6 +30,7 @@ from delta_jax.envs.episodes import EpisodeRunner, episode_row
 from delta_jax.losses import advantages as adv_lib
 from delta_jax.rewards import concat_batches
 from delta_jax.rl.compilation import CompileCounter
+from delta_jax.rl.partial import PartialRollouts
 
 # Percentiles of a step's response lengths recorded beside their mean, min and max.
 LENGTH_PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -130,10 +131,18 @@ def collect_rollout(
     spec: RolloutSpec,
     seed: int,
     episodes: EpisodeRunner | None = None,
+    partial: PartialRollouts | None = None,
+    version: int = 0,
 ) -> Rollout:
     """Sample, score and assemble one rollout batch (see module docstring) as ``spec`` says;
-    with ``episodes`` each response is a multi-turn episode (:mod:`delta_jax.envs.episodes`)."""
-    n, dynamic_rounds = spec.n, spec.dynamic_rounds
+    with ``episodes`` each response is a multi-turn episode (:mod:`delta_jax.envs.episodes`).
+
+    With ``partial`` (partial rollouts, :mod:`delta_jax.rl.partial`) each sampler call continues
+    the buffer's groups and asks for the over-provision too (the first call of a run reads the
+    prompt batches that fill it), stops once a batch's worth of groups has ended and keeps the
+    rest; ``version`` is the policy's (updates applied, in RL steps), the staleness clock.
+    """
+    dynamic_rounds = spec.dynamic_rounds
     stats: Counter = Counter()
     kept: list[Group] = []
     spare: list[Group] = []
@@ -141,11 +150,14 @@ def collect_rollout(
     take_skipped = getattr(prompt_batches, "take_skipped", lambda: 0)
     for round_ in range(dynamic_rounds + 1):
         pairs = next(prompt_batches)
+        wanted = wanted or len(pairs)
+        while partial is not None and len(pairs) < partial.fresh_needed:
+            pairs = pairs + next(prompt_batches)  # the first call: the over-provision's prompts
         # Rows the prompt source passed over (bad rows, prompts too long) for this step.
         stats["data/skipped"] += take_skipped()
-        wanted = wanted or len(pairs)
+        call = _Call(seed * 1000 + round_, episodes, partial, version)
         out, groups = _sample_and_score(
-            sampler, params, scorer, tokenizer, pairs, spec, seed * 1000 + round_, stats, episodes
+            sampler, params, scorer, tokenizer, pairs, spec, call, stats
         )
         outputs.append(
             (
@@ -156,8 +168,8 @@ def collect_rollout(
                 out.action_mask_array,
             )
         )
-        for g, group in enumerate(groups):
-            group.rows = offset + g * n + np.arange(n)
+        for group in groups:
+            group.rows = offset + group.rows
             (kept if group.informative or dynamic_rounds == 0 else spare).append(group)
         offset += out.token_array.shape[0]
         stats["dynamic/rounds"] = round_ + 1
@@ -230,7 +242,7 @@ def _assemble(kept: list[Group], outputs, spec: RolloutSpec, stats) -> Rollout:
 @dataclasses.dataclass
 class Group:
     """A prompt's ``n`` samples after scoring: the host-side results, and where its rows are
-    among every round's sampler outputs (set when the round is placed)."""
+    (in its sampler call's output, then among every round's outputs once the round is placed)."""
 
     prompt_ids: list[int]
     rewards: np.ndarray  # f32[n]
@@ -238,7 +250,7 @@ class Group:
     records: list[PromptRecord]
     texts: list[str]
     components: dict[str, np.ndarray]  # each reward function's own rewards [n], by name
-    rows: np.ndarray | None = None
+    rows: np.ndarray  # int [n]
 
     @property
     def informative(self) -> bool:
@@ -271,10 +283,14 @@ class _RewardStream:
                 self.prompts[rows], self.texts[rows], self.items[rows], group_size=self.unit
             )
 
-    def finish(self):
-        """The whole batch's rewards (waits for the units still being scored)."""
-        batch = concat_batches([p.result() for p in self.pending])
-        return self.scorer.finish(batch, self.prompts, self.texts)
+    def finish(self, groups: list[int], n: int):
+        """The rewards of prompt-major ``groups`` of ``n`` rows, in that order (waits for
+        their units still being scored)."""
+        rows = [r for g in groups for r in range(g * n, (g + 1) * n)]
+        units = dict.fromkeys(r // self.unit for r in rows)  # in order, once each
+        batch = concat_batches([self.pending[u].result() for u in units])
+        pick = lambda xs: [xs[r] for r in rows]
+        return self.scorer.finish(batch, pick(self.prompts), pick(self.texts))
 
 
 def _count_engine(stats: Counter, out, episodes, rows: int) -> None:
@@ -323,28 +339,53 @@ def _speculation_stats(stats: Counter) -> None:
         )
 
 
-def _sample_and_score(
-    sampler, params, scorer, tokenizer, pairs, spec: RolloutSpec, seed: int, stats, runner
-):
-    """One sampler call and its rewards; returns the output and its prompts' groups."""
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One sampler call's own settings: its seed, the episodes' runner (multi-turn), the
+    partial-rollout buffer and the policy version (partial rollouts)."""
+
+    seed: int
+    runner: EpisodeRunner | None
+    partial: PartialRollouts | None
+    version: int
+
+
+def _sample_and_score(sampler, params, scorer, tokenizer, pairs, spec: RolloutSpec, call, stats):
+    """One sampler call and its rewards; returns the output and the groups it gives (every
+    prompt's; with partial rollouts, the finished groups the buffer returns)."""
     n, gen_len, overlong = spec.n, spec.gen_len, spec.overlong
     t0, compiling = time.perf_counter(), CompileCounter.seconds
+    keywords: dict = {"n": n, "seed": call.seed}
+    plan = None
+    if call.partial is not None:  # the held groups first, then ``pairs``
+        plan = call.partial.plan(pairs, version=call.version, seed=call.seed % 2**32)
+        pairs = list(zip(plan.prompts, plan.records, strict=True))
+        keywords = plan.generate_kwargs()
     records = [rec for _, rec in pairs for _ in range(n)]
+    runner = call.runner
     episodes = None if runner is None else runner.start([episode_row(r) for r in records])
     stream = _RewardStream(scorer, tokenizer, records, n, episodes)
+    for row, carry in enumerate((plan and plan.carried) or ()):
+        if carry is not None and carry.finished:  # ended in an earlier call: no callback
+            stream.sample_done(row, list(carry.tokens))
     out = sampler.generate(
         [ids for ids, _ in pairs],
-        n=n,
         max_new_tokens=gen_len,
-        seed=seed,
         return_hidden=spec.return_hidden,
         params=params,
         on_sample_done=stream.sample_done,
         turns=None if episodes is None else episodes.turns,
+        **keywords,
         **spec.sampling,
     )
     t1 = time.perf_counter()
-    scored = stream.finish()
+    given = list(range(len(pairs)))
+    if plan is not None:
+        finished, partial_stats = call.partial.take(plan, out)
+        given = [int(g.rows[0]) // n for g in finished]
+        for key, value in partial_stats.metrics().items():
+            stats[key] += value
+    scored = stream.finish(given, n)
     stats["time/rollout"] += t1 - t0 - (CompileCounter.seconds - compiling)  # compiles apart
     # What the step waits for after the last token: the rewards not computed while decoding.
     stats["time/reward_tail"] += time.perf_counter() - t1
@@ -352,27 +393,31 @@ def _sample_and_score(
     _count_engine(stats, out, episodes, len(records))
     rewards = np.asarray(scored.rewards, np.float32)
     components = dict(scored.components)
-    given = None if episodes is None else episodes.rewards()
-    if given is not None:  # environments that score their episodes add their reward
-        rewards, components["environment"] = rewards + given, given
+    rows = np.concatenate([np.arange(g * n, (g + 1) * n) for g in given])
+    own = None if episodes is None else episodes.rewards()
+    if own is not None:  # environments that score their episodes add their reward
+        own = np.asarray(own)[rows]
+        rewards, components["environment"] = rewards + own, own
+    lengths = np.asarray(out.lengths)[rows]
     if overlong is not None and overlong[0] > 0:
         rewards = rewards + np.asarray(
             adv_lib.overlong_penalty(
-                jnp.asarray(out.lengths),
+                jnp.asarray(lengths),
                 max_response_length=gen_len,
                 buffer=overlong[0],
                 factor=overlong[1],
             )
         )
-    cut = lambda x, g: x[g * n : (g + 1) * n]
+    cut = lambda x, i: x[i * n : (i + 1) * n]
     return out, [
         Group(
-            prompt_ids=prompt_ids,
-            rewards=cut(rewards, g),
-            lengths=list(cut(out.lengths, g)),
+            prompt_ids=pairs[g][0],
+            rewards=cut(rewards, i),
+            lengths=cut(lengths, i).tolist(),
             records=cut(records, g),
             texts=cut(stream.texts, g),
-            components={k: cut(v, g) for k, v in components.items()},
+            components={k: cut(v, i) for k, v in components.items()},
+            rows=cut(rows, i),
         )
-        for g, (prompt_ids, _) in enumerate(pairs)
+        for i, g in enumerate(given)
     ]

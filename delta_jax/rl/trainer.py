@@ -51,6 +51,7 @@ from delta_jax.config import Config, ConfigError, build_config, load_config
 from delta_jax.diagnostics.metrics_log import MetricsLog
 from delta_jax.diagnostics.plots import plot_runs
 from delta_jax.rl.compilation import CompileCounter, use_persistent_cache, warm_up_rollout
+from delta_jax.rl.partial import PartialRollouts
 from delta_jax.rl.rollout import Rollout, RolloutSpec, collect_rollout
 from delta_jax.rl.setup import RunParts, build_run_parts
 from delta_jax.rl.state import init_sharded_state, make_optimizer
@@ -227,6 +228,7 @@ class Trainer:
         self.ref_params = jax.tree.map(jnp.copy, self.state.params) if plan.reference else None
         # The newest intact checkpoint (damaged newer ones are named in a warning).
         start, self.state, host = self.checkpointer.restore_latest(self.state)
+        self.partial = _partial_buffer(cfg, host.get("partial") if start else None)
         if start:
             parts.prompts.set_state(host["data"])
             log.info("resumed from %s at step %d", self.checkpointer.directory, start)
@@ -386,7 +388,7 @@ class Trainer:
             requests = warm_up_rollout(
                 parts.sampler,
                 self._sampling_params(),
-                cfg.rollout.prompts_per_step,
+                cfg.rollout.prompts_per_step * (1 + cfg.rollout.over_provision),
                 cfg.rollout.samples_per_prompt,
                 (parts.prompt_len, cfg.rollout.max_new_tokens),
                 return_hidden=self.plan.coefficients == "sampler",
@@ -462,6 +464,8 @@ class Trainer:
             spec=spec,
             seed=cfg.run.seed * 1_000_003 + step,
             episodes=parts.episodes,
+            partial=self.partial,
+            version=step - 1,  # RL steps applied: the staleness clock
         )
         # Back from the sampler's mesh to the trainer's rows (a no-op when the layouts agree).
         fields = ("sequences", "rollout_logprobs", "hidden", "action_mask")
@@ -501,10 +505,35 @@ class Trainer:
                 "data": self.parts.prompts.get_state(),
                 "step": step,
                 "seed": self.config.run.seed,
+                **({} if self.partial is None else {"partial": self.partial.to_json()}),
             },
             metrics={k: v for k, v in row.items() if isinstance(v, int | float)},
         )
         self._saved_step = step
+
+
+def _partial_buffer(cfg: Config, saved) -> PartialRollouts | None:
+    """The partial-rollout buffer of ``rollout.over_provision`` (None: off): empty, or as a
+    checkpoint saved it (``saved``: its JSON state; None when it had none)."""
+    r = cfg.rollout
+    if not r.over_provision:
+        if saved is not None:
+            log.warning("the checkpoint's partial groups are dropped: rollout.over_provision=0")
+        return None
+    extra = r.over_provision * r.prompts_per_step
+    fresh = PartialRollouts(r.samples_per_prompt, r.prompts_per_step, extra, r.max_staleness)
+    if saved is None:
+        return fresh
+    buffer = PartialRollouts.from_json(saved)
+    if (buffer.n, buffer.groups, buffer.extra) != (fresh.n, fresh.groups, fresh.extra):
+        raise ConfigError(
+            f"the checkpoint's partial rollouts had {buffer.groups} groups of {buffer.n} and "
+            f"{buffer.extra} more per call; the config asks for {fresh.groups} of {fresh.n} "
+            f"and {fresh.extra}: resume with the same rollout.prompts_per_step, "
+            "samples_per_prompt and over_provision"
+        )
+    buffer.max_staleness = r.max_staleness
+    return buffer
 
 
 def _without_compiles(start: float, compiling: float) -> float:

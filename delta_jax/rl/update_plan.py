@@ -18,8 +18,10 @@ Where the DelTA coefficients come from (:attr:`UpdatePlan.coefficients`), DELTA_
 * ``"sampler"``: one update that can run several micro-batches (``algo.micro_batches``, or
   packed micro-batches of ``algo.micro_batch_rows``): from the hidden states the sampler kept
   while generating (again no extra pass), held fixed across the micro-batches;
-* ``"old_pass"``: several updates per rollout batch: one old-policy pass (which also gives the
-  old log-probs) before the first update; held fixed for every update;
+* ``"old_pass"``: several updates per rollout batch, or several micro-batches under partial
+  rollouts (``rollout.over_provision``: carried rows come without the sampler's hidden states):
+  one old-policy pass (which also gives the old log-probs) before the first update; held fixed
+  for every update;
 * ``"none"``: the objective does not use them.
 """
 
@@ -124,7 +126,10 @@ class UpdatePlan:
         several = micro > 1 or 0 < micro_rows < rows // mini
         coefficients: CoefficientSource = "none"
         if objective.uses_delta:
-            coefficients = "old_pass" if mini > 1 else "sampler" if several else "in_loss"
+            # Partial rollouts carry rows the sampler drew without hidden states (and under
+            # older policies): an old-policy pass gives them, at the update's starting policy.
+            before = mini > 1 or (several and r.over_provision > 0)
+            coefficients = "old_pass" if before else "sampler" if several else "in_loss"
         return cls(
             objective=objective,
             prompt_len=P,
@@ -134,7 +139,7 @@ class UpdatePlan:
             mini_batches=mini,
             micro_batches=micro,
             coefficients=coefficients,
-            old_pass=mini > 1,
+            old_pass=mini > 1 or coefficients == "old_pass",
             reference=a.kl_coef > 0,
             packing=a.packing,
             share_prompts=share,
