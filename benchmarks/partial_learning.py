@@ -42,8 +42,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", required=True)
     parser.add_argument("--loss", default="delta")
     args = parser.parse_args()
-    print("| seed | final off | final on | on - off | to target off (s) | on (s) | wall off / on (s) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| seed | final off | final on | on - off | to target off / on (s) | wall off / on (s) |")
+    print("|---|---|---|---|---|---|")
     diffs, ratios = [], []
     for seed in args.seeds:
         off, on = run_dir(args.off, args.loss, seed), run_dir(args.on, args.loss, seed)
@@ -54,7 +54,7 @@ def main() -> None:
         ratios.append(t_on / t_off)
         print(
             f"| {seed} | {a['eval_final']:.3f} | {b['eval_final']:.3f} | {diffs[-1]:+.3f} | "
-            f"{t_off:.0f} | {t_on:.0f} | {a['wall_s']:.0f} / {b['wall_s']:.0f} |"
+            f"{t_off:.0f} / {t_on:.0f} | {a['wall_s']:.0f} / {b['wall_s']:.0f} |"
         )
     m, lo, hi = t_interval(diffs)
     print(f"\nfinal held-out accuracy, on - off: {m:+.4f} [{lo:+.4f}, {hi:+.4f}] (95%, paired)")
