@@ -35,7 +35,6 @@ values tagged, so that a record comes back as it was.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 from collections import Counter
 from typing import Any
@@ -43,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from delta_jax.data import PromptRecord
+from delta_jax.rl.host_state import pack, unpack
 from delta_jax.sampling import Carry, SamplerOutput
 
 __all__ = ["FinishedGroup", "HeldGroup", "PartialRollouts", "PartialStats", "RolloutPlan"]
@@ -392,7 +392,7 @@ class PartialRollouts:
 
     def to_json(self) -> Any:
         """:meth:`state_dict` as a JSON value (see the module docstring)."""
-        return _pack(self.state_dict())
+        return pack(self.state_dict())
 
     @classmethod
     def from_json(cls, doc: Any) -> PartialRollouts:
@@ -401,52 +401,10 @@ class PartialRollouts:
         Raises:
           ValueError: a document that is not such a state.
         """
-        state = _unpack(doc)
+        state = unpack(doc)
         if not isinstance(state, dict):
             raise ValueError("the partial-rollout state is not a JSON state of the buffer")
         return cls.from_state_dict(state)
-
-
-def _pack(x: Any) -> Any:
-    """``x`` as a JSON value that :func:`_unpack` turns back into ``x`` exactly: every JSON
-    object is a tag (``tuple``, ``dict``, ``array``, ``numpy``)."""
-    if x is None or isinstance(x, bool | int | float | str):
-        return x
-    if isinstance(x, list):
-        return [_pack(v) for v in x]
-    if isinstance(x, tuple):
-        return {"tuple": [_pack(v) for v in x]}
-    if isinstance(x, dict):
-        return {"dict": [[_pack(k), _pack(v)] for k, v in x.items()]}
-    if isinstance(x, np.ndarray) and x.dtype != object:
-        data = base64.b64encode(np.ascontiguousarray(x).tobytes()).decode("ascii")
-        return {"array": [x.dtype.str, list(x.shape), data]}
-    if isinstance(x, np.generic):
-        return {"numpy": [x.dtype.str, _pack(x.item())]}
-    raise TypeError(
-        f"a partial-rollout record holds a {type(x).__name__}, which the checkpoint cannot "
-        "keep (JSON values, tuples, dicts and NumPy values can be kept)"
-    )
-
-
-def _unpack(x: Any) -> Any:
-    if isinstance(x, list):
-        return [_unpack(v) for v in x]
-    if not isinstance(x, dict):
-        return x
-    if len(x) != 1:
-        raise ValueError(f"not a packed value: an object with keys {sorted(x)}")
-    ((tag, value),) = x.items()
-    if tag == "tuple":
-        return tuple(_unpack(v) for v in value)
-    if tag == "dict":
-        return {_unpack(k): _unpack(v) for k, v in value}
-    if tag == "array":
-        dtype, shape, data = value
-        return np.frombuffer(base64.b64decode(data), np.dtype(dtype)).reshape(shape).copy()
-    if tag == "numpy":
-        return np.dtype(value[0]).type(_unpack(value[1]))
-    raise ValueError(f"not a packed value: tag {tag!r}")
 
 
 _STATE_KEYS = (
