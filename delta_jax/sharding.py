@@ -371,7 +371,8 @@ def reshard_for_sampling(
       mesh: the trainer's mesh.
       rules: the sampler's rules.
       train_rules: the rules ``params`` was placed with.
-      sample_mesh: the sampler's mesh (same devices); default ``mesh``.
+      sample_mesh: the sampler's mesh (the same devices, or others: the leaves are copied
+        there first); default ``mesh``.
       dtype: the sampler's weight dtype (the model's compute dtype), or None to keep each
         leaf's own; only floating-point leaves are cast.
 
@@ -390,8 +391,12 @@ def reshard_for_sampling(
     ]
     if not moved:
         return params
-    program = resharder(tuple(target_leaves[i] for i in moved), tuple(dtypes[i] for i in moved))
-    for i, x in zip(moved, program(*(leaves[i] for i in moved)), strict=True):
+    targets = tuple(target_leaves[i] for i in moved)
+    program = resharder(targets, tuple(dtypes[i] for i in moved))
+    inputs = [leaves[i] for i in moved]
+    if sample_mesh is not None and set(sample_mesh.devices.flat) != set(mesh.devices.flat):
+        inputs = jax.device_put(inputs, list(targets))  # other devices: copied there, cast there
+    for i, x in zip(moved, program(*inputs), strict=True):
         leaves[i] = x
     return jax.tree.unflatten(treedef, leaves)
 

@@ -86,9 +86,20 @@ def validate(config: Config) -> None:
 
 
 def _check_partial(config: Config) -> None:
-    """Partial rollouts need the continuous engine, single-turn rows and the importance
-    weights; ``max_staleness`` applies to them only."""
+    """Partial and asynchronous rollouts need the importance weights; partial rollouts the
+    continuous engine and single-turn rows; ``max_staleness`` applies to them only."""
     r = config.rollout
+    if r.async_devices:
+        if r.over_provision:
+            raise ConfigError(
+                "rollout.async_devices with rollout.over_provision: asynchronous partial "
+                "rollouts are not supported yet (use one of them)"
+            )
+        if config.algo.tis_cap is None:
+            raise ConfigError(
+                f"rollout.async_devices={r.async_devices} needs algo.tis_cap (every token is "
+                "drawn one update behind and weighted against that policy)"
+            )
     if not r.over_provision:
         if r.max_staleness is not None:
             raise ConfigError(

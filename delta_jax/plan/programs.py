@@ -42,9 +42,13 @@ def _sharded_bytes(tree: Any, shardings: Any) -> int:
 
 
 class Planner:
-    """Builds and compiles the run's programs for one mesh; caches nothing but the setup."""
+    """Builds and compiles the run's programs for one mesh; caches nothing but the setup.
 
-    def __init__(self, config, mesh, model_config):
+    ``sample_mesh``: the devices the rollout runs on when they are not the trainer's
+    (asynchronous rollouts, ``rollout.async_devices``); default ``mesh``'s.
+    """
+
+    def __init__(self, config, mesh, model_config, sample_mesh=None):
         self.config, self.mesh, self.model_config = config, mesh, model_config
         m = config.model
         dtype, param_dtype = jnp.dtype(m.dtype), jnp.dtype(m.param_dtype)
@@ -64,7 +68,8 @@ class Planner:
         self.state_shardings = sh.state_shardings(self.state, mesh)
         self.param_shardings = sh.param_shardings(self.params, mesh)
         # The rollout's layout (rl.trainer): tensor-parallel regrouping, compute-dtype weights.
-        self.sample_mesh = sh.sampling_mesh(mesh, model_config.num_kv_heads)
+        self.sample_mesh = sh.sampling_mesh(sample_mesh or mesh, model_config.num_kv_heads)
+        self.apart = set(self.sample_mesh.devices.flat).isdisjoint(mesh.devices.flat)
         self.sample_shardings = sh.param_shardings(self.params, self.sample_mesh, sh.SAMPLE_RULES)
         self.sample_dtypes = [
             sh.sampling_dtype(x.dtype, dtype) for x in jax.tree.leaves(self.params)
@@ -117,7 +122,8 @@ class Planner:
         """Compiles the per-update move of the trainer's weights into the sampling layout.
 
         Returns its memory and the bytes its collectives produce per device (the traffic of one
-        weight update's reshard, from the compiled program's collectives).
+        weight update's reshard, from the compiled program's collectives). On the sampler's own
+        devices the weights are copied over first (a transfer, no program) and cast there.
         """
         moved = self._moved()
         if not moved:
@@ -127,8 +133,9 @@ class Planner:
             jax.tree.leaves(self.param_shardings),
             jax.tree.leaves(self.sample_shardings),
         )
+        placed = targets if self.apart else sources
         args = [
-            jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype, sharding=sources[i])
+            jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype, sharding=placed[i])
             for i in moved
         ]
         program = sh.resharder(

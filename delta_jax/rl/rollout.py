@@ -62,6 +62,41 @@ class Rollout:
     # response token (read before ``lengths`` only); None: single-turn, every token is an action
 
 
+# A rollout's fields that live on device (None where a run has none).
+DEVICE_FIELDS = ("sequences", "rollout_logprobs", "hidden", "action_mask")
+
+
+def rollout_to_host(rollout: Rollout) -> dict:
+    """``rollout`` as host values (NumPy arrays; records as dicts), e.g. for a checkpoint's
+    host document through :func:`~delta_jax.rl.host_state.pack`; see :func:`rollout_from_host`.
+    Single-process runs (a device array is read whole)."""
+    host = {
+        k: None if getattr(rollout, k) is None else np.asarray(getattr(rollout, k))
+        for k in DEVICE_FIELDS
+    }
+    return {
+        **host,
+        "prompt_lengths": np.asarray(rollout.prompt_lengths),
+        "lengths": np.asarray(rollout.lengths),
+        "rewards": np.asarray(rollout.rewards),
+        "advantages": np.asarray(rollout.advantages),
+        "records": [dataclasses.asdict(r) for r in rollout.records],
+        "responses": list(rollout.responses),
+        "stats": dict(rollout.stats),
+    }
+
+
+def rollout_from_host(host: dict) -> Rollout:
+    """The rollout :func:`rollout_to_host` gave (device fields as NumPy arrays: place them)."""
+    return Rollout(
+        **{k: host[k] for k in (*DEVICE_FIELDS, "prompt_lengths", "lengths", "rewards")},
+        advantages=host["advantages"],
+        records=[PromptRecord(**r) for r in host["records"]],
+        responses=list(host["responses"]),
+        stats=dict(host["stats"]),
+    )
+
+
 ADVANTAGE_FNS: dict[str, Callable] = {
     "grpo": adv_lib.grpo_advantages,
     "dr_grpo": adv_lib.dr_grpo_advantages,

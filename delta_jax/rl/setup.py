@@ -378,6 +378,7 @@ def build_run_parts(
     config: Config,
     mesh=None,
     *,
+    sample_mesh=None,
     model=None,
     tokenizer=None,
     train_dataset=None,
@@ -386,7 +387,9 @@ def build_run_parts(
     reward_weights=None,
     environment=None,
 ) -> RunParts:
-    """The parts of a run; each keyword, when given, replaces what the config would build."""
+    """The parts of a run; each keyword, when given, replaces what the config would build
+    (``sample_mesh``: the devices the sampler runs on, regrouped for decoding; default
+    ``mesh``'s)."""
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_model(config, run_dir, model=model, tokenizer=tokenizer)
@@ -407,8 +410,10 @@ def build_run_parts(
         model,
         pad_token_id=pad_id,
         cache_dtype=None if cache_dtype == "auto" else jnp.dtype(cache_dtype),
-        # Tensor-parallel over the same devices: weights and KV pages split by heads.
-        mesh=None if mesh is None else sh.sampling_mesh(mesh, model.config.num_kv_heads),
+        # Tensor-parallel over its devices: weights and KV pages split by heads.
+        mesh=None
+        if mesh is None
+        else sh.sampling_mesh(sample_mesh or mesh, model.config.num_kv_heads),
         engine=config.rollout.engine,
         decode_slots=config.rollout.decode_slots,
         page_size=config.rollout.page_size,

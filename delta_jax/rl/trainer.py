@@ -8,7 +8,10 @@ One RL step (:meth:`Trainer.step`), each stage a function below, in this order:
    (:mod:`delta_jax.envs.episodes`: tool calls run on the host while the engine decodes),
    rewards (worker pools, timeouts) plus the overlong
    penalty, group advantages, dynamic sampling when configured. Sequences, log-probs and hidden
-   states stay on device; the host reads the token ids only to decode the text the rewards need;
+   states stay on device; the host reads the token ids only to decode the text the rewards need.
+   Partial rollouts (``rollout.over_provision``) carry unfinished groups between steps;
+   asynchronous rollouts (``rollout.async_devices``) sample each step's batch on their own
+   devices beside the previous step's update (:mod:`delta_jax.rl.pipeline`);
 2. **prepare** (:meth:`~delta_jax.rl.update.Updater.prepare`): the sequences go into the
    update's rows — packed first-fit-decreasing into ``algo.tokens_per_row`` (``algo.packing``),
    or one padded per row — by one on-device gather (:mod:`delta_jax.rl.packing`); then, as the
@@ -51,8 +54,16 @@ from delta_jax.config import Config, ConfigError, build_config, load_config
 from delta_jax.diagnostics.metrics_log import MetricsLog
 from delta_jax.diagnostics.plots import plot_runs
 from delta_jax.rl.compilation import CompileCounter, use_persistent_cache, warm_up_rollout
-from delta_jax.rl.partial import PartialRollouts
-from delta_jax.rl.rollout import Rollout, RolloutSpec, collect_rollout
+from delta_jax.rl.host_state import pack, unpack
+from delta_jax.rl.pipeline import RolloutsAhead, partial_buffer, split_meshes
+from delta_jax.rl.rollout import (
+    DEVICE_FIELDS,
+    Rollout,
+    RolloutSpec,
+    collect_rollout,
+    rollout_from_host,
+    rollout_to_host,
+)
 from delta_jax.rl.setup import RunParts, build_run_parts
 from delta_jax.rl.state import init_sharded_state, make_optimizer
 from delta_jax.rl.update import Updater
@@ -190,10 +201,11 @@ class Trainer:
         self.config = cfg = as_config(config)
         require_extras(cfg)
         use_persistent_cache(cfg.run.compile_cache)
-        self.mesh = sh.mesh_from_config(cfg.run.mesh)
+        self.mesh, sample_mesh = split_meshes(cfg)
         self.parts: RunParts = build_run_parts(
             cfg,
             mesh=self.mesh,
+            sample_mesh=sample_mesh,
             model=model,
             tokenizer=tokenizer,
             train_dataset=train_dataset,
@@ -228,7 +240,11 @@ class Trainer:
         self.ref_params = jax.tree.map(jnp.copy, self.state.params) if plan.reference else None
         # The newest intact checkpoint (damaged newer ones are named in a warning).
         start, self.state, host = self.checkpointer.restore_latest(self.state)
-        self.partial = _partial_buffer(cfg, host.get("partial") if start else None)
+        self.partial = partial_buffer(cfg, host.get("partial") if start else None)
+        # Asynchronous rollouts: the next step's rollout, running beside this step's update.
+        self._ahead = RolloutsAhead() if cfg.rollout.async_devices else None
+        if start and "pending_rollout" in host:
+            self._restore_pending(start + 1, host["pending_rollout"])
         if start:
             parts.prompts.set_state(host["data"])
             log.info("resumed from %s at step %d", self.checkpointer.directory, start)
@@ -334,6 +350,8 @@ class Trainer:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        if self._ahead is not None:
+            self._ahead.close()
         self.checkpointer.close()
         self.parts.close()
         self.metrics_log.close()
@@ -361,9 +379,13 @@ class Trainer:
             self.metrics_log.log(0, {**row, **CompileCounter.since(compiles)})
         step = self.step_count + 1
         t_step, compiles = time.perf_counter(), CompileCounter.snapshot()
-        rollout = self._rollout(step)
+        rollout, lag = self._rollout_for(step)
+        if self._ahead is not None and step < cfg.run.steps:  # the next one, beside the update
+            self._ahead.start(step + 1, self._rollout, self._sampling_params())
         t_update, compiling = time.perf_counter(), CompileCounter.seconds
         batch, metrics = self.updater.prepare(rollout, step, self.state.params, self.ref_params)
+        if self._ahead is not None:
+            metrics["rollout/policy_lag"] = lag
         self.state, update_metrics = self.updater.update(self.state, batch)
         metrics.update(update_metrics)
         metrics["time/update"] = _without_compiles(t_update, compiling)
@@ -452,12 +474,32 @@ class Trainer:
             return_hidden=self.plan.coefficients == "sampler",
         )
 
-    def _rollout(self, step: int) -> Rollout:
-        """Sample and score one rollout batch with the current parameters."""
+    def _rollout_for(self, step: int) -> tuple[Rollout, int]:
+        """Step ``step``'s rollout and how many updates behind its policy is: sampled now with
+        the current parameters (0), or (asynchronous rollouts) the one that ran beside the last
+        update, with the parameters before it (1)."""
+        rollout = None if self._ahead is None else self._ahead.take(step)
+        return (self._rollout(step), 0) if rollout is None else (rollout, 1)
+
+    def _restore_pending(self, step: int, saved) -> None:
+        """The rollout a checkpoint saved in flight, as step ``step``'s (dropped, with a
+        warning, when the run is not asynchronous any more)."""
+        if self._ahead is None:
+            log.warning("the checkpoint's rollout in flight is dropped: rollout.async_devices=0")
+            return
+        rollout = rollout_from_host(unpack(saved))
+        moved = sh.replicated_to_global(
+            {k: getattr(rollout, k) for k in DEVICE_FIELDS}, self.mesh, row_axis=0
+        )
+        self._ahead.restore(step, dataclasses.replace(rollout, **moved))
+
+    def _rollout(self, step: int, params=None) -> Rollout:
+        """Sample and score one rollout batch with ``params`` (in the sampler's layout;
+        default: the current parameters)."""
         cfg, parts, spec = self.config, self.parts, self._rollout_spec
         rollout = collect_rollout(
             sampler=parts.sampler,
-            params=self._sampling_params(),
+            params=self._sampling_params() if params is None else params,
             scorer=parts.scorer,
             tokenizer=parts.tokenizer,
             prompt_batches=parts.prompts,
@@ -468,9 +510,8 @@ class Trainer:
             version=step - 1,  # RL steps applied: the staleness clock
         )
         # Back from the sampler's mesh to the trainer's rows (a no-op when the layouts agree).
-        fields = ("sequences", "rollout_logprobs", "hidden", "action_mask")
         moved = sh.replicated_to_global(
-            {k: getattr(rollout, k) for k in fields}, self.mesh, row_axis=0
+            {k: getattr(rollout, k) for k in DEVICE_FIELDS}, self.mesh, row_axis=0
         )
         return dataclasses.replace(rollout, **moved)
 
@@ -487,6 +528,8 @@ class Trainer:
         """Evaluate when due, log the step's metrics, save when due; returns the logged row."""
         cfg = self.config
         if cfg.run.eval_every and step % cfg.run.eval_every == 0:
+            if self._ahead is not None:
+                self._ahead.wait()  # one sampler call at a time
             t_eval, compiling = time.perf_counter(), CompileCounter.seconds
             metrics.update(self.parts.evaluate(self._sampling_params(), step))
             metrics["time/eval"] = _without_compiles(t_eval, compiling)
@@ -498,6 +541,8 @@ class Trainer:
         return row
 
     def _save(self, step: int, row: dict[str, Any]) -> None:
+        # The rollout in flight is the next step's: kept whole, the prompts it read are gone.
+        pending = None if self._ahead is None else self._ahead.wait()
         self.checkpointer.save(
             step,
             self.state,
@@ -506,34 +551,11 @@ class Trainer:
                 "step": step,
                 "seed": self.config.run.seed,
                 **({} if self.partial is None else {"partial": self.partial.to_json()}),
+                **({} if pending is None else {"pending_rollout": pack(rollout_to_host(pending))}),
             },
             metrics={k: v for k, v in row.items() if isinstance(v, int | float)},
         )
         self._saved_step = step
-
-
-def _partial_buffer(cfg: Config, saved) -> PartialRollouts | None:
-    """The partial-rollout buffer of ``rollout.over_provision`` (None: off): empty, or as a
-    checkpoint saved it (``saved``: its JSON state; None when it had none)."""
-    r = cfg.rollout
-    if not r.over_provision:
-        if saved is not None:
-            log.warning("the checkpoint's partial groups are dropped: rollout.over_provision=0")
-        return None
-    extra = r.over_provision * r.prompts_per_step
-    fresh = PartialRollouts(r.samples_per_prompt, r.prompts_per_step, extra, r.max_staleness)
-    if saved is None:
-        return fresh
-    buffer = PartialRollouts.from_json(saved)
-    if (buffer.n, buffer.groups, buffer.extra) != (fresh.n, fresh.groups, fresh.extra):
-        raise ConfigError(
-            f"the checkpoint's partial rollouts had {buffer.groups} groups of {buffer.n} and "
-            f"{buffer.extra} more per call; the config asks for {fresh.groups} of {fresh.n} "
-            f"and {fresh.extra}: resume with the same rollout.prompts_per_step, "
-            "samples_per_prompt and over_provision"
-        )
-    buffer.max_staleness = r.max_staleness
-    return buffer
 
 
 def _without_compiles(start: float, compiling: float) -> float:

@@ -18,8 +18,9 @@ Where the DelTA coefficients come from (:attr:`UpdatePlan.coefficients`), DELTA_
 * ``"sampler"``: one update that can run several micro-batches (``algo.micro_batches``, or
   packed micro-batches of ``algo.micro_batch_rows``): from the hidden states the sampler kept
   while generating (again no extra pass), held fixed across the micro-batches;
-* ``"old_pass"``: several updates per rollout batch, or several micro-batches under partial
-  rollouts (``rollout.over_provision``: carried rows come without the sampler's hidden states):
+* ``"old_pass"``: several updates per rollout batch, or several micro-batches under partial or
+  asynchronous rollouts (``rollout.over_provision``, ``rollout.async_devices``: rows drawn by
+  older policies, carried rows without the sampler's hidden states):
   one old-policy pass (which also gives the old log-probs) before the first update; held fixed
   for every update;
 * ``"none"``: the objective does not use them.
@@ -126,9 +127,10 @@ class UpdatePlan:
         several = micro > 1 or 0 < micro_rows < rows // mini
         coefficients: CoefficientSource = "none"
         if objective.uses_delta:
-            # Partial rollouts carry rows the sampler drew without hidden states (and under
-            # older policies): an old-policy pass gives them, at the update's starting policy.
-            before = mini > 1 or (several and r.over_provision > 0)
+            # Partial and asynchronous rollouts draw rows under older policies (carried rows
+            # without hidden states): an old-policy pass gives them, at the update's start.
+            off_policy = r.over_provision > 0 or r.async_devices > 0
+            before = mini > 1 or (several and off_policy)
             coefficients = "old_pass" if before else "sampler" if several else "in_loss"
         return cls(
             objective=objective,

@@ -186,3 +186,25 @@ def test_shared_prompt_train_step_compiles_for_v5p_with_two_splash_parts():
     assert not shared.out_of_memory
     T, rows_per_chip = PROMPT + NEW, ROWS // 4
     assert shared.splash == plan_lib.SplashCalls(4, 4, 4, (rows_per_chip, 8, T, 128), 4)
+
+
+@pytest.mark.slow  # three TPU compiles
+def test_asynchronous_split_meshes_compile_for_v5p():
+    """Asynchronous rollouts on a v5p 2x2x1 slice split in two (``rollout.async_devices=2``):
+    the train step on the last two chips, the engine's decode chunk on the first two (regrouped
+    for decoding), and the cast of the weights copied over to them, each program on its own
+    chips only."""
+    from delta_jax.plan.programs import Planner
+
+    _, devices = plan_lib.tpu_topology_devices("v5p-8")
+    config = load_config(
+        "configs/demo.yaml", [*OVERRIDES, "rollout.async_devices=2", "algo.tis_cap=2.0"]
+    )
+    train_mesh = sh.make_mesh(*config.run.mesh, devices=devices[2:])
+    planner = Planner(config, train_mesh, MODEL, sample_mesh=sh.make_mesh(devices=devices[:2]))
+    assert set(planner.sample_mesh.devices.flat) == set(devices[:2]) and planner.apart
+    train = planner.train(ROWS)
+    decode = planner.decode(planner.engine_spec(slots=8))
+    _, traffic = planner.reshard()
+    assert not train.out_of_memory and not decode.out_of_memory
+    assert traffic == 0  # the cast runs where the weights were copied: no collective
