@@ -232,8 +232,9 @@ def pod_arm(spec, prompts, budgets, args, groups: int, extra: int | None, block:
 
 
 def pod_figures(cfg, mesh, rules, spec, cap_tokens: int, path: str | None) -> dict:
-    """The TPU compiler's figures, all chips: one decode step at ``spec.slots`` slots (bytes
-    without the pool, as ``rollout_ragged.tpu_bytes`` takes them, and FLOPs), and one prefill
+    """The TPU compiler's figures, all chips: one decode step at ``spec.slots`` slots and at the
+    smallest slot bucket (bytes without the pool, as ``rollout_ragged.tpu_bytes`` takes them,
+    and FLOPs; a chunk of the rows between is priced on the line between), and one prefill
     call of ``spec.prefill_rows`` rows x ``spec.prefill_len`` tokens as a line in its page
     list's length (one group's pages) with the part that grows with the pool taken out (three
     compiles: two list lengths, two pools). Read from ``path`` when it holds them (else
@@ -243,11 +244,15 @@ def pod_figures(cfg, mesh, rules, spec, cap_tokens: int, path: str | None) -> di
 
     fig = json.loads(Path(path).read_text()) if path and Path(path).exists() else {}
     page, groups = spec.page_size, spec.groups
+    table = 1 << (pages_for(cap_tokens, page) - 1).bit_length()
+    sizes = (2049 * groups, 4097 * groups)
     if "decode_bytes" not in fig:
-        table = 1 << (pages_for(cap_tokens, page) - 1).bit_length()
-        sizes = (2049 * groups, 4097 * groups)
         fixed, slope, flops = _pool_slope(cfg, mesh, rules, spec.slots, table, page, sizes)
         fig.update(decode_bytes=fixed, decode_pool_slope=slope, decode_flops=flops)
+    if "decode_small_bytes" not in fig:  # the smallest slot bucket a decode chunk runs
+        small = spec.groups * spec.chunk_slots(1)
+        fixed, _, flops = _pool_slope(cfg, mesh, rules, small, table, page, sizes)
+        fig.update(decode_small_slots=small, decode_small_bytes=fixed, decode_small_flops=flops)
     if "prefill_list_bytes" not in fig:
         short = spec.prefill_rows // groups * pages_for(spec.prefill_len, page)
         runs = {}
@@ -278,9 +283,12 @@ def price(device: Standin, fig: dict, cfg, spec, chips: int, peak: float, bw: fl
     decode step as long as its busiest data group's, the groups run in step)."""
     kv = _token_kv_bytes(cfg)
     rows, copied, busiest = (np.array(x, float) for x in zip(*device.steps, strict=True))
-    step_bytes = fig["decode_bytes"] + (copied * device.block + rows) * kv  # weights..., K/V
-    step_time = fig["decode_bytes"] + (busiest * device.block + rows) * kv
-    decode_s = np.maximum(fig["decode_flops"] / peak, step_time / bw).sum() / chips
+    share = (rows - fig["decode_small_slots"]) / (spec.slots - fig["decode_small_slots"])
+    fixed = fig["decode_small_bytes"] + share * (fig["decode_bytes"] - fig["decode_small_bytes"])
+    flops = fig["decode_small_flops"] + share * (fig["decode_flops"] - fig["decode_small_flops"])
+    step_bytes = fixed + (copied * device.block + rows) * kv  # weights..., K/V read and written
+    step_time = fixed + (busiest * device.block + rows) * kv
+    decode_s = np.maximum(flops / peak, step_time / bw).sum() / chips
     join_bytes = device.joins * 2 * spec.page_size * kv
     attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # FLOPs per token and position
     prefill_s = prefill_bytes = 0.0
@@ -296,7 +304,7 @@ def price(device: Standin, fig: dict, cfg, spec, chips: int, peak: float, bw: fl
         slot_steps=rows.sum(),
         decode_bytes=step_bytes.sum() + join_bytes,
         decode_s=decode_s + join_bytes / bw / chips,
-        fixed_s=len(rows) * fig["decode_bytes"] / bw / chips,  # the bytes of every step alike
+        fixed_s=fixed.sum() / bw / chips,  # the bytes a step reads whatever its rows' lengths
         prefill_calls=len(device.prefills),
         prefilled=sum(p[2] for p in device.prefills),
         prefill_bytes=prefill_bytes,
@@ -351,7 +359,8 @@ def tpu_table(args) -> None:
         f"({groups} data groups x {B * n // groups}); prompts 256-{prompt_bucket}, budgets "
         f"log-normal mean {np.mean(budgets):.0f} (cap {args.cap * scale}); decode chunk "
         f"{args.chunk}. TPU compiler, all chips: decode step {fig['decode_bytes'] / 2**30:.1f} "
-        f"GiB without the pool, {fig['decode_flops'] / 1e12:.2f} TFLOP; prefill call "
+        f"GiB without the pool at {spec.slots} slots ({fig['decode_small_bytes'] / 2**30:.1f} at "
+        f"{fig['decode_small_slots']}), {fig['decode_flops'] / 1e12:.2f} TFLOP; prefill call "
         f"{spec.prefill_rows} x {prompt_bucket} tokens over {fig['prefill_short_list']} listed "
         f"pages per group {fig['prefill_bytes'] / 2**30:.1f} GiB without the pool (+"
         f"{fig['prefill_list_bytes'] / 2**20:.1f} MiB per further page), "
