@@ -9,9 +9,11 @@ their budgets wherever they run (a carried row's tokens count against its own bu
 
 * sync: each step one call of B new groups, every row to its end (``quota=None``);
 * partial: :class:`~delta_jax.rl.partial.PartialRollouts` with ``extra`` groups of
-  over-provision (``--over`` times B, default 1; several values may be given): each step its planned
-  call (the carried groups first, then new prompts) with ``quota=B``; useful tokens are the
-  tokens of the returned groups' rows, those drawn in earlier steps included.
+  over-provision (``--over`` times B, default 1; several values may be given): each step its
+  planned call (the carried groups first, then new prompts) with ``quota=B``; useful tokens are
+  the tokens of the returned groups' rows, those drawn in earlier steps included. The tokens
+  the buffer holds when the steps end are drawn but not counted; the "+held" ratio counts them
+  (the long-run rate, where the buffer keeps its size and every drawn token is returned).
 
 CPU (``tiny`` config of ``bench_models``, real ``Sampler(engine="continuous")`` calls,
 temperature 1): useful tokens/s with XLA's compile events taken out, occupancy (generated
@@ -22,12 +24,14 @@ TPU (``--tpu``, compile-only, libtpu): the same schedule at the paper's lengths 
 v5p-64 as the sampling mesh, ``--tpu-prompts`` groups per data group a step, prompts 256-2,048
 tokens, budgets x20 capped at 20,480) run through the engine's host scheduler with a stand-in for
 the device programs; each decode step charged as ``rollout_ragged.tpu_bytes`` charges the
-engine's (the compiler's pool-independent bytes per step, the kernel's pages copied, the K/V
-written, a page per joining sequence), each prefill call (prompts, and for partial the carried
-rows' prompts and tokens prefilled again) the compiler's figures for the prefill program plus
-causal attention over the context (4 L N_q D FLOPs per token and context position, which a
-kernel would do), and both turned into time at v5p's peak FLOP/s and HBM bandwidth
-(``delta_jax.plan.roofline.CHIPS``, a bound per program: ``max(FLOPs / peak, bytes / bw)``).
+engine's (the compiler's pool-independent bytes per step, at its slot bucket on the line between
+the smallest bucket and all slots; the kernel's pages copied, the K/V written, a page per joining
+sequence; as long as its busiest data group's), each prefill call (prompts, and for partial
+the carried rows' prompts and tokens prefilled again) the compiler's figures for the prefill
+program plus causal attention over the context (4 L N_q D FLOPs per token and context
+position, which a kernel would do), and both turned into time at v5p's peak FLOP/s and HBM
+bandwidth (``delta_jax.plan.roofline.CHIPS``, a bound per program: ``max(FLOPs / peak,
+bytes / bw)``).
 
     python benchmarks/rollout_ragged_partial.py --steps 8 --groups 4 --n 8 --mean-new 100 --cap 512
     python benchmarks/rollout_ragged_partial.py --skip-cpu --tpu --over 1 2 3
