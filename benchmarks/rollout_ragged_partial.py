@@ -372,8 +372,9 @@ def tpu_table(args) -> None:
         f"GFLOP); v5p {peak / 1e12:.0f} TFLOP/s, {bw / 1e9:.0f} GB/s per chip"
     )
     print(
-        "occ: generated tokens / (decode steps x slots); decode s = the bytes every step reads "
-        "alike (weights...) + the K/V pages read and written (rest); prefill: the prompts, and "
+        "occ: generated tokens / (decode steps x slots); decode = fixed s (the bytes a step "
+        "reads whatever its rows' lengths: weights...) + K/V s (pages read, K/V written); "
+        "prefill: the prompts, and "
         "for partial the carried rows' prompts and tokens again; useful: the returned groups' "
         "tokens (held: drawn and kept in the buffer at the end); x sync: tok/s over sync's"
     )
