@@ -185,9 +185,10 @@ def _static_step_bytes(cfg, mesh, rules, rows: int, slots: int) -> float:
 def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int, groups: int):
     """Runs the engine's host scheduler on the workload with a stand-in for the device programs.
 
-    Returns one entry per decode step the engine would run, ``[slots]`` K/V lengths (0 for an
-    idle slot), and the number of sequences that joined (one page copied each). ``slots``
-    counts every data group's.
+    Returns one entry per decode step the engine would run, the K/V lengths of the rows its
+    chunk runs (0 for an idle slot; a chunk runs its slot bucket's rows, fewer in the tail),
+    and the number of sequences that joined (one page copied each). ``slots`` counts every
+    data group's.
     """
     from delta_jax.sampling.attention import pages_for
     from delta_jax.sampling.engine import EngineRows, EngineSpec, run_engine
@@ -243,7 +244,7 @@ def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int
     rows = EngineRows(arrays, n, np.asarray(budgets), stops)
     _, stats = run_engine(spec, rows, Programs())
     assert stats.useful_steps == sum(budgets)
-    return np.stack(lengths), len(budgets) + stats.preemptions, stats
+    return lengths, len(budgets) + stats.preemptions, stats
 
 
 def _pool_slope(cfg, mesh, rules, slots: int, table: int, page: int, sizes):
@@ -336,8 +337,9 @@ def tpu_bytes(args) -> None:
     sizes = (2049 * groups, 4097 * groups)
     fixed, slope, _ = _pool_slope(cfg, mesh, rules, slots, table, page, sizes)
     block = PALLAS_KV_PAGES_PER_BLOCK * page
-    copied = np.ceil(np.maximum(lengths, 1) / block).sum() * block * token_kv
-    written = lengths.size * token_kv + joins * 2 * page * token_kv
+    rows_run = np.concatenate(lengths)
+    copied = np.ceil(np.maximum(rows_run, 1) / block).sum() * block * token_kv
+    written = rows_run.size * token_kv + joins * 2 * page * token_kv
     engine_total = fixed * len(lengths) + copied + written
 
     print(
