@@ -185,9 +185,10 @@ def _static_step_bytes(cfg, mesh, rules, rows: int, slots: int) -> float:
 def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int, groups: int):
     """Runs the engine's host scheduler on the workload with a stand-in for the device programs.
 
-    Returns one entry per decode step the engine would run, ``[slots]`` K/V lengths (0 for an
-    idle slot), and the number of sequences that joined (one page copied each). ``slots``
-    counts every data group's.
+    Returns one entry per decode step the engine would run, the K/V lengths of the rows its
+    chunk runs (0 for an idle slot; a chunk runs its slot bucket's rows, fewer in the tail),
+    and the number of sequences that joined (one page copied each). ``slots`` counts every
+    data group's.
     """
     from delta_jax.sampling.attention import pages_for
     from delta_jax.sampling.engine import EngineRows, EngineSpec, run_engine
@@ -243,22 +244,23 @@ def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int
     rows = EngineRows(arrays, n, np.asarray(budgets), stops)
     _, stats = run_engine(spec, rows, Programs())
     assert stats.useful_steps == sum(budgets)
-    return np.stack(lengths), len(budgets) + stats.preemptions, stats
+    return lengths, len(budgets) + stats.preemptions, stats
 
 
-def _pool_slope(cfg, mesh, rules, slots: int, table: int, page: int, sizes) -> tuple[float, float]:
+def _pool_slope(cfg, mesh, rules, slots: int, table: int, page: int, sizes):
     """The TPU compiler's bytes for one engine decode step (all chips) at two pool sizes
     (pages in total, every data group's share).
 
     Returns the intercept (bytes that do not grow with the pool: weights, activations, the
-    LM head, sampling) and the slope in whole pools (how many times the cost model charges the
-    whole pool per step, where the kernel and the K/V scatter touch only a few of its pages).
+    LM head, sampling), the slope in whole pools (how many times the cost model charges the
+    whole pool per step, where the kernel and the K/V scatter touch only a few of its pages)
+    and the step's FLOPs (all chips, at the first size).
     """
     from delta_jax.plan.lowering import lower_decode
     from delta_jax.sampling.engine.requests import EngineSpec
     from delta_jax.sharding import batch_divisor
 
-    figures = []
+    figures, flops = [], []
     for pages in sizes:
         spec = EngineSpec(
             slots=slots,
@@ -276,10 +278,12 @@ def _pool_slope(cfg, mesh, rules, slots: int, table: int, page: int, sizes) -> t
             pad_id=0,
         )
         lowered = lower_decode(cfg, mesh, rules, spec)
-        figures.append(float(lowered.compile().cost_analysis()["bytes accessed"]) * mesh.size)
+        cost = lowered.compile().cost_analysis()
+        figures.append(float(cost["bytes accessed"]) * mesh.size)
+        flops.append(float(cost["flops"]) * mesh.size)
     pool_bytes = [p * page * _token_kv_bytes(cfg) for p in sizes]
     slope = (figures[1] - figures[0]) / (pool_bytes[1] - pool_bytes[0])
-    return figures[0] - slope * pool_bytes[0], slope
+    return figures[0] - slope * pool_bytes[0], slope, flops[0]
 
 
 def _token_kv_bytes(cfg) -> int:
@@ -331,10 +335,11 @@ def tpu_bytes(args) -> None:
     lengths, joins, stats = _engine_schedule(prompts, budgets, args.n, slots, 16, page, groups)
     table = 1 << (pages_for(prompt_bucket + cap, page) - 1).bit_length()
     sizes = (2049 * groups, 4097 * groups)
-    fixed, slope = _pool_slope(cfg, mesh, rules, slots, table, page, sizes)
+    fixed, slope, _ = _pool_slope(cfg, mesh, rules, slots, table, page, sizes)
     block = PALLAS_KV_PAGES_PER_BLOCK * page
-    copied = np.ceil(np.maximum(lengths, 1) / block).sum() * block * token_kv
-    written = lengths.size * token_kv + joins * 2 * page * token_kv
+    rows_run = np.concatenate(lengths)
+    copied = np.ceil(np.maximum(rows_run, 1) / block).sum() * block * token_kv
+    written = rows_run.size * token_kv + joins * 2 * page * token_kv
     engine_total = fixed * len(lengths) + copied + written
 
     print(
