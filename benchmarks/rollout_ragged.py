@@ -182,6 +182,24 @@ def _static_step_bytes(cfg, mesh, rules, rows: int, slots: int) -> float:
     return float(lowered.compile().cost_analysis()["bytes accessed"]) * mesh.size
 
 
+class StandInPrograms:
+    """The device programs' stand-in (``sampling.engine.protocol.DevicePrograms``) for running
+    the engine's host scheduler alone: every program but ``decode`` (which a subclass runs on
+    the slots' host state) does nothing."""
+
+    def prefill(self, *arrays):
+        return None
+
+    def write(self, *arrays):
+        return None
+
+    def compile_decode(self, *arrays):
+        return None
+
+    def compile_prefill(self, *arrays):
+        return None
+
+
 def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int, groups: int):
     """Runs the engine's host scheduler on the workload with a stand-in for the device programs.
 
@@ -212,19 +230,7 @@ def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int
     )
     lengths: list[np.ndarray] = []
 
-    class Programs:  # the device programs' stand-in (sampling.engine.protocol.DevicePrograms)
-        def prefill(self, *arrays):
-            return None
-
-        def write(self, *arrays):
-            return None
-
-        def compile_decode(self, *arrays):
-            return None
-
-        def compile_prefill(self, *arrays):
-            return None
-
+    class Programs(StandInPrograms):
         def decode(self, packed, pages, steps_left):
             return step(packed, steps_left)
 

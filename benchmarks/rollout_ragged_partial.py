@@ -49,7 +49,13 @@ import jax
 import numpy as np
 from bench_models import bench_config
 from flax import nnx
-from rollout_ragged import CompileTime, _pool_slope, _token_kv_bytes, workload
+from rollout_ragged import (
+    CompileTime,
+    StandInPrograms,
+    _pool_slope,
+    _token_kv_bytes,
+    workload,
+)
 
 from delta_jax.data import PromptRecord
 from delta_jax.models import Transformer
@@ -149,7 +155,7 @@ def cpu_table(args) -> None:
 
 
 @dataclasses.dataclass
-class Standin:
+class Standin(StandInPrograms):
     """The device programs' stand-in (``sampling.engine.protocol.DevicePrograms``): runs the
     decode steps on the slots' host state (a row ends at its budget) and records what each
     program call touches; tokens are never drawn (only lengths price a call)."""
@@ -165,15 +171,6 @@ class Standin:
     def prefill(self, ids, positions, valid, pages):
         listed = len(pages) // self.groups
         self.prefills.append((ids.shape[1], listed, int(valid.sum()), int(positions[valid].sum())))
-
-    def write(self, *arrays):
-        return None
-
-    def compile_decode(self, *arrays):
-        return None
-
-    def compile_prefill(self, *arrays):
-        return None
 
     def decode(self, packed, pages, steps_left):
         from delta_jax.sampling.attention.pages import SCRATCH_PAGE
