@@ -28,10 +28,11 @@ engine's (the compiler's pool-independent bytes per step, at its slot bucket on 
 the smallest bucket and all slots; the kernel's pages copied, the K/V written, a page per joining
 sequence; as long as its busiest data group's), each prefill call (prompts, and for partial
 the carried rows' prompts and tokens prefilled again) the compiler's figures for the prefill
-program plus causal attention over the context (4 L N_q D FLOPs per token and context
-position, which a kernel would do), and both turned into time at v5p's peak FLOP/s and HBM
-bandwidth (``delta_jax.plan.roofline.CHIPS``, a bound per program: ``max(FLOPs / peak,
-bytes / bw)``).
+program on the TPU engine's path plus what its ragged paged attention kernel does, which the
+compiler does not see (each block of a row's queries reads the row's K/V up to its last
+position and attends to all of it, masked: 4 L N_q D FLOPs per query and key), and both turned
+into time at v5p's peak FLOP/s and HBM bandwidth (``delta_jax.plan.roofline.CHIPS``, a bound
+per program: ``max(FLOPs / peak, bytes / bw)``).
 
     python benchmarks/rollout_ragged_partial.py --steps 8 --groups 4 --n 8 --mean-new 100 --cap 512
     python benchmarks/rollout_ragged_partial.py --skip-cpu --tpu --over 1 2 3
@@ -61,6 +62,7 @@ from delta_jax.data import PromptRecord
 from delta_jax.models import Transformer
 from delta_jax.rl.partial import PartialRollouts
 from delta_jax.sampling import Buckets, Carry, Sampler
+from delta_jax.sampling.attention.paged import PALLAS_PREFILL_QUERIES_PER_BLOCK
 
 
 def stream(args, groups: int, vocab: int, scale: int = 1, seed: int = 0):
@@ -164,13 +166,20 @@ class Standin(StandInPrograms):
     groups: int  # data groups (a prefill's page list is one list per group)
     # per decode step: (rows, kernel tokens copied, the same for the busiest group x groups)
     steps: list = dataclasses.field(default_factory=list)
-    # per prefill call: (tokens per row, list pages per group, tokens, their positions summed)
+    # per prefill call: (tokens per row, tokens, the kernel's K/V tokens read, its query x key
+    # pairs): the ragged paged attention kernel runs a row's queries in blocks of ``queries``
+    # (a block spans rows when they are shorter), and each block reads, and attends to, its rows'
+    # K/V up to the row's last position in blocks of ``block`` tokens, masked
     prefills: list = dataclasses.field(default_factory=list)
     joins: int = 0  # sequences that copied the partial last page of their prompt
+    queries: int = PALLAS_PREFILL_QUERIES_PER_BLOCK
 
     def prefill(self, ids, positions, valid, pages):
-        listed = len(pages) // self.groups
-        self.prefills.append((ids.shape[1], listed, int(valid.sum()), int(positions[valid].sum())))
+        T = ids.shape[1]
+        kv_len = np.where(valid[:, 0], positions[:, -1] + 1, T)  # an empty row: its scratch
+        keys = -(-kv_len // self.block) * self.block
+        visits = -(-T // self.queries)  # query blocks per row
+        self.prefills.append((T, int(valid.sum()), int(visits * keys.sum()), int(T * keys.sum())))
 
     def decode(self, packed, pages, steps_left):
         from delta_jax.sampling.attention.pages import SCRATCH_PAGE
@@ -236,10 +245,10 @@ def pod_figures(cfg, mesh, rules, spec, cap_tokens: int, path: str | None) -> di
     """The TPU compiler's figures, all chips: one decode step at ``spec.slots`` slots and at the
     smallest slot bucket (bytes without the pool, as ``rollout_ragged.tpu_bytes`` takes them,
     and FLOPs; a chunk of the rows between is priced on the line between), and one prefill
-    call of ``spec.prefill_rows`` rows x ``spec.prefill_len`` tokens as a line in its page
-    list's length (one group's pages) with the part that grows with the pool taken out (three
-    compiles: two list lengths, two pools). Read from ``path`` when it holds them (else
-    compiled and written there)."""
+    call of ``spec.prefill_rows`` rows x ``spec.prefill_len`` tokens on the TPU engine's path
+    (the kernel's page tables; its attention is not in the compiler's figures: ``price`` adds
+    it) with the part that grows with the pool taken out (two compiles, two pools). Read from
+    ``path`` when it holds them (else compiled and written there)."""
     from delta_jax.plan.lowering import lower_prefill
     from delta_jax.sampling.attention import pages_for
 
@@ -254,24 +263,25 @@ def pod_figures(cfg, mesh, rules, spec, cap_tokens: int, path: str | None) -> di
         small = spec.groups * spec.chunk_slots(1)
         fixed, _, flops = _pool_slope(cfg, mesh, rules, small, table, page, sizes)
         fig.update(decode_small_slots=small, decode_small_bytes=fixed, decode_small_flops=flops)
-    if "prefill_list_bytes" not in fig:
+    if fig.get("prefill_attention") != spec.attention:
         short = spec.prefill_rows // groups * pages_for(spec.prefill_len, page)
-        runs = {}
-        for listed, pool in ((short, 8 * short), (8 * short, 8 * short), (short, 16 * short)):
+        runs = []
+        for pool in (8 * short, 16 * short):
             lower_spec = dataclasses.replace(spec, num_pages=groups * (pool + 1))
             lowered = lower_prefill(
-                cfg, mesh, rules, lower_spec, length=spec.prefill_len, list_pages=listed
-            )
+                cfg, mesh, rules, lower_spec, length=spec.prefill_len, list_pages=short,
+                attention=spec.attention,
+            )  # fmt: skip
             cost = lowered.compile().cost_analysis()
-            runs[listed, pool] = [float(cost[k]) * mesh.size for k in ("flops", "bytes accessed")]
-        (f0, b0), (f1, b1), (_, b2) = runs.values()
+            runs.append([float(cost[k]) * mesh.size for k in ("flops", "bytes accessed")])
+        (f0, b0), (_, b2) = runs
         pool_bytes = 8 * short * groups * page * _token_kv_bytes(cfg)
+        for key in [k for k in fig if k.startswith("prefill_")]:
+            del fig[key]  # figures of another path's prefill program
         fig.update(
-            prefill_short_list=short,
+            prefill_attention=spec.attention,
             prefill_flops=f0,
-            prefill_list_flops=(f1 - f0) / (7 * short),  # per page of one group's list
             prefill_bytes=b0 - (b2 - b0),  # the 8-short pool's charge taken out
-            prefill_list_bytes=(b1 - b0) / (7 * short),
             prefill_pool_slope=(b2 - b0) / pool_bytes,  # whole pools charged per call
         )
     if path:
@@ -291,13 +301,11 @@ def price(device: Standin, fig: dict, cfg, spec, chips: int, peak: float, bw: fl
     step_time = fixed + (busiest * device.block + rows) * kv
     decode_s = np.maximum(flops / peak, step_time / bw).sum() / chips
     join_bytes = device.joins * 2 * spec.page_size * kv
-    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # FLOPs per token and position
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # FLOPs per query and key
     prefill_s = prefill_bytes = 0.0
-    for T, listed, tokens, context in device.prefills:
-        more = listed - fig["prefill_short_list"]
-        flops = (fig["prefill_flops"] + more * fig["prefill_list_flops"]) * T / spec.prefill_len
-        flops += attention * context
-        nbytes = fig["prefill_bytes"] + more * fig["prefill_list_bytes"] + tokens * kv
+    for T, tokens, keys_read, pairs in device.prefills:
+        flops = fig["prefill_flops"] * T / spec.prefill_len + attention * pairs
+        nbytes = fig["prefill_bytes"] + (tokens + keys_read) * kv  # K/V written and read
         prefill_s += max(flops / peak, nbytes / bw) / chips
         prefill_bytes += nbytes
     return dict(
@@ -362,11 +370,11 @@ def tpu_table(args) -> None:
         f"{args.chunk}. TPU compiler, all chips: decode step {fig['decode_bytes'] / 2**30:.1f} "
         f"GiB without the pool at {spec.slots} slots ({fig['decode_small_bytes'] / 2**30:.1f} at "
         f"{fig['decode_small_slots']}), {fig['decode_flops'] / 1e12:.2f} TFLOP; prefill call "
-        f"{spec.prefill_rows} x {prompt_bucket} tokens over {fig['prefill_short_list']} listed "
-        f"pages per group {fig['prefill_bytes'] / 2**30:.1f} GiB without the pool (+"
-        f"{fig['prefill_list_bytes'] / 2**20:.1f} MiB per further page), "
-        f"{fig['prefill_flops'] / 1e12:.1f} TFLOP (+{fig['prefill_list_flops'] / 1e9:.1f} "
-        f"GFLOP); v5p {peak / 1e12:.0f} TFLOP/s, {bw / 1e9:.0f} GB/s per chip"
+        f"{spec.prefill_rows} x {prompt_bucket} tokens on the kernel's path "
+        f"{fig['prefill_bytes'] / 2**30:.1f} GiB without the pool and the kernel's K/V reads, "
+        f"{fig['prefill_flops'] / 1e12:.1f} TFLOP without its attention; kernel blocks of "
+        f"{PALLAS_PREFILL_QUERIES_PER_BLOCK} queries x {block} keys; v5p {peak / 1e12:.0f} "
+        f"TFLOP/s, {bw / 1e9:.0f} GB/s per chip"
     )
     print(
         "occ: generated tokens / (decode steps x slots); decode = fixed s (the bytes a step "

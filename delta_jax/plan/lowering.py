@@ -159,10 +159,14 @@ def lower_prefill(
     dtype: Any = jnp.bfloat16,
     cache_dtype: Any = None,
     model: tuple | None = None,
+    attention: str = "xla",
 ) -> jax.stages.Lowered:
     """The engine's prefill program (:func:`prefill_chunk`) for ``spec`` lowered for abstract
     inputs on ``mesh``: ``spec.prefill_rows`` rows (every group's) x ``length`` tokens per call,
-    on a flat page list (the accelerator paths').
+    on the ``attention`` path: ``"xla"``, a flat page list, whatever ``spec.attention`` (the
+    planner's: the compiler's cost analysis sees its attention, where it sees none of a Pallas
+    kernel's, and prices more work than the kernel does), or ``"pallas"``, the TPU engine's
+    (page tables ``spec.max_table`` wide; the kernel's own work is for the caller to add).
 
     The same program prefills a prompt (positions from 0) and continues a sequence in its own
     pages (an observation, or the context of a sequence preempted after a hand-over: positions
@@ -174,9 +178,7 @@ def lower_prefill(
     graphdef, params, rest, aval = abstract_model(config, mesh, rules, dtype)
     if model is not None:
         graphdef, params, rest = model
-    # The accelerator paths' prefill (the kernel's path prefills as XLA's does), whatever
-    # ``spec.attention``: a planner's CPU compile of a dense spec lowers it too.
-    backend = backend_for("xla", Groups(mesh, config.num_kv_heads))
+    backend = backend_for(attention, Groups(mesh, config.num_kv_heads))
     pool_dtype = dtype if cache_dtype is None else cache_dtype
     pool = _abstract_pool(config, aval, spec.num_pages, spec.page_size, pool_dtype)
     listed = batch_divisor(mesh, rules) * list_pages
@@ -184,7 +186,8 @@ def lower_prefill(
     def place(entries):  # the host's page list, abstract
         return aval(entries.shape, jnp.int32, ("batch",))
 
-    pages = backend.prefill_layout(np.zeros((listed, 3), np.int32), place)
+    host = (listed, 3) if attention == "xla" else (spec.prefill_rows, spec.max_table)
+    pages = backend.prefill_layout(np.zeros(host, np.int32), place)
     dtypes = (jnp.int32, jnp.int32, jnp.bool_)
     tokens = Tokens(*(aval((spec.prefill_rows, length), dt, ("batch",)) for dt in dtypes))
     fn = functools.partial(prefill_chunk, graphdef=graphdef, backend=backend)

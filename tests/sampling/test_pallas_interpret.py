@@ -92,6 +92,42 @@ def test_kernel_in_slot_chunks_matches_the_xla_path_and_the_oracle(interpret, T)
     assert np.isfinite(got[~live]).all()
 
 
+@pytest.mark.parametrize("block", [8, 128])
+def test_kernel_prefills_chunks_as_the_xla_path_and_the_oracle(interpret, block):
+    """A prefill call on the kernel: 12 rows (2 kernel calls) of a 24-token chunk each, at
+    consecutive positions from each row's own first position (0: a prompt's first chunk; past a
+    page boundary: a continuation over pages already written), the chunk's tail invalid where
+    the row's job ends in it, and an empty row. Query blocks of 8 (a row's chunk in 3 blocks)
+    and of 128 (blocks spanning rows, the engine's prefill block)."""
+    rng = np.random.default_rng(5)
+    B, T, N, K, D, page_size, num_pages, width = 12, 24, 4, 2, 128, 16, 120, 6
+    kv = rng.standard_normal((num_pages, page_size, 2 * K, D)).astype(np.float32)
+    q = rng.standard_normal((B, T, N, D)).astype(np.float32)
+    first = np.concatenate([[0, 0, 16, 17, 40], rng.integers(0, width * page_size - T, B - 5)])
+    real = np.concatenate([[T, 5, T, 1, 19], rng.integers(1, T + 1, B - 5)])
+    positions = (first[:, None] + np.arange(T)).astype(np.int32)
+    valid = np.arange(T) < real[:, None]
+    valid[9] = False  # no job in this row
+    pages = rng.permutation(np.arange(1, num_pages))
+    tables, at = [], 0
+    for n in -(-(first + T) // page_size):  # through the chunk's last position, as the engine
+        tables.append(pages[at : at + n].tolist())
+        at += n
+    table = np.zeros((B, width), np.int32)
+    for b, t in enumerate(tables):
+        table[b, : len(t)] = t
+    attend = functools.partial(paged.pallas_attention, queries_per_block=block)
+
+    got = np.asarray(jax.jit(attend)(q, kv, positions, valid, table))
+    assert interpret[-1] == [(0, 8), (8, 4)]
+    flat = paged.PageList(**{k: jnp.asarray(v) for k, v in _flat(tables, B, size=64).items()})
+    xla = np.asarray(jax.jit(paged.xla_attention)(q, kv, positions, valid, flat))
+    np.testing.assert_allclose(got[valid], xla[valid], atol=ATOL, rtol=ATOL)
+    want = _oracle(q, kv, positions, tables, page_size)
+    np.testing.assert_allclose(got[valid], want[valid], atol=ATOL, rtol=ATOL)
+    assert np.isfinite(got).all()
+
+
 def _trie_masks(rng, B, T):
     """``[B, T, T]``: each position and its ancestors in a random trie (a parent before its
     children, position 0 the root)."""
@@ -156,8 +192,8 @@ def test_trie_kernel_matches_the_xla_path_and_the_oracle(interpret, monkeypatch,
 
 
 def test_engine_decodes_on_the_kernel_as_on_the_xla_path(interpret):
-    """The continuous engine with ``attention="pallas"`` (prefill on the XLA path, every decode
-    step through the kernel) draws the XLA engine's tokens with its log-probs: 9 prompts of
+    """The continuous engine with ``attention="pallas"`` (every prefill chunk and decode step
+    through the kernel) draws the XLA engine's tokens with its log-probs: 9 prompts of
     1-13 tokens x 2 samples with budgets of 4-12 tokens at temperature 1, 18 rows on 12 slots
     (2 kernel calls a step), refilled as rows end: the tail runs on 8 slots, some idle (every
     slot bucket's program compiled at the request's start)."""
@@ -177,7 +213,8 @@ def test_engine_decodes_on_the_kernel_as_on_the_xla_path(interpret):
     got = engine(attention="pallas").generate(prompts, **kw)
     # The decode programs traced, each once, before the first chunk: every slot bucket (2, 4
     # and 8 slots in one kernel call, 12 in two); the tail's chunks on 8 slots trace nothing.
-    assert interpret[before:] == [[(0, 2)], [(0, 4)], [(0, 8)], [(0, 8), (8, 4)]]
+    # Then the prompts' prefill, at its two chunk lengths (8 rows, one kernel call each).
+    assert interpret[before:] == [[(0, 2)], [(0, 4)], [(0, 8)], [(0, 8), (8, 4)]] + [[(0, 8)]] * 2
     assert got.tokens == want.tokens and got.lengths == [b for b in budgets for _ in range(2)]
     np.testing.assert_allclose(
         np.asarray(got.logprob_array), np.asarray(want.logprob_array), atol=ATOL

@@ -7,8 +7,8 @@ a decode chunk). The scheduler and the programs call the same methods whatever t
 none of them branches on the platform or the attention path.
 
 * :class:`XlaBackend`: flat page lists and :func:`~delta_jax.sampling.attention.paged.xla_attention`
-  (GPU; the prefill on accelerators);
-* :class:`PallasBackend`: page tables and the TPU kernel for decode, the XLA path for prefill;
+  (GPU);
+* :class:`PallasBackend`: page tables and the TPU kernel, for decode and prefill;
 * :class:`DenseCpuBackend`: page tables and the CPU path
   (:mod:`delta_jax.sampling.attention.dense_cpu`), whose views and chunk-local buffers stay
   inside it.
@@ -17,6 +17,7 @@ none of them branches on the platform or the attention path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar, Protocol
 
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ import numpy as np
 from delta_jax.models import Transformer
 from delta_jax.sampling.attention import dense_cpu, smem
 from delta_jax.sampling.attention.paged import (
+    PALLAS_PREFILL_QUERIES_PER_BLOCK,
     Groups,
     PagedAttention,
     PageList,
@@ -202,11 +204,16 @@ class XlaBackend(PagedBackend):
 
 
 class PallasBackend(PagedBackend):
-    """Page tables and the ragged paged attention TPU kernel for decode (verify steps of tries:
-    :mod:`~delta_jax.sampling.attention.trie_kernel`); the prefill (several tokens per row) on the
-    XLA path."""
+    """Page tables and the ragged paged attention TPU kernel, for decode (verify steps of tries:
+    :mod:`~delta_jax.sampling.attention.trie_kernel`) and prefill. The prefill on the kernel
+    reads each row's pages up to its position once per block of its queries; the XLA path's
+    block loop would carry a row's whole chunk of queries to every page of its context (at a
+    chunk of 2,048 tokens over a long continuation, bytes far beyond the K/V's)."""
 
     name = "pallas"
+    prefill_attention = staticmethod(
+        functools.partial(pallas_attention, queries_per_block=PALLAS_PREFILL_QUERIES_PER_BLOCK)
+    )
     decode_attention = staticmethod(pallas_attention)
     trie_attention = staticmethod(trie_attention)
 
@@ -221,6 +228,12 @@ class PallasBackend(PagedBackend):
 
     def decode_pages(self, spec, tables, rows, pos, left, steps):
         return steps, self.table(spec, tables, rows), page_lists([[]] * len(tables), rows, 1)
+
+    def prefill_pages(self, spec, tables, rows, length):
+        return self.table(spec, tables, rows)
+
+    def prefill_layout(self, pages, place):
+        return place(pages)
 
     def _decode_pages(self, slots):
         return slots.page_table

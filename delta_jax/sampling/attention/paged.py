@@ -77,9 +77,12 @@ __all__ = [
 # share of the page axis, as it owns a contiguous block of the slots), the KV heads are split
 # over ``tensor``.
 PAGE_AXES = (ax.BATCH, None, ax.KV_HEADS, ax.HEAD_DIM)
-# Ragged paged attention kernel blocks: KV pages and queries (sequences, at decode) per block.
+# Ragged paged attention kernel blocks: KV pages and queries (sequences, at decode) per block;
+# a prefill's queries (a row's chunk of tokens) in larger blocks: each block reads its row's K/V
+# pages up to its last position once, so a chunk of T tokens reads them T / block times.
 PALLAS_KV_PAGES_PER_BLOCK = 16
 PALLAS_QUERIES_PER_BLOCK = 32
+PALLAS_PREFILL_QUERIES_PER_BLOCK = 128
 # XLA path: pages gathered and attended to at once (about 1 MiB of float32 K/V for small heads).
 XLA_PAGES_PER_BLOCK = 64
 
@@ -249,23 +252,26 @@ def _segment_sum(x, segments, num):
     return jax.ops.segment_sum(x, segments, num_segments=num, indices_are_sorted=True)
 
 
-def pallas_attention(q, kv, positions, valid, page_table):
+def pallas_attention(q, kv, positions, valid, page_table, queries_per_block=None):
     """Paged attention with JAX's ragged paged attention TPU kernel (one group): ``T`` queries
     per row at consecutive positions, the row's last ``T`` (a decode step: 1; a speculative
-    verify step: the fed token and its drafts), each attending to the positions up to its own.
+    verify step: the fed token and its drafts; a prefill chunk: a row's next ``T`` tokens),
+    each attending to the positions up to its own.
 
     A row's queries past its valid ones may read stale K/V at the positions after them (their
     own writes went to the scratch page); their outputs are the caller's to discard, as an idle
-    row's are.
+    row's are. ``queries_per_block``: the kernel's block of queries, which may span rows
+    (default ``PALLAS_QUERIES_PER_BLOCK``; a prefill's: ``PALLAS_PREFILL_QUERIES_PER_BLOCK``).
     """
     B, T, N, D = q.shape
+    block = PALLAS_QUERIES_PER_BLOCK if queries_per_block is None else queries_per_block
     # The kernel copies every sequence's pages up to its length: an idle slot gets length T
     # (its scratch page) instead of the stale position it stopped at.
     kv_lens = jnp.where(valid[:, 0], positions[:, -1] + 1, T).astype(jnp.int32)
     # The page table is a scalar-memory (SMEM) operand of 1 MiB at most: slots go through the
     # kernel in calls that each fit (``smem``); every call reads the same pool in HBM.
     out = smem.in_row_chunks(
-        lambda q, lens, table: _ragged_call(q.reshape(-1, N, D), kv, lens, table, T),
+        lambda q, lens, table: _ragged_call(q.reshape(-1, N, D), kv, lens, table, T, block),
         page_table.shape[1],
         q,
         kv_lens,
@@ -274,7 +280,7 @@ def pallas_attention(q, kv, positions, valid, page_table):
     return out.reshape(B, T, N, D)
 
 
-def _ragged_call(q, kv, kv_lens, page_table, T: int):
+def _ragged_call(q, kv, kv_lens, page_table, T: int, queries_per_block: int):
     """One ragged paged attention kernel call: ``T`` queries per row, ``q [B * T, N, D]``."""
     # Lazy: the Pallas TPU kernel's module (Mosaic) loads only where the kernel is called.
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
@@ -291,7 +297,7 @@ def _ragged_call(q, kv, kv_lens, page_table, T: int):
         jnp.array([B], jnp.int32),
         sm_scale=D**-0.5,
         num_kv_pages_per_block=min(page_table.shape[1], PALLAS_KV_PAGES_PER_BLOCK),
-        num_queries_per_block=PALLAS_QUERIES_PER_BLOCK,
+        num_queries_per_block=queries_per_block,
     )
 
 

@@ -146,13 +146,19 @@ class Scheduler:
             state.copy_src[slot] = prompt.pages[full]
             state.copy_dst[slot] = seq.table[full]
 
-    def _prefill(self, per_group: list[list[tuple[np.ndarray, int, list[int]]]]) -> None:
+    def _prefill(
+        self, per_group: list[list[tuple[np.ndarray, int, list[int]]]], by_length: bool = False
+    ) -> None:
         """Runs every group's prefill jobs ``(ids, first position, page table from position
         0)``, ``prefill_rows / groups`` rows per group per call (group ``g``'s jobs in its block
-        of rows, with its own page list)."""
+        of rows, with its own page list). A round of calls runs to its longest job;
+        ``by_length`` takes each group's jobs longest first, so that a round's rows are of
+        about one length (jobs of mixed lengths: carried rows of partial rollouts)."""
         spec, ps = self.spec, self.spec.page_size
         rows = spec.prefill_rows // spec.groups
         per_group = [[job for job in jobs if job[0].size] for jobs in per_group]
+        if by_length:
+            per_group = [sorted(jobs, key=lambda job: -job[0].size) for jobs in per_group]
         rounds = max(-(-len(jobs) // rows) for jobs in per_group)
         for start in range(0, rounds * rows, rows):
             batch = [jobs[start : start + rows] for jobs in per_group]
@@ -202,7 +208,7 @@ class Scheduler:
                 if seq.write is not None:
                     writes.append((slot, seq))
         if any(jobs):
-            self._prefill(jobs)
+            self._prefill(jobs, by_length=True)
         if writes:
             width = pow2(max(max(s.write[1].size for _, s in writes), self.spec.min_len))
             rows = np.full(self.spec.slots, -1, np.int32)  # -1: nothing to write
