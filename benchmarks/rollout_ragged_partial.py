@@ -28,7 +28,9 @@ engine's (the compiler's pool-independent bytes per step, at its slot bucket on 
 the smallest bucket and all slots; the kernel's pages copied, the K/V written, a page per joining
 sequence; as long as its busiest data group's), each prefill call (prompts, and for partial
 the carried rows' prompts and tokens prefilled again) the compiler's figures for the prefill
-program on the TPU engine's path plus what its ragged paged attention kernel does, which the
+program on the TPU engine's path (a call of fewer rows, or of a shorter chunk, on the line
+through the compiled call and one of half its tokens) plus what its ragged paged attention
+kernel does, which the
 compiler does not see (each block of a row's queries reads the row's K/V up to its last
 position and attends to all of it, masked: 4 L N_q D FLOPs per query and key), and both turned
 into time at v5p's peak FLOP/s and HBM bandwidth (``delta_jax.plan.roofline.CHIPS``, a bound
@@ -166,7 +168,7 @@ class Standin(StandInPrograms):
     groups: int  # data groups (a prefill's page list is one list per group)
     # per decode step: (rows, kernel tokens copied, the same for the busiest group x groups)
     steps: list = dataclasses.field(default_factory=list)
-    # per prefill call: (tokens per row, tokens, the kernel's K/V tokens read, its query x key
+    # per prefill call: (rows x chunk length, tokens, the kernel's K/V tokens read, query x key
     # pairs): the ragged paged attention kernel runs a row's queries in blocks of ``queries``
     # (a block spans rows when they are shorter), and each block reads, and attends to, its rows'
     # K/V up to the row's last position in blocks of ``block`` tokens, masked
@@ -179,7 +181,8 @@ class Standin(StandInPrograms):
         kv_len = np.where(valid[:, 0], positions[:, -1] + 1, T)  # an empty row: its scratch
         keys = -(-kv_len // self.block) * self.block
         visits = -(-T // self.queries)  # query blocks per row
-        self.prefills.append((T, int(valid.sum()), int(visits * keys.sum()), int(T * keys.sum())))
+        reads, pairs = int(visits * keys.sum()), int(T * keys.sum())
+        self.prefills.append((ids.size, int(valid.sum()), reads, pairs))
 
     def decode(self, packed, pages, steps_left):
         from delta_jax.sampling.attention.pages import SCRATCH_PAGE
@@ -263,26 +266,29 @@ def pod_figures(cfg, mesh, rules, spec, cap_tokens: int, path: str | None) -> di
         small = spec.groups * spec.chunk_slots(1)
         fixed, _, flops = _pool_slope(cfg, mesh, rules, small, table, page, sizes)
         fig.update(decode_small_slots=small, decode_small_bytes=fixed, decode_small_flops=flops)
-    if fig.get("prefill_attention") != spec.attention:
+    if "prefill_token_bytes" not in fig:
         short = spec.prefill_rows // groups * pages_for(spec.prefill_len, page)
         runs = []
-        for pool in (8 * short, 16 * short):
+        for pool, T in ((8 * short, spec.prefill_len), (16 * short, spec.prefill_len),
+                        (8 * short, spec.prefill_len // 2)):  # fmt: skip
             lower_spec = dataclasses.replace(spec, num_pages=groups * (pool + 1))
             lowered = lower_prefill(
-                cfg, mesh, rules, lower_spec, length=spec.prefill_len, list_pages=short,
-                attention=spec.attention,
-            )  # fmt: skip
+                cfg, mesh, rules, lower_spec, length=T, list_pages=short, attention=spec.attention
+            )
             cost = lowered.compile().cost_analysis()
             runs.append([float(cost[k]) * mesh.size for k in ("flops", "bytes accessed")])
-        (f0, b0), (_, b2) = runs
+        (f0, b0), (_, b2), (_, b1) = runs
         pool_bytes = 8 * short * groups * page * _token_kv_bytes(cfg)
         for key in [k for k in fig if k.startswith("prefill_")]:
             del fig[key]  # figures of another path's prefill program
+        tokens = spec.prefill_rows * spec.prefill_len
         fig.update(
             prefill_attention=spec.attention,
             prefill_flops=f0,
             prefill_bytes=b0 - (b2 - b0),  # the 8-short pool's charge taken out
             prefill_pool_slope=(b2 - b0) / pool_bytes,  # whole pools charged per call
+            # a line in the call's tokens (rows x chunk length): half the chunk saves this
+            prefill_token_bytes=(b0 - b1) / (tokens / 2),
         )
     if path:
         Path(path).write_text(json.dumps(fig, indent=1) + "\n")
@@ -303,9 +309,11 @@ def price(device: Standin, fig: dict, cfg, spec, chips: int, peak: float, bw: fl
     join_bytes = device.joins * 2 * spec.page_size * kv
     attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # FLOPs per query and key
     prefill_s = prefill_bytes = 0.0
-    for T, tokens, keys_read, pairs in device.prefills:
-        flops = fig["prefill_flops"] * T / spec.prefill_len + attention * pairs
-        nbytes = fig["prefill_bytes"] + (tokens + keys_read) * kv  # K/V written and read
+    full = spec.prefill_rows * spec.prefill_len  # the compiled call's tokens
+    for rows_T, tokens, keys_read, pairs in device.prefills:
+        flops = fig["prefill_flops"] * rows_T / full + attention * pairs
+        nbytes = fig["prefill_bytes"] - (full - rows_T) * fig["prefill_token_bytes"]
+        nbytes += (tokens + keys_read) * kv  # K/V written and read by the kernel
         prefill_s += max(flops / peak, nbytes / bw) / chips
         prefill_bytes += nbytes
     return dict(
@@ -315,7 +323,9 @@ def price(device: Standin, fig: dict, cfg, spec, chips: int, peak: float, bw: fl
         decode_s=decode_s + join_bytes / bw / chips,
         fixed_s=fixed.sum() / bw / chips,  # the bytes a step reads whatever its rows' lengths
         prefill_calls=len(device.prefills),
-        prefilled=sum(p[2] for p in device.prefills),
+        prefilled=sum(p[1] for p in device.prefills),
+        prefill_fill=sum(p[1] for p in device.prefills)
+        / max(1, sum(p[0] for p in device.prefills)),
         prefill_bytes=prefill_bytes,
         prefill_s=prefill_s,
     )
@@ -371,7 +381,8 @@ def tpu_table(args) -> None:
         f"GiB without the pool at {spec.slots} slots ({fig['decode_small_bytes'] / 2**30:.1f} at "
         f"{fig['decode_small_slots']}), {fig['decode_flops'] / 1e12:.2f} TFLOP; prefill call "
         f"{spec.prefill_rows} x {prompt_bucket} tokens on the kernel's path "
-        f"{fig['prefill_bytes'] / 2**30:.1f} GiB without the pool and the kernel's K/V reads, "
+        f"{fig['prefill_bytes'] / 2**30:.1f} GiB without the pool and the kernel's K/V reads "
+        f"(-{fig['prefill_token_bytes'] / 2**20:.2f} MiB a token fewer), "
         f"{fig['prefill_flops'] / 1e12:.1f} TFLOP without its attention; kernel blocks of "
         f"{PALLAS_PREFILL_QUERIES_PER_BLOCK} queries x {block} keys; v5p {peak / 1e12:.0f} "
         f"TFLOP/s, {bw / 1e9:.0f} GB/s per chip"
@@ -380,12 +391,14 @@ def tpu_table(args) -> None:
         "occ: generated tokens / (decode steps x slots); decode = fixed s (the bytes a step "
         "reads whatever its rows' lengths: weights...) + K/V s (pages read, K/V written); "
         "prefill: the prompts, and "
-        "for partial the carried rows' prompts and tokens again; useful: the returned groups' "
+        "for partial the carried rows' prompts and tokens again (pf fill: tokens / the calls' "
+        "rows x chunk length); useful: the returned groups' "
         "tokens (held: drawn and kept in the buffer at the end); x sync: tok/s over sync's"
     )
     print(
         f"{'arm':11s} {'steps':>7s} {'occ':>5s} {'useful M':>8s} {'held M':>6s} "
-        f"{'fixed s':>7s} {'K/V s':>6s} {'prefill s':>9s} {'pf Mtok':>7s} {'MiB/tok':>7s} "
+        f"{'fixed s':>7s} {'K/V s':>6s} {'prefill s':>9s} {'pf Mtok':>7s} {'pf fill':>7s} "
+        f"{'MiB/tok':>7s} "
         f"{'us/tok':>6s} {'tok/s':>6s} {'x sync':>6s} {'(+held)':>7s}"
     )
     arms = {"sync": None} | {f"partial +{k}B": k * B for k in args.over}
@@ -399,7 +412,7 @@ def tpu_table(args) -> None:
             f"{name:11s} {p['steps']:7d} {generated / (p['steps'] * B * n):5.3f} "
             f"{useful / 1e6:8.3f} {(generated - useful) / 1e6:6.3f} {p['fixed_s']:7.1f} "
             f"{p['decode_s'] - p['fixed_s']:6.1f} {p['prefill_s']:9.2f} "
-            f"{p['prefilled'] / 1e6:7.2f} "
+            f"{p['prefilled'] / 1e6:7.2f} {p['prefill_fill']:7.3f} "
             f"{(p['decode_bytes'] + p['prefill_bytes']) / useful / 2**20:7.1f} "
             f"{seconds / useful * 1e6:6.2f} {useful / seconds:6.0f} "
             f"{useful / seconds / base:5.2f}x {generated / seconds / base:6.2f}x",

@@ -67,9 +67,10 @@ def test_tiny_splash_train_step_and_sampler_compile_for_v5p():
 def test_multiturn_continuation_programs_compile_for_v5p():
     """What a sequence runs between two turns, compiled for the slice's sampling mesh (2 data
     groups x 2 KV-head shards): the observation written into its output row, and the
-    observation prefilled into its own pages from where the turn ended (the prefill program,
-    its page list holding every row's pages from position 0 on). Both update their donated
-    buffers in place and copy none of them."""
+    observation prefilled into its own pages from where the turn ended (the prefill program on
+    the TPU engine's kernel, page tables from position 0 on, and on the planner's XLA path, its
+    page list holding every row's pages). Each updates its donated buffers in place and copies
+    none of them."""
     _, devices = plan_lib.tpu_topology_devices("v5p-8")
     mesh = sh.sampling_mesh(sh.make_mesh(1, 4, 1, devices=devices), MODEL.num_kv_heads)
     assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
@@ -90,15 +91,17 @@ def test_multiturn_continuation_programs_compile_for_v5p():
         return_hidden=False,
         pad_id=0,
     )
-    lowered = lower_prefill(
-        MODEL, mesh, sh.SAMPLE_RULES, spec, length=64, list_pages=rows // 2 * context
-    )
-    prefill = lowered.compile().memory_analysis()
     # A chip holds its group's half of the pages and one of the 2 KV heads (K and V), bfloat16.
     layer_share = pages // 2 * page_size * 2 * MODEL.head_dim * 2
-    assert prefill.alias_size_in_bytes >= MODEL.num_layers * layer_share
-    # Not even one layer's share of the pool in temporaries (no relayout copy of the pages).
-    assert 0 < prefill.temp_size_in_bytes < layer_share
+    for attention in ("pallas", "xla"):
+        lowered = lower_prefill(
+            MODEL, mesh, sh.SAMPLE_RULES, spec, length=64, list_pages=rows // 2 * context,
+            attention=attention,
+        )  # fmt: skip
+        prefill = lowered.compile().memory_analysis()
+        assert prefill.alias_size_in_bytes >= MODEL.num_layers * layer_share
+        # Not even one layer's share of the pool in temporaries (no relayout copy of the pages).
+        assert 0 < prefill.temp_size_in_bytes < layer_share
 
     out_rows, gen_len = 64, 4096
     lowered = lower_write(

@@ -1,6 +1,8 @@
 """The engine's host scheduler alone (NumPy): requests, slots, pages and stats, with a stand-in
 for the device programs; nothing is compiled."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -105,3 +107,71 @@ def test_page_lists_are_packed_by_row_from_each_row_s_first_page():
         assert (np.diff(seq) >= 0).all()  # packed by row, padding last
         for row in set(seq[real].tolist()):  # a row's pages from position 0 on
             assert index[seq == row].tolist() == list(range((seq == row).sum()))
+
+
+class PrefillRecorder:
+    """The prefill program's stand-in: records each call's arrays."""
+
+    def __init__(self):
+        self.calls = []
+
+    def prefill(self, ids, positions, valid, pages):
+        self.calls.append((ids.copy(), positions.copy(), valid.copy(), pages.copy()))
+
+
+def _prefill_host(spec):
+    from delta_jax.sampling.attention.backends import backend_for
+    from delta_jax.sampling.engine.requests import EngineStats
+    from delta_jax.sampling.engine.scheduler import Scheduler
+
+    host = Scheduler.__new__(Scheduler)  # only what the prefill uses
+    host.spec, host.backend = spec, backend_for(spec.attention)
+    host.programs, host.stats = PrefillRecorder(), EngineStats()
+    return host
+
+
+def test_packed_prefill_writes_every_job_once_on_fewer_rows_and_tokens():
+    """Continued sequences' prefill (``Scheduler._prefill_packed``): 2 data groups of 4 rows,
+    jobs of 1-40 tokens from their own first positions (a carried row's prompt and tokens, an
+    observation), 5 in one group and 1 in the other. Every job's every token is sent once, at
+    its position, in its group's rows, with its own page table through the chunk's end; calls
+    run on a power-of-two number of rows per group, and send fewer rows x tokens than the
+    rounds of ``_prefill`` (one job per row, each round as long as its longest job)."""
+    spec = dataclasses.replace(
+        _spec(slots=8, num_pages=400, attention="pallas"), groups=2, prefill_rows=8, max_table=16
+    )
+    rng = np.random.default_rng(0)
+    jobs, next_page = [[], []], 1
+    for g, count in ((0, 5), (1, 1)):
+        for size in rng.integers(1, 41, count):
+            first = int(rng.integers(0, 20))
+            n = pages_for(first + size + spec.prefill_len, PAGE)  # room for the last chunk
+            table = list(range(next_page, next_page + n))
+            next_page += n
+            jobs[g].append((rng.integers(1, 99, size).astype(np.int32), first, table))
+    sent = {}
+    host = _prefill_host(spec)
+    host._prefill_packed(jobs)
+    for ids, positions, valid, table in host.programs.calls:
+        rows = ids.shape[0] // spec.groups
+        assert rows in (1, 2, 4) and table.shape == (ids.shape[0], spec.max_table)
+        for row in np.flatnonzero(valid.any(1)):
+            g, first_page = row // rows, int(table[row, 0])
+            for t in np.flatnonzero(valid[row]):
+                key = (g, first_page, int(positions[row, t]))
+                assert key not in sent
+                sent[key] = int(ids[row, t])
+            last = int(positions[row, -1])
+            assert (table[row, : pages_for(last + 1, PAGE)] != SCRATCH_PAGE).all()
+    want = {
+        (g, table[0], first + i): int(tok)
+        for g, group in enumerate(jobs)
+        for ids, first, table in group
+        for i, tok in enumerate(ids)
+    }
+    assert sent == want
+    rounds = _prefill_host(spec)
+    rounds._prefill(jobs)
+    assert host.stats.prefill_calls == len(host.programs.calls)
+    cost = lambda calls: sum(ids.size for ids, *_ in calls)  # noqa: E731
+    assert cost(host.programs.calls) < cost(rounds.programs.calls)

@@ -10,6 +10,7 @@ and is tested, without compiling anything.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import time
 
@@ -146,51 +147,83 @@ class Scheduler:
             state.copy_src[slot] = prompt.pages[full]
             state.copy_dst[slot] = seq.table[full]
 
-    def _prefill(
-        self, per_group: list[list[tuple[np.ndarray, int, list[int]]]], by_length: bool = False
-    ) -> None:
+    def _prefill(self, per_group: list[list[tuple[np.ndarray, int, list[int]]]]) -> None:
         """Runs every group's prefill jobs ``(ids, first position, page table from position
         0)``, ``prefill_rows / groups`` rows per group per call (group ``g``'s jobs in its block
-        of rows, with its own page list). A round of calls runs to its longest job;
-        ``by_length`` takes each group's jobs longest first, so that a round's rows are of
-        about one length (jobs of mixed lengths: carried rows of partial rollouts)."""
-        spec, ps = self.spec, self.spec.page_size
-        rows = spec.prefill_rows // spec.groups
+        of rows, with its own page list), in rounds of one job per row, each round's calls
+        as long as its longest job (the prompts: about one length)."""
+        rows = self.spec.prefill_rows // self.spec.groups
         per_group = [[job for job in jobs if job[0].size] for jobs in per_group]
-        if by_length:
-            per_group = [sorted(jobs, key=lambda job: -job[0].size) for jobs in per_group]
         rounds = max(-(-len(jobs) // rows) for jobs in per_group)
         for start in range(0, rounds * rows, rows):
             batch = [jobs[start : start + rows] for jobs in per_group]
             longest = max(ids.size for jobs in batch for ids, _, _ in jobs)
-            T = spec.prefill_length(longest)
+            T = self.spec.prefill_length(longest)
             for offset in range(0, longest, T):
-                ids = np.zeros((spec.prefill_rows, T), np.int32)
-                valid = np.zeros((spec.prefill_rows, T), bool)
-                positions = np.zeros((spec.prefill_rows, T), np.int32)
-                positions[:] = np.arange(offset, offset + T, dtype=np.int32)
-                for g, jobs in enumerate(batch):
-                    for r, (job, first, _) in enumerate(jobs):
-                        part = job[offset : offset + T]
-                        ids[g * rows + r, : part.size] = part
-                        valid[g * rows + r, : part.size] = True
-                        positions[g * rows + r] += first
-                # Pages up to this chunk's end (the earlier chunks' ones and the context's).
-                tables = [
-                    [table[: pages_for(first + offset + T, ps)] for _, first, table in jobs]
-                    for jobs in batch
+                parts = [
+                    [(ids, first, table, offset) for ids, first, table in jobs] for jobs in batch
                 ]
-                pages = self.backend.prefill_pages(spec, tables, rows, T)
-                self.programs.prefill(ids, positions, valid, pages)
-                self.stats.prefill_calls += 1
+                self._prefill_call(parts, T, idle=offset)
+
+    def _prefill_packed(self, per_group: list[list[tuple[np.ndarray, int, list[int]]]]) -> None:
+        """Runs prefill jobs of mixed lengths (continued sequences: a carried row's prompt and
+        tokens, an observation) packed into rows: each group's jobs, longest first, each to
+        the row with the fewest tokens so far; a row runs its jobs one after another, every
+        call takes each row's next part of its job, as long as the longest part left (the
+        rows of a round of :meth:`_prefill` would wait for the round's longest job), on as
+        many rows per group as the busiest group has jobs running (a power of two: sequences
+        that join one by one are prefilled on one row, not ``prefill_rows / groups``)."""
+        rows = self.spec.prefill_rows // self.spec.groups
+        lanes = [[collections.deque() for _ in range(rows)] for _ in per_group]
+        for g, jobs in enumerate(per_group):
+            load = [0] * rows
+            for job in sorted((j for j in jobs if j[0].size), key=lambda j: -j[0].size):
+                r = load.index(min(load))
+                lanes[g][r].append([*job, 0])  # ids, first position, table, offset done
+                load[r] += job[0].size
+        while any(lane for group in lanes for lane in group):
+            left = max(lane[0][0].size - lane[0][3] for group in lanes for lane in group if lane)
+            T = self.spec.prefill_length(left)
+            parts = [[tuple(lane[0]) for lane in group if lane] for group in lanes]
+            self._prefill_call(parts, T, rows=min(rows, pow2(max(map(len, parts)))))
+            for lane in (lane for group in lanes for lane in group if lane):
+                lane[0][3] += T
+                if lane[0][3] >= lane[0][0].size:
+                    lane.popleft()
+
+    def _prefill_call(self, parts: list[list[tuple]], T: int, idle=0, rows=None) -> None:
+        """One prefill call of ``rows`` rows per group (default ``prefill_rows / groups``):
+        group ``g``'s row ``r`` takes ``T`` tokens of its job from ``offset`` on, ``parts[g][r]
+        = (ids, first position, page table, offset)`` (no entry: an empty row, at positions
+        from ``idle``, written nowhere)."""
+        spec, ps = self.spec, self.spec.page_size
+        rows = spec.prefill_rows // spec.groups if rows is None else rows
+        ids = np.zeros((spec.groups * rows, T), np.int32)
+        valid = np.zeros((spec.groups * rows, T), bool)
+        positions = np.zeros((spec.groups * rows, T), np.int32)
+        positions[:] = np.arange(idle, idle + T, dtype=np.int32)
+        tables: list[list[list[int]]] = [[] for _ in parts]
+        for g, group in enumerate(parts):
+            for r, (job, first, table, offset) in enumerate(group):
+                chunk = job[offset : offset + T]
+                ids[g * rows + r, : chunk.size] = chunk
+                valid[g * rows + r, : chunk.size] = True
+                positions[g * rows + r] = np.arange(first + offset, first + offset + T)
+                # Pages up to this chunk's end (the earlier chunks' ones and the context's).
+                tables[g].append(table[: pages_for(first + offset + T, ps)])
+        pages = self.backend.prefill_pages(spec, tables, rows, T)
+        self.programs.prefill(ids, positions, valid, pages)
+        self.stats.prefill_calls += 1
 
     def _prefill_prompts(self, per_group: list[list[int]]) -> None:
-        """Prefills the new prompts (all but their last token) into their pages."""
+        """Prefills the new prompts (all but their last token) into their pages: in rounds, or
+        packed in a partial rollout (a ``quota``), whose prompts mostly join one by one as the
+        carried rows end."""
         jobs = [
             [(self.prompts[i].ids[: self.prompts[i].prefix], 0, self.prompts[i].pages) for i in new]
             for new in per_group
         ]
-        self._prefill(jobs)
+        (self._prefill if self.quota is None else self._prefill_packed)(jobs)
 
     def _resume(self) -> None:
         """Before a decode: the running sequences' pending context (prefilled into their own
@@ -208,7 +241,7 @@ class Scheduler:
                 if seq.write is not None:
                     writes.append((slot, seq))
         if any(jobs):
-            self._prefill(jobs, by_length=True)
+            self._prefill_packed(jobs)
         if writes:
             width = pow2(max(max(s.write[1].size for _, s in writes), self.spec.min_len))
             rows = np.full(self.spec.slots, -1, np.int32)  # -1: nothing to write
@@ -337,18 +370,23 @@ class Scheduler:
         """Compiles the decode chunk at every slot bucket (:meth:`_bucket`) and the prefill
         chunk at every length up to the longest sequence before the first chunk runs (nothing
         when the request's programs are compiled already): a request may reach a bucket the
-        earlier ones did not, and would compile it then, mid-run."""
+        earlier ones did not, and would compile it then, mid-run. A request that continues
+        sequences (turns, a partial rollout's) also prefills on fewer rows
+        (:meth:`_prefill_packed`): those programs too."""
         spec, idle = self.spec, np.zeros(0, np.int32)
         for B in sorted({self._bucket(n) for n in range(1, spec.group_slots + 1)}):
             rows = np.concatenate([g.base + np.arange(B) for g in self.groups])
             tables = [[[] for _ in range(B)] for _ in self.groups]
             _, table, pages = self.backend.decode_pages(spec, tables, B, idle, idle, spec.steps)
             self.programs.compile_decode(state.pack(rows, table), pages)
-        rows, longest = spec.prefill_rows // spec.groups, spec.seq_pages * spec.page_size
-        for T in sorted({spec.prefill_length(n) for n in range(1, longest + 1)}):
-            ids = np.zeros((spec.prefill_rows, T), np.int32)
-            pages = self.backend.prefill_pages(spec, [[[]] * rows] * spec.groups, rows, T)
-            self.programs.compile_prefill(ids, ids, ids.astype(bool), pages)
+        full, longest = spec.prefill_rows // spec.groups, spec.seq_pages * spec.page_size
+        continues = self.turns is not None or self.quota is not None
+        buckets = {min(full, pow2(n)) for n in range(1, full + 1)} if continues else {full}
+        for rows in sorted(buckets):
+            for T in sorted({spec.prefill_length(n) for n in range(1, longest + 1)}):
+                ids = np.zeros((spec.groups * rows, T), np.int32)
+                pages = self.backend.prefill_pages(spec, [[[]] * rows] * spec.groups, rows, T)
+                self.programs.compile_prefill(ids, ids, ids.astype(bool), pages)
 
     def _tail_steps(self, state: HostSlots) -> int:
         """Steps of the next chunk: ``spec.steps``, or, once every queue is empty (no slot can
