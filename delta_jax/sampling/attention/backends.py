@@ -47,6 +47,7 @@ __all__ = [
     "EngineShape",
     "PagedBackend",
     "PallasBackend",
+    "TablesBackend",
     "XlaBackend",
     "backend_for",
     "resolve_attention",
@@ -203,7 +204,21 @@ class XlaBackend(PagedBackend):
     """Flat page lists, :func:`~delta_jax.sampling.attention.paged.xla_attention` (GPU)."""
 
 
-class PallasBackend(PagedBackend):
+class TablesBackend(PagedBackend):
+    """A path that reads page tables (one row per sequence, from position 0), in decode and
+    prefill alike, where the XLA path reads flat page lists."""
+
+    def decode_list_pages(self, spec):
+        return 1
+
+    def prefill_pages(self, spec, tables, rows, length):
+        return self.table(spec, tables, rows)
+
+    def prefill_layout(self, pages, place):
+        return place(pages)
+
+
+class PallasBackend(TablesBackend):
     """Page tables and the ragged paged attention TPU kernel, for decode (verify steps of tries:
     :mod:`~delta_jax.sampling.attention.trie_kernel`) and prefill. The prefill on the kernel
     reads each row's pages up to its position once per block of its queries; the XLA path's
@@ -223,23 +238,14 @@ class PallasBackend(PagedBackend):
             return smem.page_table_error(spec.max_table)
         return super().refusal(spec)
 
-    def decode_list_pages(self, spec):
-        return 1
-
     def decode_pages(self, spec, tables, rows, pos, left, steps):
         return steps, self.table(spec, tables, rows), page_lists([[]] * len(tables), rows, 1)
-
-    def prefill_pages(self, spec, tables, rows, length):
-        return self.table(spec, tables, rows)
-
-    def prefill_layout(self, pages, place):
-        return place(pages)
 
     def _decode_pages(self, slots):
         return slots.page_table
 
 
-class DenseCpuBackend(PagedBackend):
+class DenseCpuBackend(TablesBackend):
     """The CPU path (:mod:`delta_jax.sampling.attention.dense_cpu`): page tables, gathered into
     views once per chunk; a prefill gathers each row's table once per layer."""
 
@@ -256,12 +262,6 @@ class DenseCpuBackend(PagedBackend):
         T = spec.draft_tokens + 1
         return pages_for(spec.steps * T, spec.page_size) if spec.draft_tokens else 0
 
-    def decode_list_pages(self, spec):
-        return 1
-
-    def prefill_pages(self, spec, tables, rows, length):
-        return self.table(spec, tables, rows)
-
     def decode_pages(self, spec, tables, rows, pos, left, steps):
         # Right-aligned views: the longest context plus the columns the chunk's steps write
         # (one per step; k + 1 per verify step) must fit in the views, as wide as the page
@@ -271,9 +271,6 @@ class DenseCpuBackend(PagedBackend):
         widest = (spec.seq_pages + self._verify_pages(spec)) * spec.page_size
         steps = max(1, min(steps, (widest - base) // T))
         return steps, self.table(spec, tables, rows), page_lists([[]] * len(tables), rows, 1)
-
-    def prefill_layout(self, pages, place):
-        return place(pages)
 
     def begin_chunk(self, pool, slots, out, speculative=False):
         return dense_cpu.begin_chunk(
