@@ -98,6 +98,8 @@ def test_multiturn_continuation_programs_compile_for_v5p():
             MODEL, mesh, sh.SAMPLE_RULES, spec, length=64, list_pages=rows // 2 * context,
             attention=attention,
         )  # fmt: skip
+        # The TPU engine's prefill attends on the kernel (a Mosaic call), the planner's on XLA.
+        assert ("tpu_custom_call" in lowered.as_text()) == (attention == "pallas")
         prefill = lowered.compile().memory_analysis()
         assert prefill.alias_size_in_bytes >= MODEL.num_layers * layer_share
         # Not even one layer's share of the pool in temporaries (no relayout copy of the pages).
