@@ -119,14 +119,14 @@ class PrefillRecorder:
         self.calls.append((ids.copy(), positions.copy(), valid.copy(), pages.copy()))
 
 
-def _prefill_host(spec):
+def _prefill_host(spec, quota=None):
     from delta_jax.sampling.attention.backends import backend_for
     from delta_jax.sampling.engine.requests import EngineStats
     from delta_jax.sampling.engine.scheduler import Scheduler
 
     host = Scheduler.__new__(Scheduler)  # only what the prefill uses
     host.spec, host.backend = spec, backend_for(spec.attention)
-    host.programs, host.stats = PrefillRecorder(), EngineStats()
+    host.programs, host.stats, host.quota = PrefillRecorder(), EngineStats(), quota
     return host
 
 
@@ -134,9 +134,10 @@ def test_packed_prefill_writes_every_job_once_on_fewer_rows_and_tokens():
     """Continued sequences' prefill (``Scheduler._prefill_packed``): 2 data groups of 4 rows,
     jobs of 1-40 tokens from their own first positions (a carried row's prompt and tokens, an
     observation), 5 in one group and 1 in the other. Every job's every token is sent once, at
-    its position, in its group's rows, with its own page table through the chunk's end; calls
-    run on a power-of-two number of rows per group, and send fewer rows x tokens than the
-    rounds of ``_prefill`` (one job per row, each round as long as its longest job)."""
+    its position, in its group's rows, with its own page table through the chunk's end; in a
+    partial rollout (a quota) calls run on a power-of-two number of rows per group, else on
+    all of them; both send fewer rows x tokens than the rounds of ``_prefill`` (one job per
+    row, each round as long as its longest job)."""
     spec = dataclasses.replace(
         _spec(slots=8, num_pages=400, attention="pallas"), groups=2, prefill_rows=8, max_table=16
     )
@@ -150,11 +151,12 @@ def test_packed_prefill_writes_every_job_once_on_fewer_rows_and_tokens():
             next_page += n
             jobs[g].append((rng.integers(1, 99, size).astype(np.int32), first, table))
     sent = {}
-    host = _prefill_host(spec)
+    host = _prefill_host(spec, quota=1)
     host._prefill_packed(jobs)
+    assert {ids.shape[0] // spec.groups for ids, *_ in host.programs.calls} == {4, 1}
     for ids, positions, valid, table in host.programs.calls:
         rows = ids.shape[0] // spec.groups
-        assert rows in (1, 2, 4) and table.shape == (ids.shape[0], spec.max_table)
+        assert table.shape == (ids.shape[0], spec.max_table)
         for row in np.flatnonzero(valid.any(1)):
             g, first_page = row // rows, int(table[row, 0])
             for t in np.flatnonzero(valid[row]):
@@ -170,8 +172,10 @@ def test_packed_prefill_writes_every_job_once_on_fewer_rows_and_tokens():
         for i, tok in enumerate(ids)
     }
     assert sent == want
-    rounds = _prefill_host(spec)
+    full, rounds = _prefill_host(spec), _prefill_host(spec)
+    full._prefill_packed(jobs)
     rounds._prefill(jobs)
+    assert {ids.shape[0] for ids, *_ in full.programs.calls} == {spec.prefill_rows}
     assert host.stats.prefill_calls == len(host.programs.calls)
-    cost = lambda calls: sum(ids.size for ids, *_ in calls)  # noqa: E731
-    assert cost(host.programs.calls) < cost(rounds.programs.calls)
+    cost = lambda host: sum(ids.size for ids, *_ in host.programs.calls)  # noqa: E731
+    assert cost(host) < cost(full) < cost(rounds)

@@ -170,9 +170,10 @@ class Scheduler:
         tokens, an observation) packed into rows: each group's jobs, longest first, each to
         the row with the fewest tokens so far; a row runs its jobs one after another, every
         call takes each row's next part of its job, as long as the longest part left (the
-        rows of a round of :meth:`_prefill` would wait for the round's longest job), on as
-        many rows per group as the busiest group has jobs running (a power of two: sequences
-        that join one by one are prefilled on one row, not ``prefill_rows / groups``)."""
+        rows of a round of :meth:`_prefill` would wait for the round's longest job). In a
+        partial rollout (a ``quota``), on as many rows per group as the busiest group has jobs
+        running (a power of two: its sequences join one by one as carried rows end, each
+        prefilled on one row, not ``prefill_rows / groups``)."""
         rows = self.spec.prefill_rows // self.spec.groups
         lanes = [[collections.deque() for _ in range(rows)] for _ in per_group]
         for g, jobs in enumerate(per_group):
@@ -185,7 +186,8 @@ class Scheduler:
             left = max(lane[0][0].size - lane[0][3] for group in lanes for lane in group if lane)
             T = self.spec.prefill_length(left)
             parts = [[tuple(lane[0]) for lane in group if lane] for group in lanes]
-            self._prefill_call(parts, T, rows=min(rows, pow2(max(map(len, parts)))))
+            used = pow2(max(map(len, parts))) if self.quota is not None else rows
+            self._prefill_call(parts, T, rows=min(rows, used))
             for lane in (lane for group in lanes for lane in group if lane):
                 lane[0][3] += T
                 if lane[0][3] >= lane[0][0].size:
@@ -370,9 +372,8 @@ class Scheduler:
         """Compiles the decode chunk at every slot bucket (:meth:`_bucket`) and the prefill
         chunk at every length up to the longest sequence before the first chunk runs (nothing
         when the request's programs are compiled already): a request may reach a bucket the
-        earlier ones did not, and would compile it then, mid-run. A request that continues
-        sequences (turns, a partial rollout's) also prefills on fewer rows
-        (:meth:`_prefill_packed`): those programs too."""
+        earlier ones did not, and would compile it then, mid-run. A partial rollout (a
+        ``quota``) also prefills on fewer rows (:meth:`_prefill_packed`): those programs too."""
         spec, idle = self.spec, np.zeros(0, np.int32)
         for B in sorted({self._bucket(n) for n in range(1, spec.group_slots + 1)}):
             rows = np.concatenate([g.base + np.arange(B) for g in self.groups])
@@ -380,8 +381,8 @@ class Scheduler:
             _, table, pages = self.backend.decode_pages(spec, tables, B, idle, idle, spec.steps)
             self.programs.compile_decode(state.pack(rows, table), pages)
         full, longest = spec.prefill_rows // spec.groups, spec.seq_pages * spec.page_size
-        continues = self.turns is not None or self.quota is not None
-        buckets = {min(full, pow2(n)) for n in range(1, full + 1)} if continues else {full}
+        partial = self.quota is not None
+        buckets = {min(full, pow2(n)) for n in range(1, full + 1)} if partial else {full}
         for rows in sorted(buckets):
             for T in sorted({spec.prefill_length(n) for n in range(1, longest + 1)}):
                 ids = np.zeros((spec.groups * rows, T), np.int32)
