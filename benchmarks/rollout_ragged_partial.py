@@ -165,7 +165,7 @@ class Standin(StandInPrograms):
     program call touches; tokens are never drawn (only lengths price a call)."""
 
     block: int  # tokens per block of the ragged paged attention kernel's page copies
-    groups: int  # data groups (a prefill's page list is one list per group)
+    groups: int  # data groups (a decode step is as long as its busiest group's)
     # per decode step: (rows, kernel tokens copied, the same for the busiest group x groups)
     steps: list = dataclasses.field(default_factory=list)
     # per prefill call: (rows x chunk length, tokens, the kernel's K/V tokens read, query x key
