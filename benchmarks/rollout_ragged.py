@@ -231,7 +231,8 @@ def _engine_schedule(prompts, budgets, n: int, slots: int, chunk: int, page: int
     lengths: list[np.ndarray] = []
 
     class Programs(StandInPrograms):
-        def decode(self, packed, pages, steps_left):
+        def decode(self, packed, pages, steps_left, refill=0):
+            assert refill == 0  # no quota: no refill exit
             return step(packed, steps_left)
 
     def step(packed, steps_left):

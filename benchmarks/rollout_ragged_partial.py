@@ -174,6 +174,7 @@ class Standin(StandInPrograms):
     # K/V up to the row's last position in blocks of ``block`` tokens, masked
     prefills: list = dataclasses.field(default_factory=list)
     joins: int = 0  # sequences that copied the partial last page of their prompt
+    chunks: int = 0  # decode calls (host round trips)
     queries: int = PALLAS_PREFILL_QUERIES_PER_BLOCK
 
     def prefill(self, ids, positions, valid, pages):
@@ -184,15 +185,18 @@ class Standin(StandInPrograms):
         reads, pairs = int(visits * keys.sum()), int(T * keys.sum())
         self.prefills.append((ids.size, int(valid.sum()), reads, pairs))
 
-    def decode(self, packed, pages, steps_left):
+    def decode(self, packed, pages, steps_left, refill=0):
         from delta_jax.sampling.attention.pages import SCRATCH_PAGE
         from delta_jax.sampling.engine.requests import SLOT_FIELDS
 
         st = {name: packed[:, i] for i, name in enumerate(SLOT_FIELDS)}
         self.joins += int((st["copy_dst"] != SCRATCH_PAGE).sum())
         count, pos, active = st["count"].copy(), st["pos"].copy(), st["active"] > 0
-        steps = 0
+        live, steps = active.copy(), 0
+        self.chunks += 1
         while steps < steps_left and active.any():
+            if refill and (live & ~active).sum() >= refill:  # as the engine's chunk does
+                break
             kv = np.where(active, pos + 1, 0)  # an idle row: one block of scratch pages
             blocks = np.ceil(np.maximum(kv, 1) / self.block).reshape(self.groups, -1).sum(1)
             self.steps.append((kv.size, blocks.sum(), blocks.max() * self.groups))

@@ -136,6 +136,7 @@ def lower_decode(
         strategy=make_strategy(1.0),
         resumable=jax.ShapeDtypeStruct((), jnp.bool_, sharding=scalar),
         stop_sequences=jax.ShapeDtypeStruct((Q, L), i32, sharding=scalar) if L else None,
+        refill=jax.ShapeDtypeStruct((), i32, sharding=scalar),
     )
     drafts = None
     if spec.draft_tokens:

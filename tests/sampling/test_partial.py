@@ -210,3 +210,19 @@ def test_quota_met_by_rows_that_had_ended_runs_no_chunk(sampler):
     assert out.tokens[:N] == full.tokens[:N] and out.lengths[N:] == [0] * (rows - N)
     assert out.logprobs[:N] == full.logprobs[:N]
     assert out.engine_stats.chunks == 0 and out.engine_stats.unfinished == rows - N
+
+
+def test_a_chunk_ends_at_a_row_s_end_while_rows_wait_for_a_slot(model):
+    """3 slots, chunks of up to 8 steps, rows of 9, 5 and 3 tokens running (the longest
+    first), one of 2 waiting: with a quota the compiled chunk ends at the first row's end (3
+    steps, every slot-step drawing a token) so that the waiting row can take the slot; the
+    quota (1) is then met. Without the early end the chunk would run 8 steps, 24 slot-steps
+    for 16 tokens."""
+    three = engine(model, decode_slots=3, decode_chunk=8)
+    prompts, request = [[5, 9], [7, 1], [20], [3, 3]], dict(max_new_tokens=[3, 5, 9, 2], n=1)
+    out = three.generate(prompts, quota=1, temperature=0.0, **request)
+    stats = out.engine_stats
+    assert out.finished_array.tolist() == [True, False, False, False]
+    assert (stats.chunks, stats.decode_steps, stats.useful_steps) == (1, 9, 9)
+    full = three.generate(prompts, temperature=0.0, **request)
+    assert full.engine_stats.occupancy < 1.0  # no quota: chunks run on past a row's end

@@ -19,6 +19,7 @@ class FakeDevice:
 
     def __init__(self):
         self.prefills, self.decodes, self.compiled = [], [], set()
+        self.runs = []  # per chunk: (refill, rows live at its start, steps run, tokens drawn)
 
     def prefill(self, ids, positions, valid, pages):
         assert ids.shape in self.compiled  # every prefill length compiled before the first
@@ -33,18 +34,22 @@ class FakeDevice:
     def compile_prefill(self, ids, positions, valid, pages):
         self.compiled.add(ids.shape)
 
-    def decode(self, packed, pages, steps):
+    def decode(self, packed, pages, steps, refill=0):
         assert packed.shape in self.compiled  # every chunk's shape compiled before the first
         st = {name: packed[:, i].copy() for i, name in enumerate(SLOT_FIELDS)}
         active = st["active"] > 0
-        self.decodes.append((active.sum(), packed.shape[0], pages.copy()))
+        live = active.copy()
+        self.decodes.append((active.sum(), packed.shape[0], pages.copy(), refill))
         last, pos, count = st["last"], st["pos"], st["count"]
+        ran, start = 0, count.copy()
         for _ in range(steps):
-            if not active.any():
+            if not active.any() or (refill and (live & ~active).sum() >= refill):
                 break
             last = np.where(active, 7, last)
             count, pos = count + active, pos + active
             active &= count < st["max_new"]
+            ran += 1
+        self.runs.append((refill, int(live.sum()), ran, int((count - start).sum())))
         status = dict(last=last, pos=pos, count=count, active=active.astype(np.int32))
         return np.stack([status[name] for name in STATUS_FIELDS], axis=1)
 
@@ -86,7 +91,7 @@ def test_every_sequence_runs_to_its_budget_and_every_page_is_freed(attention):
     # Each prompt is prefilled once (all but its last token), for its two samples.
     prefilled = sum(int(valid.sum()) for _, valid, _ in device.prefills)
     assert prefilled == 5 + 2 + 8
-    assert max(active for active, _, _ in device.decodes) <= 3
+    assert max(active for active, _, _, _ in device.decodes) <= 3
 
 
 def test_a_tight_pool_preempts_and_still_finishes_every_sequence():
@@ -98,9 +103,30 @@ def test_a_tight_pool_preempts_and_still_finishes_every_sequence():
     assert stats.free_pages_after == (stats.group_pages - 1,)
 
 
+@pytest.mark.parametrize("quota", [None, 2])
+def test_a_partial_rollout_refills_a_slot_as_soon_as_it_frees(quota):
+    """With a quota (every sequence waiting for a slot may be needed to meet it) a chunk ends
+    as soon as a row ends while sequences wait (``refill`` 1): no slot-step of such a chunk is
+    idle. Without one, or once nothing waits, chunks run their steps (``refill`` 0)."""
+    spec = dataclasses.replace(_spec(slots=3, num_pages=40), steps=8)
+    prompts = [np.arange(1, 1 + size, dtype=np.int32) for size in (6, 3, 9, 4, 5)]
+    budgets = np.asarray([5, 9, 3, 12, 7, 1, 6, 2, 10, 4], np.int64)
+    stops = np.full((budgets.size, 1), -1, np.int32)
+    device = FakeDevice()
+    run_engine(spec, EngineRows(prompts, 2, budgets, stops), device, quota=quota)
+    refills = [r for r, *_ in device.runs]
+    if quota is None:
+        assert set(refills) == {0}
+        return
+    assert refills[0] == 1 and 1 in refills[1:]  # the queue empties only late
+    for refill, live, ran, drawn in device.runs:
+        if refill:
+            assert drawn == live * ran  # the chunk stopped at its first row's end
+
+
 def test_page_lists_are_packed_by_row_from_each_row_s_first_page():
     _, _, device, _ = _run(_spec(slots=3, num_pages=40))
-    for _, rows, pages in device.decodes:
+    for _, rows, pages, _ in device.decodes:
         page, seq, index = pages.T
         real = seq < rows  # padding entries name row ``rows`` (out of range), the scratch page
         assert (page[~real] == SCRATCH_PAGE).all() and (page[real] != SCRATCH_PAGE).all()

@@ -65,7 +65,9 @@ def decode_chunk(
     request: RequestInputs,
     drafts: Drafts | None = None,
 ) -> dict[str, Any]:
-    """Up to ``limit`` steps of every live slot (exits early when none is live).
+    """Up to ``limit`` steps of every live slot (exits early when none is live, or once
+    ``request.refill`` >= 1 of the slots live at its start have ended: their slots can take
+    waiting sequences).
 
     Each step's tokens, log-probs and hidden states go straight into the request's output
     buffers ``out`` (``[rows, gen_len]``, carried on device from chunk to chunk and read once
@@ -107,9 +109,13 @@ def decode_chunk(
         state, s, written, extra = step(model, layers, i, state, s, written, extra)
         return i + 1, state, s, written, extra
 
+    live = slots.active
+
     def cond(carry):
         i, _, s, _, _ = carry
-        return (i < limit) & jnp.any(s.active)
+        ended = jnp.sum(live & ~s.active)
+        refill = request.refill
+        return (i < limit) & jnp.any(s.active) & ((refill == 0) | (ended < refill))
 
     state, written, extra = step.begin(pool, slots, out)
     _, state, slots, written, extra = jax.lax.while_loop(

@@ -11,6 +11,7 @@ import dataclasses
 from typing import NamedTuple
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
@@ -134,13 +135,16 @@ class Weights(NamedTuple):
 class RequestInputs(NamedTuple):
     """What every decode chunk of one request reads: the sampling strategy (each slot's seed is
     its own, :class:`SlotState`), whether a sequence that stops may continue later from its
-    pages (``resumable``: a multi-turn request, a turn's end), and a multi-turn request's stop
+    pages (``resumable``: a multi-turn request, a turn's end), a multi-turn request's stop
     sequences (see
-    :func:`~delta_jax.sampling.engine.chunk.decode_chunk`; None for single-turn requests)."""
+    :func:`~delta_jax.sampling.engine.chunk.decode_chunk`; None for single-turn requests), and
+    ``refill``, set per chunk: the chunk ends early once that many of the rows live at its start
+    have ended, so that sequences waiting for a slot join (0: never)."""
 
     strategy: Greedy | Categorical
     resumable: Bool[Array, ""]
     stop_sequences: Int[Array, "Q L"] | None = None
+    refill: Int[Array, ""] = np.int32(0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -222,16 +222,17 @@ class EnginePrograms:
         args = (self.weights, self.pool, tokens, pages)
         return self._build(key, fn, args, (1,)), args
 
-    def decode(self, packed: np.ndarray, pages: np.ndarray, steps: int) -> np.ndarray:
-        """Runs up to ``steps`` decode steps; returns the slots' ``[S, 4 + L]`` status."""
-        return self._decode(packed, pages, steps, None)["status"]
+    def decode(self, packed: np.ndarray, pages: np.ndarray, steps: int, refill=0) -> np.ndarray:
+        """Runs up to ``steps`` decode steps (fewer once ``refill`` >= 1 rows have ended);
+        returns the slots' ``[S, 4 + L]`` status."""
+        return self._decode(packed, pages, steps, None, refill)["status"]
 
-    def verify(self, packed, pages, steps: int, drafts: Drafts):
+    def verify(self, packed, pages, steps: int, drafts: Drafts, refill=0):
         """Runs up to ``steps`` speculative verify steps with the chunk's ``drafts`` (NumPy);
         returns the slots' status, the tokens each emitted (``[S, E]``, -1 after them) and its
         counters (verify steps, drafted and accepted tokens by source)."""
         drafts = Drafts(*(self.cache.place(x) for x in drafts))
-        result = self._decode(packed, pages, steps, drafts)
+        result = self._decode(packed, pages, steps, drafts, refill)
         return result["status"], result["emitted"], result["counts"]
 
     def compile_decode(self, packed: np.ndarray, pages: np.ndarray) -> None:
@@ -239,13 +240,13 @@ class EnginePrograms:
         without running it: nothing when it is compiled already."""
         self._decode_program(packed, pages, 0, None)
 
-    def _decode(self, packed, pages, steps: int, drafts: Drafts | None) -> dict[str, np.ndarray]:
-        program, args = self._decode_program(packed, pages, steps, drafts)
+    def _decode(self, packed, pages, steps: int, drafts, refill: int) -> dict[str, np.ndarray]:
+        program, args = self._decode_program(packed, pages, steps, drafts, refill)
         result = program(*args)
         self.pool, self.out = result.pop("pool"), result.pop("out")
         return {name: to_host(x) for name, x in result.items()}
 
-    def _decode_program(self, packed, pages, steps: int, drafts: Drafts | None):
+    def _decode_program(self, packed, pages, steps: int, drafts: Drafts | None, refill=0):
         """The compiled decode (verify) program of a chunk and its arguments."""
         spec, place, sequences = self.spec, self.cache.place, self.request.stop_sequences
         packed, pages, steps = place(packed), place(pages), np.int32(steps)
@@ -255,7 +256,8 @@ class EnginePrograms:
         signature += tuple(x.shape for x in jax.tree.leaves(drafts))
         key = ("decode", packed.shape, pages.shape, self.rows, self.gen_len, *signature)
         fn = functools.partial(decode_program, self.options)
-        args = (self.weights, self.pool, self.out, packed, pages, steps, self.request, drafts)
+        request = self.request._replace(refill=np.int32(refill))
+        args = (self.weights, self.pool, self.out, packed, pages, steps, request, drafts)
         return self._build(key, fn, args, (1, 2)), args
 
     def results(self) -> dict[str, jax.Array]:

@@ -27,10 +27,11 @@ class DevicePrograms(Protocol):
         ``[S, T]`` into output row ``rows[s]`` (-1: none) from column ``cols[s]`` on
         (observations, log-probs zero; or a carried row's tokens)."""
 
-    def decode(self, packed, pages, steps: int):
+    def decode(self, packed, pages, steps: int, refill: int = 0):
         """Runs up to ``steps`` decode steps of the packed ``[S, F]`` slot matrix
         (``SLOT_FIELDS``, stop ids, stop-sequence window, page table) over the page list
-        ``[U, 3]``; returns the slots' ``[S, 4 + L]`` status (``STATUS_FIELDS``, then the
+        ``[U, 3]``, ending early once ``refill`` >= 1 of the rows live at its start have ended
+        (sequences wait for their slots); returns the slots' ``[S, 4 + L]`` status (``STATUS_FIELDS``, then the
         stop-sequence window of multi-turn requests with stop sequences of up to ``L`` ids)."""
 
     def compile_decode(self, packed, pages) -> None:
@@ -39,7 +40,7 @@ class DevicePrograms(Protocol):
     def compile_prefill(self, ids, positions, valid, pages) -> None:
         """Compiles the :meth:`prefill` program of these shapes without running it."""
 
-    def verify(self, packed, pages, steps: int, drafts):
+    def verify(self, packed, pages, steps: int, drafts, refill: int = 0):
         """As :meth:`decode`, in speculative verify steps with each slot's ``drafts``
         (:class:`~delta_jax.sampling.speculation.drafts.Drafts`); returns the status, the tokens
         each slot emitted ``[S, E]`` (-1 after them) and its counters ``[S, 1 + 2 * sources]``

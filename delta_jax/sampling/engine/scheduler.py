@@ -455,7 +455,9 @@ class Scheduler:
         seqs = {slot: seq for g in self.groups for slot, seq in g.running}
         index = [seqs[slot].index if slot in seqs else None for slot in rows]
         packed = state.pack(rows, table)
-        chunk = self.speculation.decode(spec, self.programs, packed, pages, steps, index)
+        # A partial rollout refills a slot as soon as it frees while sequences wait for one.
+        refill = int(self.quota is not None and any(g.queue for g in self.groups))
+        chunk = self.speculation.decode(spec, self.programs, packed, pages, steps, index, refill)
         state.read_status(rows, chunk.status)
         self.speculation.record(chunk, index, (state.count - before)[rows], self.stats)
         self.stats.chunks += 1

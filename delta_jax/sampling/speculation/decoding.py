@@ -76,10 +76,11 @@ class Speculation:
     def truncate(self, row: int, length: int) -> None:
         """Request row ``row`` restarts from its first ``length`` tokens (preempted)."""
 
-    def decode(self, spec, programs, packed, pages, steps: int, rows: list[int | None]) -> Chunk:
+    def decode(self, spec, programs, packed, pages, steps: int, rows: list, refill=0) -> Chunk:
         """Runs one decode chunk of ``programs`` (the engine's ``DevicePrograms``) on the packed
-        slot matrix and page list; ``rows``: each chunk row's request row (None: idle)."""
-        return Chunk(programs.decode(packed, pages, steps))
+        slot matrix and page list; ``rows``: each chunk row's request row (None: idle);
+        ``refill``: see ``DevicePrograms.decode``."""
+        return Chunk(programs.decode(packed, pages, steps, refill))
 
     def record(self, chunk: Chunk, rows: list[int | None], new: np.ndarray, stats) -> None:
         """Books the chunk that emitted ``new[i]`` tokens for chunk row ``i`` into ``stats``
@@ -126,9 +127,9 @@ class Drafting(Speculation):
     def truncate(self, row, length) -> None:
         self.drafter.truncate(row, length)
 
-    def decode(self, spec, programs, packed, pages, steps, rows) -> Chunk:
+    def decode(self, spec, programs, packed, pages, steps, rows, refill=0) -> Chunk:
         drafts = self.drafter.drafts(rows, spec.draft_window)
-        return Chunk(*programs.verify(packed, pages, steps, drafts))
+        return Chunk(*programs.verify(packed, pages, steps, drafts, refill))
 
     def record(self, chunk, rows, new, stats) -> None:
         self.drafter.extend_rows(rows, chunk.emitted, new)
