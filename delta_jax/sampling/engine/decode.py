@@ -11,8 +11,8 @@ import dataclasses
 from typing import NamedTuple
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 

@@ -31,8 +31,9 @@ class DevicePrograms(Protocol):
         """Runs up to ``steps`` decode steps of the packed ``[S, F]`` slot matrix
         (``SLOT_FIELDS``, stop ids, stop-sequence window, page table) over the page list
         ``[U, 3]``, ending early once ``refill`` >= 1 of the rows live at its start have ended
-        (sequences wait for their slots); returns the slots' ``[S, 4 + L]`` status (``STATUS_FIELDS``, then the
-        stop-sequence window of multi-turn requests with stop sequences of up to ``L`` ids)."""
+        (sequences wait for their slots); returns the slots' ``[S, 4 + L]`` status
+        (``STATUS_FIELDS``, then the stop-sequence window of multi-turn requests with stop
+        sequences of up to ``L`` ids)."""
 
     def compile_decode(self, packed, pages) -> None:
         """Compiles the :meth:`decode` program of these shapes without running it."""
