@@ -455,8 +455,10 @@ class Scheduler:
         seqs = {slot: seq for g in self.groups for slot, seq in g.running}
         index = [seqs[slot].index if slot in seqs else None for slot in rows]
         packed = state.pack(rows, table)
-        # A partial rollout refills a slot as soon as it frees while sequences wait for one.
-        refill = int(self.quota is not None and any(g.queue for g in self.groups))
+        # A partial rollout refills slots while sequences wait for them: the chunk ends once an
+        # eighth of its rows have ended (a refill costs a host round trip and a prefill call).
+        waiting = self.quota is not None and any(g.queue for g in self.groups)
+        refill = max(1, len(rows) // 8) if waiting else 0
         chunk = self.speculation.decode(spec, self.programs, packed, pages, steps, index, refill)
         state.read_status(rows, chunk.status)
         self.speculation.record(chunk, index, (state.count - before)[rows], self.stats)
