@@ -90,10 +90,10 @@ def _check_partial(config: Config) -> None:
     continuous engine and single-turn rows; ``max_staleness`` applies to them only."""
     r = config.rollout
     if r.async_devices:
-        if r.over_provision:
+        if r.over_provision and r.max_staleness == 0:
             raise ConfigError(
-                "rollout.async_devices with rollout.over_provision: asynchronous partial "
-                "rollouts are not supported yet (use one of them)"
+                f"rollout.async_devices={r.async_devices} with rollout.max_staleness=0: every "
+                "token of an asynchronous run is one update old (set max_staleness >= 1)"
             )
         if config.algo.tis_cap is None:
             raise ConfigError(

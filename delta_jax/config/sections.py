@@ -138,12 +138,14 @@ class RolloutConfigSection:
     # older policy are weighted against it: needs algo.tis_cap.
     over_provision: int = ranged(0, 0)
     # Partial rollouts: a carried group whose oldest token is more than this many RL steps
-    # behind the policy is dropped and its prompt sampled again (None: no bound).
+    # behind the policy that trains it is dropped and its prompt sampled again (None: no
+    # bound; with async_devices, at least 1).
     max_staleness: int | None = ranged(None, 0)
     # Asynchronous rollouts (delta_jax.rl.trainer, docs/engine.md): the first this many devices
     # sample on their own mesh while the others (run.mesh over them) train, each step's update
     # running beside the next step's rollout, so that every token is drawn one update behind
-    # the policy it trains (needs algo.tis_cap). 0: one set of devices, rollout then update.
+    # the policy it trains (needs algo.tis_cap; with over_provision, partial rollouts there).
+    # 0: one set of devices, rollout then update.
     async_devices: int = ranged(0, 0)
     # Multi-turn episodes (delta_jax.envs): "" (one response per prompt), "python_tool" (the
     # built-in Python interpreter tool, delta_jax.envs.PythonTool), or "package.module:factory"

@@ -18,13 +18,15 @@ the rows still running come back unfinished (:mod:`delta_jax.sampling.partial`).
   ``groups`` new prompts.
 
 Every row keeps the policy version that drew its first token (the version is an int the
-caller passes per call, e.g. the number of updates applied); a group's staleness is the call's
-version minus its oldest token's. With ``max_staleness`` a carried group whose oldest token is
-more than that many versions behind is dropped when the next call is planned (counted), and its
+caller passes per call, e.g. the number of updates applied); a group's staleness is the version
+it is trained against minus its oldest token's: the call's version plus the call's ``lag`` (the
+updates that land between the call and the update that trains its groups: 0 for a synchronous
+run, 1 for an asynchronous run's rollout ahead). With ``max_staleness`` a carried group more
+than that many versions behind is dropped when the next call is planned (counted), and its
 prompt is sampled again from the start in that call: every group a call returns has all its
-tokens within ``max_staleness`` versions of the call's. Under unchanged weights the groups
-returned are exactly those an uninterrupted call with each group's seed and position would
-have drawn (the engine's continuation is exact).
+tokens within ``max_staleness`` versions of the policy that trains it. Under unchanged
+weights the groups returned are exactly those an uninterrupted call with each group's seed and
+position would have drawn (the engine's continuation is exact).
 
 The buffer is host state of the run: :meth:`~PartialRollouts.state_dict` (NumPy arrays and a
 list of record dicts) and :meth:`~PartialRollouts.from_state_dict` round-trip it exactly, and
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -45,12 +47,21 @@ from delta_jax.data import PromptRecord
 from delta_jax.rl.host_state import pack, unpack
 from delta_jax.sampling import Carry, SamplerOutput
 
-__all__ = ["FinishedGroup", "HeldGroup", "PartialRollouts", "PartialStats", "RolloutPlan"]
+__all__ = ["Clock", "FinishedGroup", "HeldGroup", "PartialRollouts", "PartialStats", "RolloutPlan"]
 
 # A prompt as the training batches give it: its token ids and its record.
 Pair = tuple[list[int], PromptRecord]
 
 NO_TOKEN = -1  # the version of a row that has no token yet
+
+
+class Clock(NamedTuple):
+    """A sampler call on the staleness clock (in RL steps): ``version``, the updates applied to
+    the policy it samples with; ``lag``, the updates that land before the update that trains
+    its groups (0: the next one; an asynchronous run's rollout ahead: 1)."""
+
+    version: int
+    lag: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +98,8 @@ class FinishedGroup:
       tokens, logprobs, untruncated_logprobs: its rows' generated ids and log-probs (the
         tokens drawn in earlier calls included).
       versions: per row, the policy version that drew its first token.
-      staleness: the call's version minus the oldest of ``versions``.
+      staleness: the version that trains it (the call's plus its lag) minus the oldest of
+        ``versions``.
     """
 
     prompt_ids: tuple[int, ...]
@@ -119,6 +131,7 @@ class RolloutPlan:
       quota: groups the call must finish (None when every group must: no over-provision).
       seed: the call's seed (the RNG identity of its fresh rows).
       version: the policy version the call samples with.
+      lag: updates between the call and the update that trains its groups.
       n: samples per prompt.
       carried_groups: the held groups the call continues (its leading groups).
       dropped: groups dropped for staleness (their prompts are among the fresh ones).
@@ -131,6 +144,7 @@ class RolloutPlan:
     quota: int | None
     seed: int
     version: int
+    lag: int
     n: int
     carried_groups: tuple[HeldGroup, ...]
     dropped: int
@@ -152,7 +166,7 @@ class PartialStats:
       carried: groups kept for the next call (unfinished, or a finished surplus).
       carried_tokens: tokens held in the kept groups' rows.
       dropped: carried groups dropped for staleness when the call was planned.
-      staleness: returned groups by staleness (versions behind the call's).
+      staleness: returned groups by staleness (versions behind the policy that trains them).
     """
 
     returned: int
@@ -191,7 +205,7 @@ class PartialRollouts:
       extra: the over-provision, further groups asked for in each call, >= 0 (0: every call
         runs all its groups to the end, nothing is carried).
       max_staleness: the most versions a returned group's oldest token may be behind the
-        call's (None: no bound).
+        policy that trains it (None: no bound).
     """
 
     def __init__(self, n: int, groups: int, extra: int, max_staleness: int | None = None):
@@ -216,22 +230,31 @@ class PartialRollouts:
         dropped for staleness are sampled again in their place)."""
         return self.size - len(self.held)
 
-    def plan(self, fresh: list[Pair], *, version: int, seed: int) -> RolloutPlan:
+    def plan(self, fresh: list[Pair], *, version: int, seed: int, lag: int = 0) -> RolloutPlan:
         """The next sampler call: the held groups first (those more than ``max_staleness``
-        versions behind ``version`` dropped and their prompts sampled afresh), then ``fresh``.
+        versions behind ``version + lag`` dropped and their prompts sampled afresh), then
+        ``fresh``.
 
         Args:
           fresh: ``fresh_needed`` new ``(prompt ids, record)`` pairs.
           version: the policy version the call samples with (never below the last call's).
+          lag: updates applied between this call and the update that trains the groups it
+            returns (0: the next update; an asynchronous run's rollout ahead: 1), at most
+            ``max_staleness`` (a fresh token would be too old already).
           seed: the call's seed, a uint32 not used by any held row (fresh rows drawn with the
             same seed and position as a held row would repeat its random numbers).
 
         Raises:
           ValueError: a wrong number of new prompts, a record that is not a ``PromptRecord``,
-            a version below the last call's, or a seed out of range or held by a carried row.
+            a version below the last call's, a lag above ``max_staleness``, or a seed out of
+            range or held by a carried row.
         """
         version = _count("version", version, 0)
+        lag = _count("lag", lag, 0)
         seed = _count("seed", seed, 0)
+        bound = self.max_staleness
+        if bound is not None and lag > bound:
+            raise ValueError(f"lag {lag} is above max_staleness {bound}: nothing could be returned")
         if version < self.version:
             raise ValueError(f"version {version} is below the last call's ({self.version})")
         if seed >= 2**32:
@@ -246,8 +269,8 @@ class PartialRollouts:
         for i, (_, record) in enumerate(fresh):
             if not isinstance(record, PromptRecord):
                 raise ValueError(f"fresh[{i}]: the record must be a PromptRecord")
-        bound = self.max_staleness
-        stale = lambda g: bound is not None and g.oldest is not None and version - g.oldest > bound
+        trained = version + lag  # the version the call's groups are trained against
+        stale = lambda g: bound is not None and g.oldest is not None and trained - g.oldest > bound
         kept = tuple(g for g in self.held if not stale(g))
         again = [(list(g.prompt_ids), g.record) for g in self.held if stale(g)]
         pairs = [(list(g.prompt_ids), g.record) for g in kept] + again + list(fresh)
@@ -259,6 +282,7 @@ class PartialRollouts:
             quota=self.groups if self.extra else None,
             seed=seed,
             version=version,
+            lag=lag,
             n=self.n,
             carried_groups=kept,
             dropped=len(again),
@@ -287,7 +311,8 @@ class PartialRollouts:
             old = plan.carried_groups[g].versions if g < len(plan.carried_groups) else None
             versions = _versions(old, [output.lengths[r] for r in rows], plan.version)
             if whole[g] and len(returned) < self.groups:
-                returned.append(_finished(ids, record, rows, output, versions, plan.version))
+                trained = plan.version + plan.lag
+                returned.append(_finished(ids, record, rows, output, versions, trained))
             else:
                 carries = tuple(output.carry(int(r)) for r in rows)
                 kept.append(HeldGroup(tuple(ids), record, carries, versions))
@@ -423,7 +448,7 @@ _STATE_KEYS = (
 )
 
 
-def _finished(ids, record, rows, output: SamplerOutput, versions, version: int) -> FinishedGroup:
+def _finished(ids, record, rows, output: SamplerOutput, versions, trained: int) -> FinishedGroup:
     return FinishedGroup(
         prompt_ids=tuple(ids),
         record=record,
@@ -432,7 +457,7 @@ def _finished(ids, record, rows, output: SamplerOutput, versions, version: int) 
         logprobs=[output.logprobs[r] for r in rows],
         untruncated_logprobs=[output.untruncated_logprobs[r] for r in rows],
         versions=versions,
-        staleness=version - min(versions),
+        staleness=trained - min(versions),
     )
 
 

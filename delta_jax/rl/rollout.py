@@ -30,7 +30,7 @@ from delta_jax.envs.episodes import EpisodeRunner, episode_row
 from delta_jax.losses import advantages as adv_lib
 from delta_jax.rewards import concat_batches
 from delta_jax.rl.compilation import CompileCounter
-from delta_jax.rl.partial import PartialRollouts
+from delta_jax.rl.partial import Clock, PartialRollouts
 
 # Percentiles of a step's response lengths recorded beside their mean, min and max.
 LENGTH_PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -167,7 +167,7 @@ def collect_rollout(
     seed: int,
     episodes: EpisodeRunner | None = None,
     partial: PartialRollouts | None = None,
-    version: int = 0,
+    clock: Clock | None = None,
 ) -> Rollout:
     """Sample, score and assemble one rollout batch (see module docstring) as ``spec`` says;
     with ``episodes`` each response is a multi-turn episode (:mod:`delta_jax.envs.episodes`).
@@ -175,8 +175,11 @@ def collect_rollout(
     With ``partial`` (partial rollouts, :mod:`delta_jax.rl.partial`) each sampler call continues
     the buffer's groups and asks for the over-provision too (the first call of a run reads the
     prompt batches that fill it), stops once a batch's worth of groups has ended and keeps the
-    rest; ``version`` is the policy's (updates applied, in RL steps), the staleness clock.
+    rest; ``clock`` is the policy's version (updates applied, in RL steps) and the updates that
+    land before the batch is trained (an asynchronous run's rollout ahead: 1; None: version 0,
+    no lag).
     """
+    clock = clock or Clock(0)
     dynamic_rounds = spec.dynamic_rounds
     stats: Counter = Counter()
     kept: list[Group] = []
@@ -190,7 +193,7 @@ def collect_rollout(
             pairs = pairs + next(prompt_batches)  # the first call: the over-provision's prompts
         # Rows the prompt source passed over (bad rows, prompts too long) for this step.
         stats["data/skipped"] += take_skipped()
-        call = _Call(seed * 1000 + round_, episodes, partial, version)
+        call = _Call(seed * 1000 + round_, episodes, partial, clock)
         out, groups = _sample_and_score(
             sampler, params, scorer, tokenizer, pairs, spec, call, stats
         )
@@ -377,12 +380,12 @@ def _speculation_stats(stats: Counter) -> None:
 @dataclasses.dataclass(frozen=True)
 class _Call:
     """One sampler call's own settings: its seed, the episodes' runner (multi-turn), the
-    partial-rollout buffer and the policy version (partial rollouts)."""
+    partial-rollout buffer and the staleness clock (partial rollouts)."""
 
     seed: int
     runner: EpisodeRunner | None
     partial: PartialRollouts | None
-    version: int
+    clock: Clock
 
 
 def _sample_and_score(sampler, params, scorer, tokenizer, pairs, spec: RolloutSpec, call, stats):
@@ -393,7 +396,8 @@ def _sample_and_score(sampler, params, scorer, tokenizer, pairs, spec: RolloutSp
     keywords: dict = {"n": n, "seed": call.seed}
     plan = None
     if call.partial is not None:  # the held groups first, then ``pairs``
-        plan = call.partial.plan(pairs, version=call.version, seed=call.seed % 2**32)
+        version, lag = call.clock
+        plan = call.partial.plan(pairs, version=version, seed=call.seed % 2**32, lag=lag)
         pairs = list(zip(plan.prompts, plan.records, strict=True))
         keywords = plan.generate_kwargs()
     records = [rec for _, rec in pairs for _ in range(n)]

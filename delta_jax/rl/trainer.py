@@ -55,6 +55,7 @@ from delta_jax.diagnostics.metrics_log import MetricsLog
 from delta_jax.diagnostics.plots import plot_runs
 from delta_jax.rl.compilation import CompileCounter, use_persistent_cache, warm_up_rollout
 from delta_jax.rl.host_state import pack, unpack
+from delta_jax.rl.partial import Clock
 from delta_jax.rl.pipeline import RolloutsAhead, partial_buffer, split_meshes
 from delta_jax.rl.rollout import (
     DEVICE_FIELDS,
@@ -381,7 +382,8 @@ class Trainer:
         t_step, compiles = time.perf_counter(), CompileCounter.snapshot()
         rollout, lag = self._rollout_for(step)
         if self._ahead is not None and step < cfg.run.steps:  # the next one, beside the update
-            self._ahead.start(step + 1, self._rollout, self._sampling_params())
+            ahead = functools.partial(self._rollout, lag=1)  # trained after this update
+            self._ahead.start(step + 1, ahead, self._sampling_params())
         t_update, compiling = time.perf_counter(), CompileCounter.seconds
         batch, metrics = self.updater.prepare(rollout, step, self.state.params, self.ref_params)
         if self._ahead is not None:
@@ -493,9 +495,10 @@ class Trainer:
         )
         self._ahead.restore(step, dataclasses.replace(rollout, **moved))
 
-    def _rollout(self, step: int, params=None) -> Rollout:
-        """Sample and score one rollout batch with ``params`` (in the sampler's layout;
-        default: the current parameters)."""
+    def _rollout(self, step: int, params=None, lag: int = 0) -> Rollout:
+        """Sample and score step ``step``'s rollout batch with ``params`` (in the sampler's
+        layout; default: the current parameters), ``lag`` updates before the update that
+        trains it (an asynchronous run's rollout ahead: 1)."""
         cfg, parts, spec = self.config, self.parts, self._rollout_spec
         rollout = collect_rollout(
             sampler=parts.sampler,
@@ -507,7 +510,7 @@ class Trainer:
             seed=cfg.run.seed * 1_000_003 + step,
             episodes=parts.episodes,
             partial=self.partial,
-            version=step - 1,  # RL steps applied: the staleness clock
+            clock=Clock(version=step - 1 - lag, lag=lag),  # RL steps applied to ``params``
         )
         # Back from the sampler's mesh to the trainer's rows (a no-op when the layouts agree).
         moved = sh.replicated_to_global(

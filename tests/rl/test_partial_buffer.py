@@ -120,6 +120,26 @@ def test_stale_groups_are_dropped_and_their_prompts_sampled_again(sampler):
     assert all(g.staleness <= 1 for g in groups)
 
 
+def test_a_lag_counts_the_updates_before_a_call_s_groups_are_trained(sampler):
+    """An asynchronous run samples one update ahead (lag 1): the same calls as the test above,
+    but a returned group's staleness and the bound count the update between the call and the
+    one that trains it, so the groups that test kept at version 1 are dropped here."""
+    buffer, source = PartialRollouts(N, GROUPS, EXTRA, max_staleness=1), Source()
+    plan = buffer.plan(source.take(buffer.fresh_needed), version=0, seed=7, lag=1)
+    groups, stats = buffer.take(
+        plan, sampler.generate(plan.prompts, **REQUEST, **plan.generate_kwargs())
+    )
+    assert plan.lag == 1 and stats.staleness == {1: GROUPS}  # fresh tokens, trained a version on
+    assert [g.staleness for g in groups] == [1] * GROUPS
+    started = [g for g in buffer.held if g.oldest is not None]
+    assert started, "no held group has a token: pick another seed"
+    with pytest.raises(ValueError, match="lag 2 is above max_staleness 1: nothing could be"):
+        buffer.plan(PAIRS[30 : 30 + buffer.fresh_needed], version=1, seed=8, lag=2)
+    plan = buffer.plan(source.take(buffer.fresh_needed), version=1, seed=8, lag=1)
+    assert plan.dropped == len(started)  # 1 + 1 - 0 = 2 versions behind the update
+    assert list(plan.carried_groups) == [g for g in buffer.held if g.oldest is None]
+
+
 def test_state_round_trip_continues_to_the_same_results(sampler):
     buffer, source = PartialRollouts(N, GROUPS, EXTRA, max_staleness=3), Source()
     for c in range(2):
