@@ -395,10 +395,27 @@ def reshard_for_sampling(
     program = resharder(targets, tuple(dtypes[i] for i in moved))
     inputs = [leaves[i] for i in moved]
     if sample_mesh is not None and set(sample_mesh.devices.flat) != set(mesh.devices.flat):
-        inputs = jax.device_put(inputs, list(targets))  # other devices: copied there, cast there
+        inputs = [move_to(x, t) for x, t in zip(inputs, targets, strict=True)]  # cast there
     for i, x in zip(moved, program(*inputs), strict=True):
         leaves[i] = x
     return jax.tree.unflatten(treedef, leaves)
+
+
+def move_to(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """A device array placed by ``sharding``, copied device to device; across processes between
+    different device sets (an asynchronous run's sampler and trainer), which JAX's CPU and GPU
+    runtimes do not copy, gathered to every host and placed from there."""
+    if jax.process_count() == 1 or x.sharding.device_set == sharding.device_set:
+        return jax.device_put(x, sharding)
+    # Gathered on its own devices only (collectives on others would meet the other side's).
+    whole = np.asarray(_replicate(x.sharding.mesh)(x).addressable_data(0))
+    return jax.make_array_from_callback(whole.shape, sharding, lambda index: whole[index])
+
+
+@functools.lru_cache(maxsize=8)
+def _replicate(mesh: Mesh):
+    """The jitted copy of an array onto every device of ``mesh``."""
+    return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 def sampling_dtype(have: Any, want: Any) -> np.dtype:
@@ -496,7 +513,7 @@ def replicated_to_global(
                 f"{dict(mesh.shape)}"
             )
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return x if x.sharding == sharding else jax.device_put(x, sharding)
+            return x if x.sharding == sharding else move_to(x, sharding)
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 

@@ -260,7 +260,8 @@ TRAIN = [
 REWARD = ("reward.kind=tests.rl.reward_fns:graded_length", "reward.num_workers=1")
 
 
-def _cli(out: Path, steps: int, processes: int, *overrides: str) -> list[dict]:
+def _cli(out: Path, steps: int, processes: int, *overrides: str, ok: bool = True):
+    """The run's metrics rows (``ok=False``: a run that must fail; its output)."""
     cli = [
         sys.executable,
         "-m",
@@ -289,6 +290,9 @@ def _cli(out: Path, steps: int, processes: int, *overrides: str) -> list[dict]:
             *cli,
         ]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=960)
+    if not ok:
+        assert proc.returncode != 0
+        return proc.stdout + proc.stderr
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
@@ -306,6 +310,12 @@ def test_cli_two_processes_match_one_process_and_resume(tmp_path):
     assert len(_cli(tmp_path / "two", STEPS, 2, *REWARD, model)) == STEPS
     got = _cli(tmp_path / "two", STEPS + 1, 2, *REWARD, model)  # resumes from the step-STEPS save
     assert [row["step"] for row in got] == list(range(1, STEPS + 2))
+    _assert_same_rows(got, want)
+
+
+def _assert_same_rows(got: list[dict], want: list[dict]) -> None:
+    """Every metric of every step equal within ``TOL`` (timings and compile counts aside)."""
+    assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         # Timings and compile counts depend on the process layout, not on the maths.
         own = lambda row: {k for k in row if not k.startswith(("time/", "compiles"))}
@@ -318,6 +328,30 @@ def test_cli_two_processes_match_one_process_and_resume(tmp_path):
                 )
             else:
                 assert g[key] == w[key], (w["step"], key)
+
+
+@pytest.mark.slow
+def test_asynchronous_partial_rollouts_across_two_processes_match_one(tmp_path):
+    """Asynchronous partial rollouts, 2 processes x 2 devices (each gives the sampler one
+    device; the update's mesh is the other two) against 1 process x 4 (the first two sample).
+    The weights cross to the sampler's devices and the rollout back through the hosts; on CPU
+    the processes run each rollout inline (gloo shares one channel between two processes),
+    the one process beside the update on its own thread."""
+    run = (
+        "run.mesh=[1,2,1]",
+        "rollout.async_devices=2",
+        "algo.tis_cap=2.0",
+        "rollout.over_provision=1",
+        "rollout.max_staleness=2",
+    )
+    want = _cli(tmp_path / "one", 3, 1, *REWARD, *run, "model.demo_warmup_steps=30")
+    model = f"model.path={tmp_path / 'one' / 'demo_model'}"
+    got = _cli(tmp_path / "two", 3, 2, *REWARD, *run, model)
+    assert [row["rollout/policy_lag"] for row in got] == [0, 1, 1]
+    assert got[1]["partial/staleness_1"] > 0 and got[2]["partial/tokens_carried"] > 0
+    _assert_same_rows(got, want)
+    odd = _cli(tmp_path / "odd", 3, 2, *REWARD, *run, model, "rollout.async_devices=1", ok=False)
+    assert "error: rollout.async_devices=1 must be a multiple of the 2 processes" in odd
 
 
 def test_a_process_may_reach_a_barrier_minutes_after_another(tmp_path):

@@ -35,22 +35,33 @@ __all__ = ["InlineRollouts", "RolloutsAhead", "partial_buffer", "split_meshes"]
 
 
 def split_meshes(cfg: Config):
-    """The trainer's mesh and the sampler's devices' mesh (None: the trainer's devices)."""
+    """The trainer's mesh and the sampler's devices' mesh (None: the trainer's devices).
+
+    With several processes each gives the sampler the same number of its own devices (its
+    first ``k / processes``): the sampler's programs span the processes, and every process runs
+    the rollout's host code (the same in each, as in a synchronous run)."""
     k = cfg.rollout.async_devices
     if not k:
         return sh.mesh_from_config(cfg.run.mesh), None
-    devices = jax.devices()
-    if jax.process_count() > 1:
-        raise ConfigError("rollout.async_devices: asynchronous rollouts run in one process for now")
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    processes = jax.process_count()
+    if k % processes:
+        raise ConfigError(
+            f"rollout.async_devices={k} must be a multiple of the {processes} processes "
+            "(each gives the sampler as many of its devices)"
+        )
     if k >= len(devices):
         raise ConfigError(
             f"rollout.async_devices={k} leaves no device to train on ({len(devices)} devices)"
         )
+    share, local = k // processes, len(devices) // processes  # devices sorted by process
+    sample = [d for i, d in enumerate(devices) if i % local < share]
+    train = [d for i, d in enumerate(devices) if i % local >= share]
     try:
-        train = sh.make_mesh(*cfg.run.mesh, devices=devices[k:])
+        train_mesh = sh.make_mesh(*cfg.run.mesh, devices=train)
     except ValueError as e:
-        raise ConfigError(f"run.mesh over the {len(devices) - k} training devices: {e}") from None
-    return train, sh.make_mesh(devices=devices[:k])
+        raise ConfigError(f"run.mesh over the {len(train)} training devices: {e}") from None
+    return train_mesh, sh.make_mesh(devices=sample)
 
 
 def partial_buffer(cfg: Config, saved) -> PartialRollouts | None:
@@ -103,6 +114,11 @@ class RolloutsAhead:
 
     def __init__(self):
         self._executor = ROLLOUT_EXECUTOR()
+        if jax.process_count() > 1 and jax.devices()[0].platform == "cpu":
+            # The CPU's cross-process collectives (gloo) share one channel between two processes:
+            # two programs' collectives at once (the update's, the sampler's) would interleave.
+            log.warning("asynchronous rollouts across CPU processes run inline (no overlap)")
+            self._executor = InlineRollouts()
         self._pending: tuple[int, Future] | None = None
 
     def start(self, step: int, rollout_fn, params) -> None:
