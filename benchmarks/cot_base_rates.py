@@ -8,9 +8,9 @@ package index, its chat template). For each task (``--tasks``: ``name`` or
 then "The final answer is <number>."; ``working``, the working, then the final number),
 ``--prompts`` held-out problems are sampled ``--n`` times at the config's temperature (0.7)
 with a budget of ``--cap`` tokens. A response to an instruction other than ``direct`` is scored
-by the task's own verifier on the text after its last marker (``--marker``) on that line; one
-without the marker scores 0. A ``direct`` response is scored as ``reward.kind: reasoning_gym``
-scores it.
+as ``reward.kind: reasoning_gym`` with ``data.answer_marker: --marker`` scores it (the task's own
+verifier on the text after the marker's last occurrence, on that line; 0 without the marker);
+a ``direct`` response as ``reward.kind: reasoning_gym`` scores it.
 
 Printed per task and instruction: accuracy, the groups all right / all wrong / mixed, the
 fraction of responses with the marker, response lengths (mean, median, p90, at the cap) and
@@ -72,18 +72,6 @@ def held_out(task: str, options: dict, template: str, prompts: int, tokenizer, r
     return [list(map(int, ids)) for ids in evals.ids[:prompts]], evals.records[:prompts]
 
 
-def score(response: str, entry, marker: str | None) -> tuple[float, bool]:
-    """``(score, marked)``: with ``marker`` only the text after its last occurrence (to the
-    end of that line) is read, and a response without it scores 0."""
-    if marker is None:
-        return score_gym(response, entry)[0], False
-    at = response.rfind(marker)
-    if at < 0:
-        return 0.0, False
-    answer = response[at + len(marker) :].strip().split("\n", 1)[0]
-    return score_gym(answer, entry)[0], True
-
-
 def measure(sampler, ids, records, args, marker, decode) -> dict:
     """Sample ``--n`` responses per prompt, score them; the figures of one table row."""
     start = time.perf_counter()
@@ -91,19 +79,20 @@ def measure(sampler, ids, records, args, marker, decode) -> dict:
     seconds = time.perf_counter() - start
     lengths = np.asarray(out.lengths)
     scored = [
-        score(decode(tokens), records[row // args.n].extra[GYM_ENTRY], marker)
+        score_gym(decode(tokens), records[row // args.n].extra[GYM_ENTRY], marker)
         for row, tokens in enumerate(out.tokens)
     ]
     for row in range(min(args.show, len(out.tokens))):
         print(f"  [{row}] {decode(out.tokens[row])!r}")
     right = np.asarray([s >= 1.0 for s, _ in scored]).reshape(len(ids), args.n)
+    marked = [reason != "no_marker" for _, reason in scored]
     per_group = right.sum(1)
     return dict(
         accuracy=right.mean(),
         all_right=np.mean(per_group == args.n),
         all_wrong=np.mean(per_group == 0),
         mixed=np.mean((per_group > 0) & (per_group < args.n)),
-        marked=np.mean([m for _, m in scored]) if marker else float("nan"),
+        marked=np.mean(marked) if marker else float("nan"),
         mean=lengths.mean(),
         median=np.median(lengths),
         p90=np.percentile(lengths, 90),

@@ -19,6 +19,11 @@ def validate(config: Config) -> None:
     r, a, run, d = config.rollout, config.algo, config.run, config.data
     _check_ranges(config)
     _check_gym(d)
+    if d.answer_marker is not None and config.reward.kind != "reasoning_gym":
+        raise ConfigError(
+            f"data.answer_marker={d.answer_marker!r} is read by reward.kind=reasoning_gym "
+            f"(reward.kind={config.reward.kind})"
+        )
     if config.model.path == "demo:tiny" and d.source in ("demo:arithmetic", "demo:products"):
         if (d.demo_template == "tool") != (d.source == "demo:products"):
             raise ConfigError(
@@ -159,6 +164,7 @@ def _check_gym(d: DataConfigSection) -> None:
         (key, needs)
         for key, needs, idle in (
             ("gym_options", "data.source", not train_gym),
+            ("answer_marker", "data.source", not train_gym),
             ("gym_size", "data.source", not train_gym),
             ("gym_seed", "data.source or a held-out source", not (train_gym or eval_gym)),
         )

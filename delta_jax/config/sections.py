@@ -89,6 +89,11 @@ class DataConfigSection:
     max_prompt_length: int = ranged(16, 1)
     truncation: Literal["drop", "left"] = "drop"
     template: str | None = None
+    # reasoning_gym:<task> sources with reward.kind=reasoning_gym: the words a response marks its
+    # final answer with (e.g. "The final answer is", which the template asks for; any case).
+    # The reward reads the answer after its last occurrence, on that line, and scores a response
+    # without it 0 (reason no_marker). None: the last <answer> tag, else the whole response.
+    answer_marker: str | None = None
     system_prompt: str | None = None
     on_bad_row: Literal["error", "skip"] = "error"
     shuffle: bool = True

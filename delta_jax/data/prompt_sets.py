@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from delta_jax.data.gym import (
+    ANSWER_MARKER,
     EVAL_SEED_OFFSET,
     eval_gym_options,
     gym_records,
@@ -95,10 +96,14 @@ def _gym_records(
         else:
             count, options = data.gym_size, data.gym_options
         size = min(count, data.limit or count)
-        return gym_records(gym_task(source), size=size, seed=seed, options=options)
+        records = gym_records(gym_task(source), size=size, seed=seed, options=options)
     except (ValueError, ImportError) as e:
         key = "data.eval_source" if eval_set else "data.source"
         raise PromptSetError(f"{key}={source}: {e}") from None
+    if data.answer_marker is None:
+        return records
+    marker = {ANSWER_MARKER: data.answer_marker}  # what the reasoning_gym reward reads
+    return [dataclasses.replace(r, extra={**r.extra, **marker}) for r in records]
 
 
 def source_records(

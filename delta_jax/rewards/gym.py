@@ -10,7 +10,10 @@ The answer is the content of the response's last ``<answer>...</answer>`` (the c
 reasoning-gym's own system prompt), else the whole response stripped. Where the entry's answer
 is a number, the answer is the last number in that text (as GSM8K-style evaluations read a
 final answer: "15 + 27 = 42" answers 42); otherwise, if the text spans several lines, its last
-non-empty line (the final answer after the working).
+non-empty line (the final answer after the working). With an answer marker (the item's
+``answer_marker``, from ``data.answer_marker``: e.g. "The final answer is") only the text after
+its last occurrence (in any case), to the end of that line, is read, and a response without it
+scores 0 (reason ``no_marker``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 from delta_jax import extras
 
 GYM_ENTRY = "gym_entry"  # the item field (PromptRecord.extra key) holding the whole entry
+ANSWER_MARKER = "answer_marker"  # the item field holding data.answer_marker, when set
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -52,15 +56,28 @@ def _task_scorer(task: str) -> Callable[[str, dict], float]:
     return import_reasoning_gym().get_score_answer_fn(task)
 
 
-def score_gym(response: str, entry: Any) -> tuple[float, str]:
-    """``(score, reason)`` of a response to a reasoning-gym entry.
+def marked_answer(response: str, marker: str) -> str | None:
+    """The text after the last ``marker`` in ``response`` (any case), to the end of its line;
+    None when the response has no marker."""
+    at = response.lower().rfind(marker.lower())
+    return None if at < 0 else response[at + len(marker) :].split("\n", 1)[0]
+
+
+def score_gym(response: str, entry: Any, marker: str | None = None) -> tuple[float, str]:
+    """``(score, reason)`` of a response to a reasoning-gym entry (with ``marker``: of the
+    answer it marks, see the module docstring).
 
     Reasons: ``"correct"`` (score 1), ``"partial"`` (between 0 and 1: some tasks give part
-    credit, e.g. an answer that contains the right one), ``"wrong"``. A missing or malformed
-    entry raises, which the reward pool reports as the item's ``error:<type>``.
+    credit, e.g. an answer that contains the right one), ``"wrong"``, ``"no_marker"``. A
+    missing or malformed entry raises, which the reward pool reports as the item's
+    ``error:<type>``.
     """
     if not isinstance(entry, Mapping):
         raise ValueError(f"no reasoning_gym entry to score against (got {type(entry).__name__})")
+    if marker is not None:
+        response = marked_answer(response, marker)
+        if response is None:
+            return 0.0, "no_marker"
     task = entry["metadata"]["source_dataset"]
     answer = extract_gym_answer(response, entry.get("answer"))
     score = float(_task_scorer(task)(answer, dict(entry)))

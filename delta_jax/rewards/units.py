@@ -20,7 +20,7 @@ from typing import Any
 from delta_jax.rewards.code import extract_code, run_code
 from delta_jax.rewards.custom import as_reward, error_line, load_reward_fn
 from delta_jax.rewards.format import score_format
-from delta_jax.rewards.gym import GYM_ENTRY, import_reasoning_gym, score_gym
+from delta_jax.rewards.gym import ANSWER_MARKER, GYM_ENTRY, import_reasoning_gym, score_gym
 from delta_jax.rewards.math import score_math
 
 ScoreFn = Callable[[str, str, Mapping[str, Any]], tuple[float, str]]
@@ -53,7 +53,9 @@ def make_score_fn(kind: str | Callable[..., Any], options: Mapping[str, Any]) ->
         # Imported now: a missing package fails the scorer's construction (one line), and a
         # worker pays the import before it is ready, not within an item's deadline.
         import_reasoning_gym()
-        return lambda prompt, response, item: score_gym(response, item[GYM_ENTRY])
+        return lambda prompt, response, item: score_gym(
+            response, item[GYM_ENTRY], item.get(ANSWER_MARKER)
+        )
     fn = load_reward_fn(kind) if isinstance(kind, str) else kind
     return lambda prompt, response, item: (as_reward(fn(prompt, response, item)), "ok")
 

@@ -13,7 +13,7 @@ from delta_jax.data import gym
 from delta_jax.data.objects import is_stream, records_from_object
 from delta_jax.data.prompt_sets import IndexedPrompts
 from delta_jax.demo import build_char_tokenizer
-from delta_jax.rewards.gym import GYM_ENTRY
+from delta_jax.rewards.gym import ANSWER_MARKER, GYM_ENTRY
 from delta_jax.rl.setup import check_gym_entries, prompt_sets
 
 TASK = "basic_arithmetic"
@@ -104,6 +104,19 @@ def test_train_and_held_out_sets_from_the_config(tok):
     assert evals.records == gym.gym_records(TASK, size=6, seed=7 + gym.EVAL_SEED_OFFSET)
 
 
+def test_an_answer_marker_reaches_every_gym_record_s_item(tok):
+    marker = "data.answer_marker=The final answer is"
+    config = _config(SOURCE, "reward.kind=reasoning_gym", marker, "data.gym_size=4")
+    train, evals = prompt_sets(config, tok)
+    seed = gym.EVAL_SEED_OFFSET
+    expected = (gym.gym_records(TASK, size=4, seed=0), gym.gym_records(TASK, size=8, seed=seed))
+    for records, want in zip((train.records, evals.records), expected, strict=True):
+        assert {r.extra[ANSWER_MARKER] for r in records} == {"The final answer is"}
+        plain = [dataclasses.replace(r, extra={GYM_ENTRY: r.extra[GYM_ENTRY]}) for r in records]
+        assert plain == want
+    assert gym.ANSWER_MARKER == ANSWER_MARKER
+
+
 def test_eval_source_of_another_task_uses_its_defaults(tok):
     same = _config(SOURCE, f"data.eval_source=reasoning_gym:{TASK}", f"data.gym_options={SMALL}")
     assert prompt_sets(same, tok)[1].records == gym.gym_records(
@@ -182,6 +195,8 @@ def test_gym_options_is_a_copied_mapping_and_the_config_still_hashes(tmp_path):
         ([SOURCE, "data.gym_options=[1]"], "data.gym_options=.* must be a mapping"),
         ([SOURCE, "data.gym_options={1: 2}"], "data.gym_options=.* must be a mapping"),
         (["data.source='reasoning_gym:'"], "names no task"),
+        (["data.answer_marker=x"], "data.answer_marker='x' is read only with a reasoning_gym"),
+        ([SOURCE, "data.answer_marker=x"], "read by reward.kind=reasoning_gym .reward.kind=math"),
     ],
 )  # fmt: skip
 def test_config_errors_are_one_line(overrides, match):

@@ -8,7 +8,7 @@ import pytest
 from delta_jax.config import ConfigError, load_config
 from delta_jax.data.gym import gym_records
 from delta_jax.rewards import RewardScorer, RewardSet, extract_gym_answer
-from delta_jax.rewards.gym import GYM_ENTRY
+from delta_jax.rewards.gym import ANSWER_MARKER, GYM_ENTRY, marked_answer
 from delta_jax.rl.setup import make_scorers
 
 RECORDS = gym_records("basic_arithmetic", size=3, seed=0) + gym_records(
@@ -58,6 +58,22 @@ def test_scores_by_the_task_of_each_entry(num_workers):
     assert 0 < batch.rewards[3] < 1  # leg_counting: the answer inside a longer one
     assert batch.components["reasoning_gym"].tolist() == batch.rewards.tolist()
     assert pickle.loads(pickle.dumps(ITEMS)) == ITEMS  # what the workers receive
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_an_answer_marker_is_required_and_only_its_line_is_read(num_workers):
+    marked = {**ITEMS[0], ANSWER_MARKER: "The final answer is"}
+    responses = [
+        f"2 + 2 = 4, so\nThe final answer is {A}.\nCheck: 1 + 1 = 2",  # its line only
+        f"the final answer is 9999, no:\nTHE FINAL ANSWER IS {A}",  # the last one, any case
+        f"{A}",  # right, but not marked
+        f"{A} is what I get. The final answer is unknown",
+    ]
+    with RewardSet("reasoning_gym", num_workers=num_workers, timeout_s=30) as rewards:
+        batch = rewards.score(["p"] * 4, responses, [marked] * 4)
+    assert batch.reasons == ["correct", "correct", "no_marker", "wrong"]
+    assert batch.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert marked_answer("a\nThe final answer is 7.\nb", "final ANSWER is") == " 7."
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
