@@ -39,53 +39,10 @@ def _run(config, steps: int) -> list[dict]:
     return rows
 
 
-@pytest.fixture(scope="module")
-def overlapped(tmp_path_factory, demo_model_dir):
-    """Four steps, each rollout on its own thread beside the update: (run folder, rows)."""
-    run = tmp_path_factory.mktemp("overlapped") / "run"
-    return run, _run(_config(run, demo_model_dir, "run.steps=4"), 4)
-
-
-def test_overlapped_run_equals_its_synchronous_reference(
-    tmp_path, demo_model_dir, overlapped, monkeypatch
-):
-    run, rows = overlapped
-    assert [r["rollout/policy_lag"] for r in rows] == [0, 1, 1, 1]
-    assert all("time/rollout_wait" in r for r in rows[1:])
-    assert max(r["tis_weight_max"] for r in rows[1:]) > 1.0  # one update behind: weights move
-    monkeypatch.setattr(pipeline, "ROLLOUT_EXECUTOR", pipeline.InlineRollouts)
-    reference = tmp_path / "reference"
-    assert _comparable(_run(_config(reference, demo_model_dir, "run.steps=4"), 4)) == (
-        _comparable(rows)
-    )
-    for x, y in zip(_params(run, 4), _params(reference, 4), strict=True):
-        np.testing.assert_array_equal(x, y)
-
-
-def test_a_run_stopped_with_a_rollout_in_flight_resumes_exactly(
-    tmp_path, demo_model_dir, overlapped
-):
-    reference, rows = overlapped
-    run = tmp_path / "run"
-    _run(_config(run, demo_model_dir, "run.steps=4"), 2)  # step 3's rollout saved at step 2
-    with Trainer(_config(run, demo_model_dir, "run.steps=4")) as trainer:
-        assert trainer.step_count == 2
-        resumed = [trainer.step() for _ in range(2)]
-        trainer.checkpointer.wait()
-    assert [r["rollout/policy_lag"] for r in resumed] == [1, 1]
-    assert _comparable(resumed) == _comparable(rows[2:])
-    for x, y in zip(_params(reference, 4), _params(run, 4), strict=True):
-        np.testing.assert_array_equal(x, y)
-
-
-PARTIAL = ("rollout.over_provision=1", "rollout.max_staleness=2")
-
-
-@pytest.fixture(scope="module")
-def overlapped_partial(tmp_path_factory, demo_model_dir):
-    """Four steps of asynchronous partial rollouts: (run folder, rows)."""
-    run = tmp_path_factory.mktemp("overlapped_partial") / "run"
-    return run, _run(_config(run, demo_model_dir, "run.steps=4", *PARTIAL), 4)
+# Asynchronous rollouts, and asynchronous partial rollouts (their staleness counts the update
+# ahead: a group sampled beside an update is 1 version old when trained, one carried over a
+# call 2).
+MODES = {"whole": (), "partial": ("rollout.over_provision=1", "rollout.max_staleness=2")}
 
 
 def _ages(row: dict) -> dict[int, float]:
@@ -94,37 +51,47 @@ def _ages(row: dict) -> dict[int, float]:
     return {int(k.removeprefix(key)): v for k, v in row.items() if k.startswith(key)}
 
 
-def test_asynchronous_partial_rollouts_equal_their_synchronous_reference(
-    tmp_path, demo_model_dir, overlapped_partial, monkeypatch
+@pytest.fixture(scope="module", params=list(MODES))
+def overlapped(request, tmp_path_factory, demo_model_dir):
+    """Four steps, each rollout on its own thread beside the update: (run folder, the mode's
+    overrides, rows)."""
+    extra = MODES[request.param]
+    run = tmp_path_factory.mktemp(f"overlapped_{request.param}") / "run"
+    return run, extra, _run(_config(run, demo_model_dir, "run.steps=4", *extra), 4)
+
+
+def test_overlapped_run_equals_its_synchronous_reference(
+    tmp_path, demo_model_dir, overlapped, monkeypatch
 ):
-    """Partial rollouts on the sampling devices, one update ahead: a group sampled ahead is at
-    least one update old when trained, one carried over a call more; the bound holds; the
-    overlapped run equals the inline one bitwise."""
-    run, rows = overlapped_partial
+    run, extra, rows = overlapped
     assert [r["rollout/policy_lag"] for r in rows] == [0, 1, 1, 1]
-    assert list(_ages(rows[0])) == [0]  # the first step samples on-policy
-    ages = [_ages(r) for r in rows[1:]]
-    assert all(min(a) >= 1 and max(a) <= 2 and sum(a.values()) % 4 == 0 for a in ages)
-    assert any(2 in a for a in ages) and all(r["partial/tokens_carried"] > 0 for r in rows)
+    assert all("time/rollout_wait" in r for r in rows[1:])
+    assert max(r["tis_weight_max"] for r in rows[1:]) > 1.0  # one update behind: weights move
+    if extra:  # the first step samples on-policy; then 1 or 2 behind (both seen), within bound
+        assert list(_ages(rows[0])) == [0]
+        ages = [_ages(r) for r in rows[1:]]
+        assert all(min(a) >= 1 and max(a) <= 2 and sum(a.values()) % 4 == 0 for a in ages)
+        assert any(2 in a for a in ages) and all(r["partial/tokens_carried"] > 0 for r in rows)
     monkeypatch.setattr(pipeline, "ROLLOUT_EXECUTOR", pipeline.InlineRollouts)
     reference = tmp_path / "reference"
-    config = _config(reference, demo_model_dir, "run.steps=4", *PARTIAL)
+    config = _config(reference, demo_model_dir, "run.steps=4", *extra)
     assert _comparable(_run(config, 4)) == _comparable(rows)
     for x, y in zip(_params(run, 4), _params(reference, 4), strict=True):
         np.testing.assert_array_equal(x, y)
 
 
-def test_a_partial_run_stopped_with_a_rollout_in_flight_resumes_exactly(
-    tmp_path, demo_model_dir, overlapped_partial
+def test_a_run_stopped_with_a_rollout_in_flight_resumes_exactly(
+    tmp_path, demo_model_dir, overlapped
 ):
-    """Saved at step 2 with step 3's rollout in flight and groups held in the buffer."""
-    reference, rows = overlapped_partial
+    """Saved at step 2 with step 3's rollout in flight (and, partial, groups held)."""
+    reference, extra, rows = overlapped
     run = tmp_path / "run"
-    _run(_config(run, demo_model_dir, "run.steps=4", *PARTIAL), 2)
-    with Trainer(_config(run, demo_model_dir, "run.steps=4", *PARTIAL)) as trainer:
-        assert trainer.step_count == 2 and trainer.partial.held
+    _run(_config(run, demo_model_dir, "run.steps=4", *extra), 2)
+    with Trainer(_config(run, demo_model_dir, "run.steps=4", *extra)) as trainer:
+        assert trainer.step_count == 2 and (not extra or trainer.partial.held)
         resumed = [trainer.step() for _ in range(2)]
         trainer.checkpointer.wait()
+    assert [r["rollout/policy_lag"] for r in resumed] == [1, 1]
     assert _comparable(resumed) == _comparable(rows[2:])
     for x, y in zip(_params(reference, 4), _params(run, 4), strict=True):
         np.testing.assert_array_equal(x, y)
