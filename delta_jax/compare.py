@@ -38,11 +38,15 @@ from scipy import stats
 
 from delta_jax.config import load_config
 from delta_jax.diagnostics import (
+    ROLES,
     CaptureSampling,
     answer_token_share,
     capture_batch,
+    delta_series,
     group_shared_share,
+    position_shares,
     render_heatmap,
+    role_shares,
 )
 from delta_jax.diagnostics.metrics_log import read_metrics
 from delta_jax.rl.objectives import delta_options
@@ -317,7 +321,9 @@ def coefficient_stats(rdir: Path, *, prompts: int = 32, n: int = 8) -> dict[str,
         )
         batch.save(rdir / "diagnostics" / f"{when}.npz")
         render_heatmap(batch, rdir / "diagnostics" / f"heatmap_{when}.html", title=f"{when} policy")
-        out[when] = answer_token_share(batch) | group_shared_share(batch)
+        out[when] = answer_token_share(batch) | group_shared_share(batch) | position_shares(batch)
+        if config.data.answer_marker:  # the reasoning, the marker and end of turn, the answer
+            out[when] |= role_shares(batch, config.data.answer_marker)
     return out
 
 
@@ -366,7 +372,56 @@ def summary_markdown(title: str, command: str, runs, table, coefs: dict, losses)
         for when in ("start", "final"):
             vals = [np.nanmean([c[when][k] for c in with_answers]) for k in COEF_COLUMNS]
             lines.append(f"| {when} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
-    return "\n".join(lines + shared_token_table(coefs)) + "\n"
+    lines += shared_token_table(coefs)
+    lines += class_table(coefs, ("early", "middle", "late"), "thirds of each response")
+    roles = "the final answer (after the answer marker, to its line's end), the template (the "
+    roles += "marker, the end of turn) and the reasoning"
+    lines += class_table(coefs, ROLES, roles)
+    return "\n".join(lines) + "\n"
+
+
+def class_table(coefs: dict, classes: Sequence[str], what: str) -> list[str]:
+    """Markdown: mean λ̄ (all tokens, each side), token share and weight share of each class of
+    :func:`~delta_jax.diagnostics.position_shares` / :func:`~delta_jax.diagnostics.role_shares`
+    in the coefficient batches, start and final policy, mean over the seeds that have them."""
+    have = {k: c for k, c in coefs.items() if f"mean_{classes[0]}" in c["start"]}
+    if not have:
+        return []
+    lines = [
+        "",
+        f"DelTA coefficients λ̄ by {what}, on 32 held-out prompts x 8 samples, mean over seeds "
+        f"{', '.join(sorted(have))}:",
+        "",
+        "| policy | tokens | λ̄ | λ̄, Â>0 | λ̄, Â<0 | token share | weight share |",
+        "|---" * 7 + "|",
+    ]
+    for when in ("start", "final"):
+        for name in classes:
+            keys = [f"mean_{name}{s}" for s in ("", "_pos", "_neg")]
+            keys += [f"{name}_count_share", f"{name}_weight_share"]
+            vals = [np.nanmean([c[when][k] for c in have.values()]) for k in keys]
+            lines.append(f"| {when} | {name} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+    return lines
+
+
+def step_table(out: Path, seeds: Sequence[int], every: int = 5) -> list[str]:
+    """Markdown: the DelTA runs' centroid cosine cos(μ+, μ−) and sign accuracy of the margins
+    at step 1 and every ``every`` steps, mean over seeds (the update's own batches)."""
+    series = [delta_series(run_dir(out, "delta", s)) for s in seeds]
+    keys = ("delta/centroid_cosine", "delta/sign_accuracy")
+    series = [s for s in series if all(k in s for k in keys)]
+    if not series:
+        return []
+    steps = sorted({t for s in series for t in s[keys[0]][0] if t == 1 or t % every == 0})
+    lines = ["", "DelTA's centroids over training (the update's batches, mean over seeds):", ""]
+    lines += ["| step | " + " | ".join(k.removeprefix("delta/") for k in keys) + " |"]
+    lines += ["|---" * (len(keys) + 1) + "|"]
+    for t in steps:
+        vals = [
+            np.nanmean([dict(zip(*s[k], strict=True)).get(t, np.nan) for s in series]) for k in keys
+        ]
+        lines.append(f"| {t} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+    return lines
 
 
 def shared_token_table(coefs: dict) -> list[str]:
@@ -425,5 +480,7 @@ def compare(
         + ["--out", str(out), *overrides]
     )
     md = summary_markdown(title or out.name, command, runs, table, coefs, list(losses))
+    if "delta" in losses:
+        md += "\n".join(step_table(out, seeds)) + "\n"
     (out / "summary.md").write_text(md)
     return out / "summary.md"

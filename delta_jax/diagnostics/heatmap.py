@@ -16,6 +16,7 @@ sides stay apart for red-green colour-blind readers.
 
 from __future__ import annotations
 
+import colorsys
 import html
 from pathlib import Path
 
@@ -195,3 +196,83 @@ def render_heatmap(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(heatmap_html(batch, title=title, max_rows=max_rows), encoding="utf-8")
     return out_path
+
+
+def side_by_side_png(
+    batch: CoefficientBatch | str | Path,
+    out_path: str | Path,
+    *,
+    groups: int = 2,
+    width: int = 56,
+    max_lines: int = 18,
+) -> Path:
+    """A static figure of the heatmap for documents: for the first ``groups`` groups with both
+    sides, the first right response (``Â > 0``) and the first wrong one (``Â < 0``) side by
+    side, each token's characters on the page's colours (:func:`coefficient_color`, the batch's
+    scored range), wrapped at ``width`` characters and cut after ``max_lines`` lines."""
+    import matplotlib  # lazy: only figures need it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not isinstance(batch, CoefficientBatch):
+        batch = CoefficientBatch.load(batch)
+    lam, mask, adv = np.asarray(batch.coefficients), np.asarray(batch.mask), batch.advantages
+    scored = lam[mask & (np.asarray(adv)[:, None] != 0)]
+    lo, hi = float(scored.min()), float(scored.max())
+    n = max(batch.group_size, 1)
+    pairs = []
+    for g in range(0, len(batch.prompts), n):
+        rows = range(g, min(g + n, len(batch.prompts)))
+        right = [i for i in rows if adv[i] > 0]
+        wrong = [i for i in rows if adv[i] < 0]
+        if right and wrong:
+            pairs.append((right[0], wrong[0]))
+    if not pairs:
+        raise ValueError("no group of the batch has both sides")
+    pairs = pairs[:groups]
+    fig, axes = plt.subplots(
+        len(pairs), 2, figsize=(2 * width * 0.105, len(pairs) * (max_lines + 3) * 0.2),
+        squeeze=False,
+    )  # fmt: skip
+    for (right, wrong), row in zip(pairs, axes, strict=True):
+        for i, ax in zip((right, wrong), row, strict=True):
+            _draw_response(ax, batch, i, lo, hi, width, max_lines)
+    fig.suptitle(f"λ̄ from {lo:.2f} (pale) to {hi:.2f} (dark); blue: right, orange: wrong")
+    fig.tight_layout()
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+    return out_path
+
+
+def _draw_response(ax, batch, i, lo, hi, width, max_lines) -> None:
+    """One response's tokens as coloured character cells on ``ax``."""
+    from matplotlib.patches import Rectangle
+
+    lam, mask = np.asarray(batch.coefficients)[i], np.asarray(batch.mask)[i]
+    adv = float(batch.advantages[i])
+    col, line = 0, 0
+    for piece, v in zip(batch.pieces[i], lam[mask], strict=True):
+        h, s, light = coefficient_color(float(v), adv, lo, hi)
+        colour = colorsys.hls_to_rgb(h / 360, light / 100, s / 100)
+        for ch in piece.replace("\n", "↵\n"):
+            if ch == "\n" or col >= width:
+                col, line = 0, line + 1
+                if ch == "\n":
+                    continue
+            if line < max_lines:
+                ax.add_patch(Rectangle((col, -line - 1), 1, 1, facecolor=colour, lw=0))
+                ax.text(col + 0.5, -line - 0.5, ch, ha="center", va="center", fontsize=6.5,
+                        family="monospace", color="#fff" if light < 58 else "#111")  # fmt: skip
+            col += 1
+    more = " …" if line >= max_lines else ""
+    ax.set_title(
+        f"reward {batch.rewards[i]:.0f}, Â {adv:+.2f}, mean λ̄ {lam[mask].mean():.3f}{more}",
+        fontsize=8,
+        loc="left",
+    )
+    ax.set_xlim(0, width)
+    ax.set_ylim(-max_lines, 0)
+    ax.axis("off")

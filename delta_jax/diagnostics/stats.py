@@ -16,6 +16,7 @@ Two sources:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -369,3 +370,79 @@ def answer_token_share(batch: CoefficientBatch) -> dict[str, float]:
     adv = np.broadcast_to(np.asarray(batch.advantages)[:, None], mask.shape)[mask]
     names = ("answer_count_share", "answer_weight_share", "mean_answer", "mean_format")
     return _class_shares(answer[mask], lam, adv, names)
+
+
+ROLES = ("reasoning", "template", "answer")
+_SPECIAL_PIECE = re.compile(r"^<\|[^|<>]*\|>$")
+
+
+def marked_answer_roles(pieces: Sequence[str], marker: str) -> np.ndarray:
+    """Each token's role in a response that ends on a marked answer (``data.answer_marker``):
+    the index into :data:`ROLES` of every piece.
+
+    As the reward reads it, the *answer* is the text after the marker's last occurrence (any
+    case) up to the end of that line; a token whose text overlaps it is an answer token. A
+    token overlapping that occurrence of the marker itself, or a special token (``<|...|>``,
+    the chat template's end of turn), is a *template* token: text every response writes
+    whatever its answer. Every other token is *reasoning*. No marker: no answer token.
+    """
+    text = "".join(pieces)
+    ends = np.cumsum([len(p) for p in pieces], dtype=np.int64)
+    begins = ends - np.array([len(p) for p in pieces], np.int64)
+    roles = np.zeros(len(pieces), np.int8)
+    special = np.array([bool(_SPECIAL_PIECE.match(p.strip())) for p in pieces], bool)
+    start = text.lower().rfind(marker.lower()) if marker else -1
+    if start >= 0:
+        lo = start + len(marker)
+        line_end = text.find("\n", lo)
+        hi = len(text) if line_end < 0 else line_end
+        overlaps = lambda a, b: (begins < b) & (ends > a) & (ends > begins)  # noqa: E731
+        roles[overlaps(start, lo)] = ROLES.index("template")
+        roles[overlaps(lo, hi) & ~special] = ROLES.index("answer")
+    roles[special] = ROLES.index("template")
+    return roles
+
+
+def role_shares(batch: CoefficientBatch, marker: str) -> dict[str, float]:
+    r"""Coefficient weight on the final answer, the template and the reasoning of each response
+    (:func:`marked_answer_roles`). For each role ``r`` over valid tokens::
+
+      r_count_share  = |r| / |valid|
+      r_weight_share = Σ_{t ∈ r} λ̄_t / Σ_t λ̄_t
+      mean_r         = mean λ̄ over the role's tokens
+
+    and the same per side (``_pos``, ``_neg``). ``marked`` is the fraction of responses with
+    the marker.
+    """
+    mask = np.asarray(batch.mask, bool)
+    roles = np.full(mask.shape, -1, np.int8)
+    for i, pieces in enumerate(batch.pieces):
+        roles[i, np.flatnonzero(mask[i])] = marked_answer_roles(pieces, marker)
+    marked = [marker.lower() in "".join(p).lower() for p in batch.pieces]
+    return {"marked": float(np.mean(marked))} | _partition_shares(batch, roles, ROLES)
+
+
+def position_shares(batch: CoefficientBatch, parts: Sequence[str] = ("early", "middle", "late")):
+    r"""Coefficient weight by position in the response: token ``j`` of a response of ``L``
+    valid tokens is in part ``⌊len(parts)·j / L⌋`` (thirds by default). Per part, the count
+    share, weight share and mean ``λ̄`` of :func:`role_shares`, over all tokens and per side."""
+    mask = np.asarray(batch.mask, bool)
+    part = np.full(mask.shape, -1, np.int8)
+    for i in range(mask.shape[0]):
+        valid = np.flatnonzero(mask[i])
+        part[i, valid] = np.arange(len(valid)) * len(parts) // max(len(valid), 1)
+    return _partition_shares(batch, part, parts)
+
+
+def _partition_shares(batch: CoefficientBatch, label: np.ndarray, names: Sequence[str]):
+    """:func:`_class_shares` of each class ``label == k`` (named ``names[k]``) over valid tokens:
+    ``<name>_count_share``, ``<name>_weight_share``, ``mean_<name>`` (all tokens and per side)."""
+    mask = np.asarray(batch.mask, bool)
+    lam = np.asarray(batch.coefficients, np.float64)[mask]
+    adv = np.broadcast_to(np.asarray(batch.advantages)[:, None], mask.shape)[mask]
+    out: dict[str, float] = {}
+    for k, name in enumerate(names):
+        quantities = (f"{name}_count_share", f"{name}_weight_share", f"mean_{name}", "_rest")
+        shares = _class_shares(label[mask] == k, lam, adv, quantities)
+        out |= {key: v for key, v in shares.items() if not key.startswith("_rest")}
+    return out

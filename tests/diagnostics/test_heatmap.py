@@ -121,3 +121,19 @@ def test_groups_with_signal_come_first_and_max_rows(batch):
     assert [html.unescape(p) for p in prompts] == [batch.prompts[4], batch.prompts[0]]
     one_group = heatmap_html(batch, max_rows=4)
     assert one_group.count("<div class='row'>") == 4
+
+
+def test_side_by_side_figure_puts_a_right_and_a_wrong_response_in_their_colours(batch, tmp_path):
+    """The documents' figure: each group's first right response (blue) beside its first wrong
+    one (orange), in the page's shades; a batch without both sides in a group is refused."""
+    from delta_jax.diagnostics import CoefficientBatch, side_by_side_png
+
+    png = side_by_side_png(batch, tmp_path / "pairs.png", groups=2, width=24)
+    blue, orange, coloured, light = _hue_clusters(png)
+    assert blue.sum() > 300 and orange.sum() > 300, (blue.sum(), orange.sum())
+    assert (blue | orange).sum() > 0.95 * coloured.sum()
+    for side in (blue, orange):  # several λ̄, several shades
+        assert len(np.unique(np.round(light[side] * 20))) >= 3
+    one_side = CoefficientBatch(**{**batch.__dict__, "advantages": np.abs(batch.advantages)})
+    with pytest.raises(ValueError, match="both sides"):
+        side_by_side_png(one_side, tmp_path / "none.png")

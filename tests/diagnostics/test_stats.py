@@ -223,3 +223,87 @@ def test_group_shared_share_against_a_hand_count():
     assert out["mean_distinct"] == pytest.approx(w[~shared].mean())
     assert out["shared_count_share_pos"] == pytest.approx(0.5)
     assert out["shared_weight_share_neg"] == pytest.approx((0.5 + 0.6) / (0.5 + 0.6 + 0.7 + 0.8))
+
+
+def test_marked_answer_roles_follow_the_reward_s_reading():
+    from delta_jax.diagnostics import ROLES, marked_answer_roles
+
+    pieces = ["2 x 3", " is 6.", "\nThe final", " answer is", " 6", ".\n", "Bye", "<|im_end|>"]
+    roles = [ROLES[k] for k in marked_answer_roles(pieces, "the final answer is")]
+    assert roles == [
+        "reasoning",
+        "reasoning",
+        "template",  # overlaps the marker ("\nThe final")
+        "template",
+        "answer",
+        "answer",  # "." then the line's end: the reward reads it
+        "reasoning",  # after the marked line
+        "template",  # the end of turn
+    ]
+    # The last occurrence counts, in any case; no marker: no answer token.
+    last = marked_answer_roles(
+        list("the final answer is 1 THE FINAL ANSWER IS 2"), "The final answer is"
+    )
+    assert "".join(np.array(list("the final answer is 1 THE FINAL ANSWER IS 2"))[last == 2]) == " 2"
+    assert not (
+        marked_answer_roles(["no", " marker", "<|im_end|>"], "The final answer is") == 2
+    ).any()
+
+
+def _role_oracle(batch, label_of, names):
+    """Loop oracle: count share, weight share and mean λ̄ of each class, all and per side."""
+    lam, adv = np.asarray(batch.coefficients, np.float64), np.asarray(batch.advantages)
+    out = {}
+    for suffix, keep in (
+        ("", lambda a: True),
+        ("_pos", lambda a: a > 0),
+        ("_neg", lambda a: a < 0),
+    ):
+        toks = [
+            (label_of(i, j), lam[i, j])
+            for i in range(len(adv))
+            if keep(adv[i])
+            for j in np.flatnonzero(batch.mask[i])
+        ]
+        total = sum(v for _, v in toks)
+        for k, name in enumerate(names):
+            mine = [v for c, v in toks if c == k]
+            out[f"{name}_count_share{suffix}"] = len(mine) / len(toks)
+            out[f"{name}_weight_share{suffix}"] = sum(mine) / total
+            out[f"mean_{name}{suffix}"] = np.mean(mine) if mine else float("nan")
+    return out
+
+
+def test_role_and_position_shares_match_a_loop_oracle():
+    from delta_jax.diagnostics import CoefficientBatch, position_shares, role_shares
+    from tests.diagnostics.helpers import synthetic_batch
+
+    batch = synthetic_batch(seed=2)
+    # "Answer:" as the marker: the answer is the rest of the line ("\boxed{85}").
+    got = role_shares(batch, "Answer:")
+    # One character a token in every marked response (the unmarked one has "<unk>" pieces).
+    assert all(len(p) == 1 for ps in batch.pieces if "Answer:" in "".join(ps) for p in ps)
+
+    def role(i, j):
+        at = "".join(batch.pieces[i]).rfind("Answer:")
+        if at < 0 or j < at:
+            return 0  # reasoning
+        return 1 if j < at + len("Answer:") else 2  # the marker, then the rest of the line
+
+    want = _role_oracle(batch, role, ("reasoning", "template", "answer"))
+    assert got["marked"] == 7 / 8  # "Ans: ..." has no marker
+    for key, value in want.items():
+        np.testing.assert_allclose(got[key], value, rtol=1e-6, err_msg=key)
+    # Uniform coefficients: every weight share equals its count share.
+    flat = CoefficientBatch(**{**batch.__dict__, "coefficients": np.where(batch.mask, 1.0, 0.0)})
+    for name in ("reasoning", "template", "answer"):
+        flat_shares = role_shares(flat, "Answer:")
+        assert flat_shares[f"{name}_weight_share"] == pytest.approx(
+            flat_shares[f"{name}_count_share"]
+        )
+
+    thirds = position_shares(batch)
+    lengths = batch.mask.sum(1)
+    want = _role_oracle(batch, lambda i, j: 3 * j // lengths[i], ("early", "middle", "late"))
+    for key, value in want.items():
+        np.testing.assert_allclose(thirds[key], value, rtol=1e-6, err_msg=key)

@@ -17,8 +17,10 @@ from delta_jax.cli import main
 from delta_jax.compare import (
     RUN_COLUMNS,
     TABLE_COLUMNS,
+    class_table,
     plot_curves,
     run_dir,
+    step_table,
     summarize,
     summary_markdown,
     t_interval,
@@ -77,6 +79,49 @@ def test_table_over_several_seeds_pairs_the_differences_by_seed(tmp_path):
     assert plot_curves(tmp_path, losses, seeds, tmp_path / "curves.png").stat().st_size > 0
     summary = summary_markdown("t", "cmd", runs, table, {}, losses)
     assert "| dapo | 3 | " in summary and summary.count(" [") >= 5  # intervals printed
+
+
+def test_class_and_step_tables_average_the_seeds(tmp_path):
+    """The mechanism tables: per class, mean over seeds of λ̄ (all, each side) and the shares;
+    per step (1 and every 5th), mean over seeds of the centroid cosine and sign accuracy."""
+    coefs = {
+        str(seed): {
+            when: {
+                f"{key}{suffix}": seed + 10 * (when == "final") + ord(c[0]) / 1000
+                for c in ("early", "late")
+                for key, suffix in (
+                    (f"mean_{c}", ""),
+                    (f"mean_{c}", "_pos"),
+                    (f"mean_{c}", "_neg"),
+                    (f"{c}_count_share", ""),
+                    (f"{c}_weight_share", ""),
+                )
+            }  # fmt: skip
+            for when in ("start", "final")
+        }
+        for seed in (0, 2)
+    }
+    lines = "\n".join(class_table(coefs, ("early", "late"), "position"))
+    want = 1 + ord("l") / 1000  # mean of seeds 0 and 2 at the start policy
+    assert f"| start | late | {want:.3f} | {want:.3f} | {want:.3f} |" in lines
+    assert f"| final | early | {11 + ord('e') / 1000:.3f} |" in lines
+    assert class_table(coefs, ("answer",), "roles") == []  # no seed has the class: no table
+    for seed, offset in ((0, 0.0), (1, 0.2)):
+        rows = [
+            {"step": t, "delta/centroid_cosine": 0.1 * t + offset, "delta/sign_accuracy": 0.5}
+            for t in range(1, 11)
+        ]
+        write_rows(run_dir(tmp_path, "delta", seed), rows)
+    lines = step_table(tmp_path, (0, 1))
+    assert [x.split(" | ")[0] for x in lines if x.startswith("| ") and x[2].isdigit()] == [
+        "| 1", "| 5", "| 10"
+    ]  # fmt: skip
+    assert "| 5 | 0.600 | 0.500 |" in lines
+
+
+def write_rows(rdir, rows):
+    rdir.mkdir(parents=True)
+    (rdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 @pytest.fixture(scope="module")
