@@ -39,6 +39,9 @@ class Carry:
       seed: the uint32 seed of the call that started the row.
       prompt, sample: the row's prompt and sample index in that call.
       finished: the row has ended (a stop id or its budget).
+      observed: multi-turn rows: the columns ``[start, end)`` of ``tokens`` that are
+        observations (written by the host, not sampled; their log-probs 0), in order.
+      turns: multi-turn rows: the turns handed to the host so far.
     """
 
     tokens: tuple[int, ...]
@@ -48,6 +51,8 @@ class Carry:
     prompt: int
     sample: int
     finished: bool = False
+    observed: tuple[tuple[int, int], ...] = ()
+    turns: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +88,8 @@ class SamplerOutput:
         static sampler.
       key_array: int [num_rows, 3] (continuous engine): the RNG identity each row was drawn
         with (seed, prompt, sample; see :class:`Carry`). None from the static sampler.
+      turns_array: int [num_rows] for multi-turn requests: the turns each row handed to the
+        host; else None.
     """
 
     token_array: Int[Array, "R G"]
@@ -99,6 +106,7 @@ class SamplerOutput:
     drafted_array: Int[Array, "R G"] | None = None
     finished_array: np.ndarray | None = None
     key_array: np.ndarray | None = None
+    turns_array: np.ndarray | None = None
 
     def carry(self, row: int) -> Carry:
         """Row ``row`` as a :class:`Carry`, for a later call to continue (or pass through when
@@ -108,6 +116,12 @@ class SamplerOutput:
         if not 0 <= row < self.num_rows:
             raise ValueError(f"row {row} is outside the output's {self.num_rows} rows")
         seed, prompt, sample = (int(x) for x in self.key_array[row])
+        observed, turns = (), 0
+        if self.action_mask_array is not None:  # multi-turn: its observations and turns
+            sampled = to_host(self.action_mask_array)[row, : self.lengths[row]]
+            edges = np.flatnonzero(np.diff(np.concatenate([[1], sampled, [1]]).astype(np.int8)))
+            observed = tuple((int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True))
+            turns = int(self.turns_array[row])
         return Carry(
             tokens=tuple(self.tokens[row]),
             logprobs=tuple(self.logprobs[row]),
@@ -116,6 +130,8 @@ class SamplerOutput:
             prompt=prompt,
             sample=sample,
             finished=bool(self.finished_array[row]),
+            observed=observed,
+            turns=turns,
         )
 
     @functools.cached_property

@@ -43,17 +43,16 @@ def validate_partial(
     (None when no row is carried).
 
     Raises:
-      ValueError: the static engine, a multi-turn request, a quota out of ``[1, prompts]``, a
-        carried list of the wrong length or with a row that is not a :class:`Carry`, hidden
-        states with carried rows, a carried row whose lists differ in length, hold ids outside
-        the vocabulary, leave no room in its budget, or has ended without a token.
+      ValueError: the static engine, a quota out of ``[1, prompts]``, a carried list of the
+        wrong length or with a row that is not a :class:`Carry`, hidden states with carried
+        rows, a carried row whose lists differ in length, hold ids outside the vocabulary,
+        leave no room in its budget, or has ended without a token, or whose observations or
+        turns do not fit its tokens or the request (single-turn rows have none).
     """
     if quota is None and carried is None:
         return None
     if request.engine != "continuous":
         raise ValueError("quota and carried (partial rollouts) need Sampler(engine='continuous')")
-    if request.multi_turn:
-        raise ValueError("quota and carried (partial rollouts) do not support multi-turn turns")
     if quota is not None:
         if isinstance(quota, bool) or not isinstance(quota, int):
             raise ValueError(f"quota must be an int or None, got {quota!r}")
@@ -86,6 +85,7 @@ def _check_carry(request: PartialRequest, r: int, carry: Carry | None) -> None:
         raise ValueError(f"{where}: a token is outside the vocabulary ({request.vocab_size})")
     if not 0 <= int(carry.seed) < 2**32 or min(carry.prompt, carry.sample) < 0:
         raise ValueError(f"{where}: seed must be a uint32 and prompt, sample >= 0")
+    _check_turns(request, where, carry)
     budget = int(request.max_new[r])
     if carry.finished and not 1 <= size <= budget:
         raise ValueError(
@@ -95,3 +95,24 @@ def _check_carry(request: PartialRequest, r: int, carry: Carry | None) -> None:
         raise ValueError(
             f"{where} has {size} tokens, no room left in its max_new_tokens {budget} to continue"
         )
+
+
+def _check_turns(request: PartialRequest, where: str, carry: Carry) -> None:
+    """A carried row's observations: ordered, disjoint column ranges inside its tokens, each
+    after a turn handed over; none in a single-turn request."""
+    if not request.multi_turn:
+        if carry.observed or carry.turns:
+            raise ValueError(f"{where} has turns or observations; the request is single-turn")
+        return
+    if isinstance(carry.turns, bool) or not isinstance(carry.turns, int) or carry.turns < 0:
+        raise ValueError(f"{where}: turns must be an int >= 0, got {carry.turns!r}")
+    end = 0
+    for span in carry.observed:
+        if len(span) != 2 or not end < span[0] < span[1] <= len(carry.tokens):
+            raise ValueError(
+                f"{where}: observed must be ordered column ranges [start, end) inside its "
+                f"{len(carry.tokens)} tokens, each after a sampled token, got {carry.observed!r}"
+            )
+        end = span[1]
+    if len(carry.observed) > carry.turns:
+        raise ValueError(f"{where}: {len(carry.observed)} observations after {carry.turns} turns")

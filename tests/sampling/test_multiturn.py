@@ -237,6 +237,60 @@ def test_multiturn_episodes_equal_reprefilling_the_history(
         assert 0 < stats.verify_steps < stats.useful_steps
 
 
+@pytest.mark.parametrize("draft_tokens", [0, 3], ids=["plain", "speculative"])
+def test_partial_rollouts_continue_episodes_where_they_stopped(
+    models, reference, plain_samplers, draft_tokens
+):
+    """Partial rollouts of multi-turn episodes: calls stopped by a quota (1 episode, then 3)
+    leave episodes inside a turn, at a hand-over (waiting on the host: its observation is taken
+    in and written first) and after observations; carried into the next calls, they end with
+    the tokens, action masks and host turns of the uninterrupted episodes, each turn handed
+    over once."""
+    _, model = models
+    stop_ids, sequences, expected, expected_actions, expected_calls = reference
+    settings = dict(
+        engine="continuous", stop_token_ids=(), decode_slots=3, page_size=4, num_pages=24,
+        decode_chunk=3, attention="dense", speculate=draft_tokens > 0, draft_tokens=draft_tokens,
+    )  # fmt: skip
+    if draft_tokens:
+        sampler = Sampler(model, **settings)
+    else:
+        sampler = plain_samplers.setdefault("dense", Sampler(model, **settings))
+    host = Host(seed=11)
+    turns = Turns(stop_ids, MAX_TURNS, host.submit, stop_sequences=sequences)
+    request = dict(max_new_tokens=BUDGET, temperature=0.0, turns=turns)
+    carried, inside, after, observed_last = None, 0, 0, 0
+    for quota in (1, 3, None):
+        out = sampler.generate(PROMPTS, carried=carried, quota=quota, **request)
+        carried = [out.carry(r) for r in range(len(PROMPTS))]
+        for r, c in enumerate(carried):
+            if c.finished:
+                continue
+            want = expected[r][: len(c.tokens)]
+            assert list(c.tokens) == want  # a prefix of the uninterrupted episode
+            actions = np.asarray(expected_actions[r][: len(c.tokens)], bool)
+            assert c.observed == tuple(
+                (a, b) for a, b in _runs(~actions)
+            )  # its observations, as columns
+            after += bool(c.observed)
+            inside += bool(c.tokens) and bool(actions[-1])  # stopped inside a model turn
+            observed_last += bool(c.tokens) and not actions[-1]  # at an observation's end
+    assert all(c.finished for c in carried)
+    assert inside >= 1 and after >= 1 and observed_last >= 1, (inside, after, observed_last)
+    assert out.tokens == expected
+    mask = np.asarray(out.action_mask_array)
+    for r, acts in enumerate(expected_actions):
+        assert mask[r, : len(acts)].tolist() == acts
+    assert [host.calls.get(r, []) for r in range(len(PROMPTS))] == expected_calls
+    assert [c.turns for c in carried] == [len(calls) for calls in expected_calls]
+
+
+def _runs(flags: np.ndarray) -> list[tuple[int, int]]:
+    """The ``[start, end)`` ranges where ``flags`` is True."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], flags.astype(np.int8), [0]])))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
 def test_episodes_that_end_on_the_host_end_the_call(models, two_slots):
     """Every episode ends when the host answers its first turn with None: the call returns
     (once the last answer is in, nothing is left to run) with each episode's first turn."""

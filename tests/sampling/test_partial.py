@@ -4,6 +4,8 @@ and returns the other rows unfinished (their pages freed); a later call continue
 another slot count, speculating or not; rows that had ended pass through; bad requests are
 refused before any compilation."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -161,12 +163,22 @@ def _carry(tokens, finished=False) -> Carry:
         ),
         (dict(carried=[_carry([1]), None], return_hidden=True), "return_hidden"),
         (
-            dict(quota=1, turns=Turns(stop_ids=(3,), max_turns=2, submit=lambda row, t: None)),
-            "multi-turn",
+            dict(carried=[dataclasses.replace(_carry([1, 2]), observed=((1, 2),), turns=1), None]),
+            r"carried\[0\] has turns or observations; the request is single-turn",
         ),
         (
-            dict(carried=[_carry([1]), None], turns=Turns((3,), 2, lambda row, t: None)),
-            "multi-turn",
+            dict(
+                carried=[dataclasses.replace(_carry([1, 2, 3]), observed=((0, 2),), turns=1), None],
+                turns=Turns((3,), 2, lambda row, t: None),
+            ),
+            "observed must be ordered column ranges",
+        ),
+        (
+            dict(
+                carried=[dataclasses.replace(_carry([1, 2, 3]), observed=((1, 2),)), None],
+                turns=Turns((3,), 2, lambda row, t: None),
+            ),
+            "1 observations after 0 turns",
         ),
     ],
 )

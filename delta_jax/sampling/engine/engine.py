@@ -193,6 +193,7 @@ def _sequence(r: int, n: int, max_new: int, stops, row: int, seed: int, carry) -
         seq.rng = (int(np.uint32(carry.seed).view(np.int32)), carry.prompt, carry.sample)
         seq.length = tokens.size
         seq.history = tokens.tolist() or None
+        seq.observed, seq.turns = [tuple(r) for r in carry.observed], carry.turns
     return seq
 
 
@@ -321,5 +322,8 @@ def _output(buffers, seqs: list[Seq], index, request, n: int, pad_id: int, turns
         for r, seq in enumerate(seqs):
             for start, end in seq.observed:
                 actions[r, start:end] = False
-        output = dataclasses.replace(output, action_mask_array=jnp.asarray(actions))
+        turns_done = np.array([s.turns for s in seqs], np.int64)
+        output = dataclasses.replace(
+            output, action_mask_array=jnp.asarray(actions), turns_array=turns_done
+        )
     return output

@@ -140,8 +140,14 @@ class Scheduler:
         state.row[slot] = seq.row
         state.stops[slot] = seq.stops
         # A sequence joins at the start of a turn (its prompt's end, an observation's end, or
-        # its last hand-over when preempted: it restarts from there): no id of it counts yet.
+        # its last hand-over when preempted: it restarts from there), where no id of it counts
+        # yet, or inside one (a carried row): the turn's ids so far count.
         state.recent[slot] = -1
+        window = state.recent.shape[1]
+        if window and seq.history:
+            turn = seq.history[seq.observed[-1][1] if seq.observed else 0 :][-window:]
+            if turn:
+                state.recent[slot, window - len(turn) :] = turn
         if not seq.history and prompt.prefix % ps:
             # The partial last prompt page becomes the sample's own copy.
             state.copy_src[slot] = prompt.pages[full]
@@ -233,7 +239,7 @@ class Scheduler:
         jobs: list[list] = [[] for _ in self.groups]
         writes = []
         for g, group in enumerate(self.groups):
-            for slot, seq in group.running:
+            for _, seq in group.running:
                 if seq.resume is not None:
                     first, ids, replay = seq.resume
                     jobs[g].append((ids, first, seq.table))
@@ -241,52 +247,50 @@ class Scheduler:
                     self.stats.replayed_tokens += ids.size if replay else 0
                     seq.resume = None
                 if seq.write is not None:
-                    writes.append((slot, seq))
+                    writes.append((seq, *seq.write))
         if any(jobs):
             self._prefill_packed(jobs)
-        if writes:
-            width = pow2(max(max(s.write[1].size for _, s in writes), self.spec.min_len))
-            rows = np.full(self.spec.slots, -1, np.int32)  # -1: nothing to write
-            cols = np.zeros(self.spec.slots, np.int32)
-            ids = np.zeros((self.spec.slots, width), np.int32)
-            valid = np.zeros((self.spec.slots, width), bool)
-            for slot, seq in writes:
-                col, obs = seq.write
-                rows[slot], cols[slot] = seq.row, col
-                ids[slot, : obs.size] = obs
-                valid[slot, : obs.size] = True
-                seq.write = None
-            zeros = np.zeros(ids.shape, np.float32)  # observations were not sampled
-            self.programs.write(rows, cols, ids, valid, zeros, zeros)
+        self._write_rows(writes)  # observations
 
     def _write_carried(self) -> None:
         """Before the first chunk: every carried row's tokens and log-probs into its output
-        row, ``spec.group_slots`` rows of each group per call (in its block of slots)."""
+        row."""
+        self._write_rows(
+            [
+                (s, 0, *s.carried)
+                for s in (*self.done, *(s for g in self.groups for s in g.queue))
+                if s.carried is not None and s.carried[0].size
+            ]
+        )
+
+    def _write_rows(self, writes: list[tuple]) -> None:
+        """Writes ``(seq, column, ids[, logprobs, untruncated])`` into the sequences' output rows
+        from that column on (without log-probs: observations, not sampled, log-prob 0),
+        ``spec.group_slots`` rows of each group per call (in its block of slots)."""
         spec, Sg = self.spec, self.spec.group_slots
-        carried = [
-            s
-            for s in (*self.done, *(s for g in self.groups for s in g.queue))
-            if s.carried is not None and s.carried[0].size
-        ]
-        if not carried:
+        for seq, *_ in writes:
+            seq.write = None
+        writes = [w for w in writes if w[2].size]
+        if not writes:
             return
         per_group = [
-            [s for s in carried if self.prompts[s.prompt].group == g] for g in range(spec.groups)
+            [w for w in writes if self.prompts[w[0].prompt].group == g] for g in range(spec.groups)
         ]
-        width = pow2(max(max(s.carried[0].size for s in carried), spec.min_len))
+        width = pow2(max(max(w[2].size for w in writes), spec.min_len))
         for start in range(0, max(map(len, per_group)), Sg):
             rows = np.full(spec.slots, -1, np.int32)  # -1: nothing to write
+            cols = np.zeros(spec.slots, np.int32)
             ids = np.zeros((spec.slots, width), np.int32)
             valid = np.zeros((spec.slots, width), bool)
             floats = np.zeros((2, spec.slots, width), np.float64)
-            for g, seqs in enumerate(per_group):
-                for i, seq in enumerate(seqs[start : start + Sg]):
-                    slot, (tokens, logprobs, untruncated) = g * Sg + i, seq.carried
-                    rows[slot] = seq.row
+            for g, group_writes in enumerate(per_group):
+                for i, (seq, col, tokens, *logprobs) in enumerate(group_writes[start : start + Sg]):
+                    slot = g * Sg + i
+                    rows[slot], cols[slot] = seq.row, col
                     ids[slot, : tokens.size] = tokens
                     valid[slot, : tokens.size] = True
-                    floats[:, slot, : tokens.size] = logprobs, untruncated
-            cols = np.zeros(spec.slots, np.int32)
+                    if logprobs:
+                        floats[:, slot, : tokens.size] = logprobs
             self.programs.write(rows, cols, ids, valid, floats[0], floats[1])
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -352,7 +356,14 @@ class Scheduler:
 
     def _stop(self) -> None:
         """The quota is met: the sequences still running or queued end unfinished, with the
-        tokens they have so far; every page is freed."""
+        tokens they have so far; every page is freed. Multi-turn sequences waiting on the host
+        get their observation first (it is written into their rows: they continue after it)
+        or end there."""
+        while any(g.waiting for g in self.groups):
+            self._collect(block=True)
+        self._write_rows(
+            [(s, *s.write) for g in self.groups for s in g.queue if s.write is not None]
+        )
         for group in self.groups:
             seqs = [seq for _, seq in group.running] + list(group.queue)
             group.slots = [None] * len(group.slots)
