@@ -92,7 +92,7 @@ def validate(config: Config) -> None:
 
 def _check_partial(config: Config) -> None:
     """Partial and asynchronous rollouts need the importance weights; partial rollouts the
-    continuous engine and single-turn rows; ``max_staleness`` applies to them only."""
+    continuous engine; ``max_staleness`` applies to them only."""
     r = config.rollout
     if r.async_devices:
         if r.over_provision and r.max_staleness == 0:
@@ -114,7 +114,6 @@ def _check_partial(config: Config) -> None:
         return
     need = [
         (r.engine != "continuous", "rollout.engine=continuous (it stops and continues rows)"),
-        (bool(r.environment), "single-turn rows (rollout.environment is set)"),
         (
             config.algo.tis_cap is None,
             "algo.tis_cap (tokens drawn by an older policy are weighted against it)",

@@ -210,9 +210,10 @@ def side_by_side_png(
     sides, the first right response (``Â > 0``) and the first wrong one (``Â < 0``) side by
     side, each token's characters on the page's colours (:func:`coefficient_color`, the batch's
     scored range), wrapped at ``width`` characters and cut after ``max_lines`` lines."""
-    import matplotlib  # lazy: only figures need it
+    # Lazy: matplotlib (seconds to import) only where a figure is drawn.
+    import matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # headless
     import matplotlib.pyplot as plt
 
     if not isinstance(batch, CoefficientBatch):
@@ -231,10 +232,8 @@ def side_by_side_png(
     if not pairs:
         raise ValueError("no group of the batch has both sides")
     pairs = pairs[:groups]
-    fig, axes = plt.subplots(
-        len(pairs), 2, figsize=(2 * width * 0.105, len(pairs) * (max_lines + 3) * 0.2),
-        squeeze=False,
-    )  # fmt: skip
+    size = (2 * width * 0.105, len(pairs) * (max_lines + 3) * 0.2)
+    fig, axes = plt.subplots(len(pairs), 2, figsize=size, squeeze=False)
     for (right, wrong), row in zip(pairs, axes, strict=True):
         for i, ax in zip((right, wrong), row, strict=True):
             _draw_response(ax, batch, i, lo, hi, width, max_lines)
@@ -247,8 +246,12 @@ def side_by_side_png(
     return out_path
 
 
+_CELL_TEXT = {"ha": "center", "va": "center", "fontsize": 6.5, "family": "monospace"}
+
+
 def _draw_response(ax, batch, i, lo, hi, width, max_lines) -> None:
     """One response's tokens as coloured character cells on ``ax``."""
+    # Lazy, as the figure's other matplotlib imports.
     from matplotlib.patches import Rectangle
 
     lam, mask = np.asarray(batch.coefficients)[i], np.asarray(batch.mask)[i]
@@ -264,8 +267,8 @@ def _draw_response(ax, batch, i, lo, hi, width, max_lines) -> None:
                     continue
             if line < max_lines:
                 ax.add_patch(Rectangle((col, -line - 1), 1, 1, facecolor=colour, lw=0))
-                ax.text(col + 0.5, -line - 0.5, ch, ha="center", va="center", fontsize=6.5,
-                        family="monospace", color="#fff" if light < 58 else "#111")  # fmt: skip
+                fg = "#fff" if light < 58 else "#111"
+                ax.text(col + 0.5, -line - 0.5, ch, color=fg, **_CELL_TEXT)
             col += 1
     more = " …" if line >= max_lines else ""
     ax.set_title(

@@ -260,9 +260,10 @@ class EpisodeRunner:
             raise value
         raise EnvironmentFailure(type(value).__name__, f"{what} raised {error_line(value)}")
 
-    def start(self, rows: Sequence[Mapping[str, Any]]) -> Episodes:
-        """One fresh environment per row, ``reset`` on it; the engine's multi-turn request."""
-        return Episodes(self, rows)
+    def start(self, rows: Sequence[Mapping[str, Any]], held: Sequence[Any] | None = None):
+        """One fresh environment per row, ``reset`` on it, or the ``held`` episode to continue
+        (partial rollouts, :class:`Episodes`); the engine's multi-turn request."""
+        return Episodes(self, rows, held)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -297,16 +298,43 @@ class _Episode:
     env_error: bool = False
     turn_limit: bool = False
     reward: float | None = None
+    steps: list[str] = dataclasses.field(default_factory=list)  # the turns' texts stepped
+
+    def state(self) -> dict[str, Any]:
+        """Everything but the environment, as JSON values (a partial rollout's checkpoint):
+        :meth:`Episodes` rebuilds the environment from it by replaying its steps."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "env"} | {
+            "steps": list(self.steps)
+        }
 
 
 class Episodes:
-    """The episodes of one engine call (``rows[r]`` is request row ``r``: prompt-major)."""
+    """The episodes of one engine call (``rows[r]`` is request row ``r``: prompt-major).
 
-    def __init__(self, runner: EpisodeRunner, rows: Sequence[Mapping[str, Any]]):
+    ``held`` (partial rollouts): per row, None for a new episode, an episode of an earlier call
+    to continue (:meth:`episode`: its environment as it was), or such an episode's
+    :meth:`_Episode.state` (from a checkpoint): its environment is built again, ``reset`` on
+    its row and stepped with its turns' texts again, in order. So an environment resumes
+    exactly when its ``reset`` and ``step`` are deterministic in the texts they get; one whose
+    replayed ``reset`` gives another first user turn, or that fails while replayed, ends its
+    episode (counted in ``episode/env_errors``).
+    """
+
+    def __init__(
+        self,
+        runner: EpisodeRunner,
+        rows: Sequence[Mapping[str, Any]],
+        held: Sequence[Any] | None = None,
+    ):
         self.runner = runner
-        self.episodes = [_Episode(None, "") for _ in rows]
+        held = list(held) if held is not None else [None] * len(rows)
+        if len(held) != len(rows):
+            raise ValueError(f"held has {len(held)} entries for {len(rows)} rows")
+        self.episodes = [h if isinstance(h, _Episode) else _Episode(None, "") for h in held]
+        start = [(e, row, h) for e, row, h in zip(self.episodes, rows, held, strict=True)]
+        start = [job for job in start if not isinstance(job[2], _Episode)]
         # In the pool, so that hung resets cost their deadline ``workers`` at a time.
-        list(runner._pool.map(self._reset, self.episodes, rows))
+        list(runner._pool.map(lambda job: self._start(*job), start))
         self.turns = Turns(
             stop_ids=runner.stop_ids,
             max_turns=runner.max_turns,
@@ -314,15 +342,35 @@ class Episodes:
             stop_sequences=runner.stop_sequences,
         )
 
-    def _reset(self, episode: _Episode, row: Mapping[str, Any]) -> None:
+    def episode(self, row: int) -> _Episode:
+        """Row ``row``'s episode, to continue in a later call (``held``)."""
+        return self.episodes[row]
+
+    def _start(self, episode: _Episode, row: Mapping[str, Any], state: dict | None) -> None:
+        """A new episode (``reset`` on its row), or one rebuilt from its ``state``."""
+        if state is not None:
+            for key, value in state.items():
+                setattr(episode, key, list(value) if key == "steps" else value)
+            if episode.env_error:  # its environment had failed: nothing to rebuild
+                return
+        user = episode.user
+
         def reset() -> Any:
             episode.env = self.runner.factory()
             return episode.env.reset(row)
 
         try:
             episode.user = check_text(self.runner.call(reset, "reset"), "reset's first user turn")
+            if state is None:
+                return
+            if episode.user != user:
+                raise EnvironmentFailure(
+                    "replay", "reset gave another first user turn when the episode was resumed"
+                )
+            for text in episode.steps:
+                check_step(self.runner.call(lambda t=text: episode.env.step(t), "step"))
         except Exception as e:  # the episode's first turn is generated, never stepped
-            self._fail(episode, "reset", e)
+            self._fail(episode, "reset" if state is None else "replay", e)
 
     def submit(self, row: int, turn: list[int]) -> concurrent.futures.Future:
         """The engine's hand-over: the observation's ids (or None), computed in the pool."""
@@ -342,6 +390,7 @@ class Episodes:
             return None
         try:
             text = decode_ids(runner.tokenizer, turn)
+            episode.steps.append(text)
             result = check_step(runner.call(lambda: episode.env.step(text), "step"))
             info = result.info
             tool_call = bool(info.get("tool_call"))

@@ -73,12 +73,16 @@ class HeldGroup:
       record: its prompt record.
       rows: its ``n`` rows so far (finished or not), in sample order.
       versions: per row, the policy version that drew its first token (``NO_TOKEN``: none yet).
+      episodes: multi-turn rows: per row, its episode to continue (the environment as the
+        call left it, :meth:`delta_jax.envs.Episodes.episode`, or its state from a checkpoint);
+        None for single-turn rows.
     """
 
     prompt_ids: tuple[int, ...]
     record: PromptRecord
     rows: tuple[Carry, ...]
     versions: tuple[int, ...]
+    episodes: tuple[Any, ...] | None = None
 
     @property
     def oldest(self) -> int | None:
@@ -136,6 +140,8 @@ class RolloutPlan:
       carried_groups: the held groups the call continues (its leading groups).
       dropped: groups dropped for staleness (their prompts are among the fresh ones).
       serial: the buffer state it was planned from (a plan is taken once, in order).
+      episodes: multi-turn: per row, the held episode to continue or None (a fresh row), the
+        ``held`` of :meth:`delta_jax.envs.EpisodeRunner.start`; None when no row holds one.
     """
 
     prompts: list[list[int]]
@@ -149,6 +155,7 @@ class RolloutPlan:
     carried_groups: tuple[HeldGroup, ...]
     dropped: int
     serial: int
+    episodes: list[Any] | None = None
 
     def generate_kwargs(self) -> dict:
         """The partial-rollout keywords of ``Sampler.generate`` for this call."""
@@ -274,7 +281,11 @@ class PartialRollouts:
         kept = tuple(g for g in self.held if not stale(g))
         again = [(list(g.prompt_ids), g.record) for g in self.held if stale(g)]
         pairs = [(list(g.prompt_ids), g.record) for g in kept] + again + list(fresh)
-        carried = [c for g in kept for c in g.rows] + [None] * (len(pairs) - len(kept)) * self.n
+        fresh_rows = [None] * (len(pairs) - len(kept)) * self.n
+        carried = [c for g in kept for c in g.rows] + fresh_rows
+        episodes = None
+        if any(g.episodes is not None for g in kept):
+            episodes = [e for g in kept for e in g.episodes or (None,) * self.n] + fresh_rows
         return RolloutPlan(
             prompts=[list(map(int, ids)) for ids, _ in pairs],
             records=[record for _, record in pairs],
@@ -287,13 +298,16 @@ class PartialRollouts:
             carried_groups=kept,
             dropped=len(again),
             serial=self._serial,
+            episodes=episodes,
         )
 
     def take(
-        self, plan: RolloutPlan, output: SamplerOutput
+        self, plan: RolloutPlan, output: SamplerOutput, episodes=None
     ) -> tuple[list[FinishedGroup], PartialStats]:
         """The output of ``plan``'s call: returns ``groups`` finished groups (the first in
-        request order: the oldest) and the call's statistics; keeps the other groups.
+        request order: the oldest) and the call's statistics; keeps the other groups (with
+        their rows' episodes, for a multi-turn call: ``episodes``, the call's
+        :class:`~delta_jax.envs.Episodes`).
 
         Raises:
           ValueError: a plan not made from the buffer's current state, or an output that is not
@@ -315,7 +329,8 @@ class PartialRollouts:
                 returned.append(_finished(ids, record, rows, output, versions, trained))
             else:
                 carries = tuple(output.carry(int(r)) for r in rows)
-                kept.append(HeldGroup(tuple(ids), record, carries, versions))
+                held = None if episodes is None else tuple(episodes.episode(int(r)) for r in rows)
+                kept.append(HeldGroup(tuple(ids), record, carries, versions, held))
         self.held, self.version = tuple(kept), plan.version
         self._serial += 1
         stats = PartialStats(
@@ -370,6 +385,16 @@ class PartialRollouts:
             ),
             "finished": np.asarray([c.finished for c in rows], bool),
             "versions": np.asarray([v for g in self.held for v in g.versions], np.int64),
+            # Multi-turn rows: their observations' columns, turns and episodes.
+            "observed": np.asarray([span for c in rows for span in c.observed], np.int64).reshape(
+                -1, 2
+            ),
+            "observed_counts": np.asarray([len(c.observed) for c in rows], np.int64),
+            "turns": np.asarray([c.turns for c in rows], np.int64),
+            "episodes": [
+                None if g.episodes is None else [_episode_state(e) for e in g.episodes]
+                for g in self.held
+            ],
         }
 
     @classmethod
@@ -400,9 +425,12 @@ class PartialRollouts:
         versions = np.asarray(state["versions"])
         if keys.shape != (rows, 3) or finished.shape != (rows,) or versions.shape != (rows,):
             raise ValueError(f"keys, finished and versions must cover the state's {rows} rows")
+        observed, turns, episodes = _turn_state(state, rows, held)
         carries = [
-            Carry(tuple(t), tuple(lp), tuple(u), *(int(k) for k in key), finished=bool(f))
-            for t, lp, u, key, f in zip(tokens, logprobs, untruncated, keys, finished, strict=True)
+            Carry(tuple(t), tuple(lp), tuple(u), *(int(k) for k in key), bool(f), obs, int(turn))
+            for t, lp, u, key, f, obs, turn in zip(
+                tokens, logprobs, untruncated, keys, finished, observed, turns, strict=True
+            )
         ]
         buffer.held = tuple(
             HeldGroup(
@@ -410,6 +438,7 @@ class PartialRollouts:
                 PromptRecord(**state["records"][g]),
                 tuple(carries[g * n : (g + 1) * n]),
                 tuple(int(v) for v in versions[g * n : (g + 1) * n]),
+                None if episodes[g] is None else tuple(episodes[g]),
             )
             for g in range(held)
         )
@@ -446,6 +475,30 @@ _STATE_KEYS = (
     "finished",
     "versions",
 )
+
+
+def _episode_state(episode) -> dict:
+    """A held episode as its state (a live one's :meth:`state`; a restored state as it is)."""
+    return episode if isinstance(episode, dict) else episode.state()
+
+
+def _turn_state(state: dict, rows: int, groups: int):
+    """The multi-turn entries of a state: per row its observations and turns, per group its
+    episodes' states (None: single-turn); a state saved without them has none."""
+    counts = np.asarray(state.get("observed_counts", np.zeros(rows, np.int64)))
+    turns = np.asarray(state.get("turns", np.zeros(rows, np.int64)))
+    spans = np.asarray(state.get("observed", np.zeros((0, 2), np.int64))).reshape(-1, 2)
+    episodes = state.get("episodes", [None] * groups)
+    if counts.shape != (rows,) or turns.shape != (rows,) or len(spans) != counts.sum():
+        raise ValueError(f"observed_counts and turns must cover the state's {rows} rows")
+    if len(episodes) != groups:
+        raise ValueError(f"episodes has {len(episodes)} entries for {groups} groups")
+    ends = np.cumsum(counts)
+    observed = [
+        tuple((int(a), int(b)) for a, b in spans[end - c : end])
+        for c, end in zip(counts, ends, strict=True)
+    ]
+    return observed, turns.tolist(), episodes
 
 
 def _finished(ids, record, rows, output: SamplerOutput, versions, trained: int) -> FinishedGroup:

@@ -309,9 +309,11 @@ class _RewardStream:
         self.pending: list = [None] * (len(records) // self.unit)
         self.ended = [0] * len(self.pending)
 
-    def sample_done(self, row: int, tokens: list[int]) -> None:  # the host's only read of tokens
-        if self.episodes is not None:  # its last turn, for environments that score episodes
-            self.episodes.finish(row, tokens)
+    def sample_done(self, row: int, tokens: list[int], *, ended_before: bool = False) -> None:
+        """A row ended (the host's only read of its tokens); ``ended_before``: in an earlier
+        call (a carried row), whose episode was finished then."""
+        if self.episodes is not None and not ended_before:  # its last turn, for environments
+            self.episodes.finish(row, tokens)  # that score episodes
         self.texts[row] = self.tokenizer.batch_decode([tokens], skip_special_tokens=True)[0]
         u = row // self.unit
         self.ended[u] += 1
@@ -402,11 +404,14 @@ def _sample_and_score(sampler, params, scorer, tokenizer, pairs, spec: RolloutSp
         keywords = plan.generate_kwargs()
     records = [rec for _, rec in pairs for _ in range(n)]
     runner = call.runner
-    episodes = None if runner is None else runner.start([episode_row(r) for r in records])
+    episodes = None
+    if runner is not None:  # held episodes (partial rollouts) continue where they stopped
+        held = plan.episodes if plan is not None else None
+        episodes = runner.start([episode_row(r) for r in records], held)
     stream = _RewardStream(scorer, tokenizer, records, n, episodes)
     for row, carry in enumerate((plan and plan.carried) or ()):
         if carry is not None and carry.finished:  # ended in an earlier call: no callback
-            stream.sample_done(row, list(carry.tokens))
+            stream.sample_done(row, list(carry.tokens), ended_before=True)
     out = sampler.generate(
         [ids for ids, _ in pairs],
         max_new_tokens=gen_len,
@@ -420,7 +425,7 @@ def _sample_and_score(sampler, params, scorer, tokenizer, pairs, spec: RolloutSp
     t1 = time.perf_counter()
     given = list(range(len(pairs)))
     if plan is not None:
-        finished, partial_stats = call.partial.take(plan, out)
+        finished, partial_stats = call.partial.take(plan, out, episodes)
         given = [int(g.rows[0]) // n for g in finished]
         for key, value in partial_stats.metrics().items():
             stats[key] += value

@@ -243,3 +243,11 @@ def test_a_state_whose_arrays_disagree_is_refused(sampler):
         PartialRollouts.from_state_dict(cut)
     with pytest.raises(ValueError, match="keys, finished and versions must cover"):
         PartialRollouts.from_state_dict({**state, "versions": state["versions"][:-1]})
+    with pytest.raises(ValueError, match="observed_counts and turns must cover"):
+        PartialRollouts.from_state_dict({**state, "turns": state["turns"][:-1]})
+    with pytest.raises(ValueError, match="episodes has 1 entries for 2 groups"):
+        PartialRollouts.from_state_dict({**state, "episodes": [None]})
+    # A state saved before multi-turn rows were carried (no such entries): single-turn rows.
+    multi_turn = ("observed", "observed_counts", "turns", "episodes")
+    old = PartialRollouts.from_state_dict({k: v for k, v in state.items() if k not in multi_turn})
+    assert old.held == buffer.held

@@ -119,6 +119,7 @@ class Seq:
     history: list[int] | None = None
     observed: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     future: concurrent.futures.Future | None = None
+    due: int = 0  # partial rollouts: the decode chunk its observation is taken in before
     # (first position, ids to prefill into its pages, whether they replay a preempted context)
     resume: tuple[int, np.ndarray, bool] | None = None
     write: tuple[int, np.ndarray] | None = None
@@ -199,7 +200,7 @@ class EngineStats:
     resumed_tokens: int = 0  # ids prefilled into sequences' own pages (observations, and the
     # context of multi-turn sequences preempted after a hand-over)
     replayed_tokens: int = 0  # of those, the contexts prefilled again after such a preemption
-    wait_s: float = 0.0  # host time blocked on observations, no slot able to run
+    wait_s: float = 0.0  # host time blocked on observations (no slot able to run, or due)
     waiting_pages_peak: tuple[int, ...] = ()  # per group: most pages held by waiting sequences
     high_water_pages: tuple[int, ...] = ()  # per group: the most pages in use at once
     free_pages_after: tuple[int, ...] = ()  # per group: free pages after the call

@@ -512,6 +512,7 @@ class Scheduler:
             seq.history = list(ids)
             seq.turns += 1
             seq.future = self.turns.submit(seq.index, seq.history[start:])
+            seq.due = self.stats.chunks + 1
             group.waiting.append(seq)
             self.stats.handovers += 1
         for group in self.groups:
@@ -521,16 +522,31 @@ class Scheduler:
     def _collect(self, block: bool) -> None:
         """Takes in the observations that are ready (``block``: waits for one first): each
         sequence goes back to its queue's front with its observation to write and prefill, or
-        ends."""
-        pending = [s.future for g in self.groups for s in g.waiting]
-        if not pending:
+        ends.
+
+        A partial rollout (a ``quota``) takes them in on a fixed schedule instead, so that where
+        the call stops does not depend on how fast the host answers: a turn handed over after
+        decode chunk ``k`` is answered before chunk ``k + 2`` (the host has chunk ``k + 1`` to
+        answer it; the engine waits for it there if needed), and while no sequence can run,
+        the turns handed over earliest are waited for together."""
+        waiting = [s for g in self.groups for s in g.waiting]
+        if not waiting:
             return
-        if block:
+        if self.quota is None:
+            ready = [s.future for s in waiting] if block else []
+            how = concurrent.futures.FIRST_COMPLETED
+        else:
+            first = min(s.due for s in waiting) if block else self.stats.chunks
+            ready = [s.future for s in waiting if s.due <= max(first, self.stats.chunks)]
+            how = concurrent.futures.ALL_COMPLETED
+        if ready:
             start = time.perf_counter()
-            concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            concurrent.futures.wait(ready, return_when=how)
             self.stats.wait_s += time.perf_counter() - start
         for group in self.groups:
             for seq in [s for s in group.waiting if s.future.done()]:
+                if self.quota is not None and seq.future not in ready:
+                    continue
                 group.waiting.remove(seq)
                 obs = seq.future.result()
                 seq.future = None
