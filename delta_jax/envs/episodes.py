@@ -303,9 +303,8 @@ class _Episode:
     def state(self) -> dict[str, Any]:
         """Everything but the environment, as JSON values (a partial rollout's checkpoint):
         :meth:`Episodes` rebuilds the environment from it by replaying its steps."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "env"} | {
-            "steps": list(self.steps)
-        }
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "env"}
+        return state | {"steps": list(self.steps)}
 
 
 class Episodes:
