@@ -118,7 +118,7 @@ class SamplerOutput:
         seed, prompt, sample = (int(x) for x in self.key_array[row])
         observed, turns = (), 0
         if self.action_mask_array is not None:  # multi-turn: its observations and turns
-            sampled = to_host(self.action_mask_array)[row, : self.lengths[row]]
+            sampled = self._action_mask[row, : self.lengths[row]]
             edges = np.flatnonzero(np.diff(np.concatenate([[1], sampled, [1]]).astype(np.int8)))
             observed = tuple((int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True))
             turns = int(self.turns_array[row])
@@ -133,6 +133,11 @@ class SamplerOutput:
             observed=observed,
             turns=turns,
         )
+
+    @functools.cached_property
+    def _action_mask(self) -> np.ndarray:
+        """The action mask on the host, copied once for every row's :meth:`carry`."""
+        return to_host(self.action_mask_array)
 
     @functools.cached_property
     def lengths(self) -> list[int]:
