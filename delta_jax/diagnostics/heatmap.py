@@ -272,7 +272,7 @@ def _draw_response(ax, batch, i, lo, hi, width, max_lines) -> None:
             col += 1
     more = " …" if line >= max_lines else ""
     ax.set_title(
-        f"reward {batch.rewards[i]:.0f}, Â {adv:+.2f}, mean λ̄ {lam[mask].mean():.3f}{more}",
+        f"reward {batch.rewards[i]:.2f}, Â {adv:+.2f}, mean λ̄ {lam[mask].mean():.3f}{more}",
         fontsize=8,
         loc="left",
     )
