@@ -70,6 +70,10 @@ SWEEPS = {
 REAL = ("configs/smollm2_arith.yaml", ["delta", "dapo", "grpo"], [0, 1, 2])
 REAL_MARKERS = ("<!-- real-model section: python benchmarks/evidence.py --real -->",
                 "<!-- end of the real-model section -->")  # fmt: skip
+# The reasoning-text section, written by benchmarks/evidence_cot.py (kept here on a rewrite).
+COT_MARKERS = ("<!-- reasoning-text section: python benchmarks/evidence_cot.py -->",
+               "<!-- end of the reasoning-text section -->")  # fmt: skip
+DEMO_ANCHOR = "## The demo command at seeds 0-4"
 
 
 def finished(name: str, losses, seeds=None) -> list[int]:
@@ -121,13 +125,19 @@ def paired(name: str, baseline: str, seeds=None) -> tuple[list[int], list[str]]:
     if len(seeds) < 2:
         return seeds, []
     _, table = summarize(OUT / name, ["delta", baseline], seeds)
+    return seeds, paired_parts(table)
+
+
+def paired_parts(table: list[dict]) -> list[str]:
+    """Verdict parts of DelTA minus the baseline from a ``summarize(…, ["delta", b], …)`` table:
+    final held-out accuracy and reward AUC, each with its paired 95% interval."""
     parts = []
     for q, label in (("eval_final", "final held-out accuracy"), ("reward_auc", "reward AUC")):
         # The table's difference is baseline − delta; report DelTA − baseline.
         m, lo, hi = (-table[1][f"diff_{q}_{s}"] for s in ("mean", "hi", "lo"))
         word = "DelTA higher" if lo > 0 else "DelTA lower" if hi < 0 else "not distinguishable"
         parts.append(f"{label} {m:+.3f} [{lo:+.3f}, {hi:+.3f}] ({word})")
-    return seeds, parts
+    return parts
 
 
 def verdict(name: str, baseline: str) -> str:
@@ -350,9 +360,9 @@ def real_mechanism(sweep: Path, seeds) -> list[str]:
     return lines
 
 
-def _marked(text: str) -> tuple[str, str, str]:
-    """(before, the real-model section with its markers, after); the section empty if absent."""
-    start, end = REAL_MARKERS
+def _marked(text: str, markers=REAL_MARKERS) -> tuple[str, str, str]:
+    """(before, the section with its markers, after); the section empty if absent."""
+    start, end = markers
     if start not in text:
         return text, "", ""
     before, rest = text.split(start, 1)
@@ -360,16 +370,20 @@ def _marked(text: str) -> tuple[str, str, str]:
     return before, start + section + end, after
 
 
-def write_real() -> None:
-    """Rewrites the real-model section alone (inserted before the demo's seed table)."""
-    FIGS.mkdir(parents=True, exist_ok=True)
-    section = "\n".join(real_section()) + "\n"
-    before, old, after = _marked(DOC.read_text())
+def replace_section(markers, section: str) -> None:
+    """Rewrites the doc's section between ``markers`` alone (new: before the demo's seed
+    table, after the sections already there)."""
+    before, old, after = _marked(DOC.read_text(), markers)
     if not old:
-        anchor = "## The demo command at seeds 0-4"
-        before, after = before.split(anchor, 1)
-        after = anchor + after
+        before, after = before.split(DEMO_ANCHOR, 1)
+        after = DEMO_ANCHOR + after
     DOC.write_text(before.rstrip("\n") + "\n\n" + section + "\n" + after.lstrip("\n"))
+
+
+def write_real() -> None:
+    """Rewrites the real-model section alone."""
+    FIGS.mkdir(parents=True, exist_ok=True)
+    replace_section(REAL_MARKERS, "\n".join(real_section()) + "\n")
 
 
 def write_doc(overhead: str) -> None:
@@ -414,13 +428,12 @@ def write_doc(overhead: str) -> None:
         "1 on 512 problems; reward AUC is the mean training reward over the run's steps.",
         "",
     ]
-    _, real, _ = _marked(DOC.read_text()) if DOC.exists() else ("", "", "")
+    old = DOC.read_text() if DOC.exists() else ""
+    kept = {m: _marked(old, m)[1] for m in (REAL_MARKERS, COT_MARKERS)}
     DOC.write_text("\n".join(head + answers(" ".join(summary.split())) + body))
-    if real:  # the real-model section is its own sweep's: kept, then refreshed if it ran here
-        text = DOC.read_text().replace(
-            "## The demo command at seeds 0-4", real + "\n\n## The demo command at seeds 0-4", 1
-        )
-        DOC.write_text(text)
+    for markers, section in kept.items():  # each real-model section is its own sweep's:
+        if section:  # kept here, refreshed below if its sweep ran on this machine
+            replace_section(markers, section)
     if (OUT / "smollm2").exists():
         write_real()
 
