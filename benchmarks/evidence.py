@@ -377,7 +377,8 @@ def replace_section(markers, section: str) -> None:
     if not old:
         before, after = before.split(DEMO_ANCHOR, 1)
         after = DEMO_ANCHOR + after
-    DOC.write_text(before.rstrip("\n") + "\n\n" + section + "\n" + after.lstrip("\n"))
+    section = section.strip("\n")
+    DOC.write_text(before.rstrip("\n") + "\n\n" + section + "\n\n" + after.lstrip("\n"))
 
 
 def write_real() -> None:
