@@ -2,6 +2,10 @@
 
     python benchmarks/evidence_cot.py --run    # run (or resume) the sweeps, then the section
     python benchmarks/evidence_cot.py          # only rewrite the section from finished runs
+    python benchmarks/evidence_cot.py --keep benchmarks/results/smollm2_cot/runs
+        # ... and keep the finished runs' small files in the repository
+    python benchmarks/evidence_cot.py --runs benchmarks/results/smollm2_cot/runs
+        # the section from the kept files alone
 
 The sweep is ``delta-jax compare`` of DelTA, DAPO and GRPO on ``configs/smollm2_cot.yaml``
 (:data:`COT`) into ``runs/evidence/smollm2_cot``, plus one seed of DelTA in each setting of
@@ -290,16 +294,37 @@ def section(sweep: Path) -> list[str]:
     ]
 
 
+KEPT = ("DONE", "config.yaml", "metrics.jsonl", "diagnostics/start.npz", "diagnostics/final.npz")
+
+
+def keep(runs: Path, dest: Path) -> list[Path]:
+    """Copies the small files of every finished run under ``runs`` (the sweep folders of
+    :data:`NAME`: tables, metrics, configs, coefficient batches; not checkpoints) into the same
+    layout under ``dest``, so that the section can be written again from a commit."""
+    copied = []
+    for sweep in sorted(runs.glob(f"{NAME}*")):
+        files = [sweep / "coefficients.json"] if (sweep / "coefficients.json").exists() else []
+        for done_file in sorted(sweep.glob("*/seed*/DONE")):
+            files += [done_file.parent / f for f in KEPT if (done_file.parent / f).exists()]
+        for f in files:
+            to = dest / f.relative_to(runs)
+            to.parent.mkdir(parents=True, exist_ok=True)
+            copied.append(Path(shutil.copy(f, to)))
+    return copied
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", action="store_true", help="run (or resume) the sweeps first")
+    parser.add_argument("--runs", type=Path, default=OUT, help="the folder holding the sweeps")
+    parser.add_argument("--keep", type=Path, help="copy the finished runs' small files here")
     args = parser.parse_args()
-    sweep = OUT / NAME
+    sweep = args.runs / NAME
     if args.run:
         config, losses, seeds = COT
         compare(str(ROOT / config), [], losses, seeds, sweep, workers=1, title=NAME)
         for key, (overrides, _) in ABLATIONS.items():
-            out = OUT / f"{NAME}_{key}"
+            out = args.runs / f"{NAME}_{key}"
             compare(
                 str(ROOT / config),
                 overrides,
@@ -310,6 +335,8 @@ def main() -> None:
                 title=key,
                 coefficients=False,
             )
+    if args.keep:
+        print(f"kept {len(keep(args.runs, args.keep))} files under {args.keep}")
     FIGS.mkdir(parents=True, exist_ok=True)
     replace_section(MARKERS, "\n".join(section(sweep)) + "\n")
     print(f"wrote the reasoning-text section of {DOC}")
