@@ -321,9 +321,9 @@ def coefficient_stats(rdir: Path, *, prompts: int = 32, n: int = 8) -> dict[str,
         )
         batch.save(rdir / "diagnostics" / f"{when}.npz")
         render_heatmap(batch, rdir / "diagnostics" / f"heatmap_{when}.html", title=f"{when} policy")
-        out[when] = answer_token_share(batch) | group_shared_share(batch) | position_shares(batch)
-        if config.data.answer_marker:  # the reasoning, the marker and end of turn, the answer
-            out[when] |= role_shares(batch, config.data.answer_marker)
+        marker = config.data.answer_marker  # roles: the reasoning, the template, the answer
+        answers = role_shares(batch, marker) if marker else answer_token_share(batch)  # \boxed
+        out[when] = answers | group_shared_share(batch) | position_shares(batch)
     return out
 
 
@@ -356,7 +356,12 @@ def summary_markdown(title: str, command: str, runs, table, coefs: dict, losses)
         f"| {r['reward_auc']:.3f} | {r['wall_s']:.0f} |"
         for r in runs
     ]
-    with_answers = [c for c in coefs.values() if c["start"].get("answer_count_share", 0) > 0]
+    # The \boxed{} answer's table (runs without an answer marker: those have the roles' table).
+    with_answers = [
+        c
+        for c in coefs.values()
+        if "mean_format" in c["start"] and c["start"]["answer_count_share"]
+    ]
     if with_answers:
         lines += [
             "",

@@ -15,6 +15,7 @@ from flax import nnx
 from delta_jax import demo
 from delta_jax.cli import main
 from delta_jax.compare import (
+    COEF_COLUMNS,
     RUN_COLUMNS,
     TABLE_COLUMNS,
     class_table,
@@ -25,6 +26,7 @@ from delta_jax.compare import (
     summary_markdown,
     t_interval,
 )
+from delta_jax.diagnostics import ROLES
 from delta_jax.models import from_pretrained
 from delta_jax.rl.setup import restore_policy
 from tests.compile_flags import optimized
@@ -117,6 +119,21 @@ def test_class_and_step_tables_average_the_seeds(tmp_path):
         "| 1", "| 5", "| 10"
     ]  # fmt: skip
     assert "| 5 | 0.600 | 0.500 |" in lines
+
+
+def test_the_boxed_answer_table_is_only_for_runs_without_an_answer_marker():
+    """A run with an answer marker has the roles' table; the ``\\boxed{}`` answer-vs-format
+    table (whose "answer" is another set of tokens) is not printed from its statistics."""
+    boxed = {k: 1.0 for k in COEF_COLUMNS} | {"answer_count_share": 0.1}
+    roles = {f"{p}{r}{s}": 1.0 for r in ROLES for p, s in (("mean_", ""), ("", "_count_share"))}
+    roles |= {f"mean_{r}{s}": 1.0 for r in ROLES for s in ("_pos", "_neg")}
+    roles |= {f"{r}_weight_share": 1.0 for r in ROLES}
+    heading = "on answer tokens (inside `\\boxed{}`)"
+    for stats, has_boxed in ((boxed, True), (roles, False)):
+        coefs = {"0": {"start": stats, "final": stats}}
+        md = summary_markdown("t", "c", [], [], coefs, ["delta"])
+        assert (heading in md) is has_boxed
+        assert ("| start | reasoning |" in md) is not has_boxed
 
 
 def write_rows(rdir, rows):
