@@ -71,8 +71,10 @@ REAL = ("configs/smollm2_arith.yaml", ["delta", "dapo", "grpo"], [0, 1, 2])
 REAL_MARKERS = ("<!-- real-model section: python benchmarks/evidence.py --real -->",
                 "<!-- end of the real-model section -->")  # fmt: skip
 # The reasoning-text section, written by benchmarks/evidence_cot.py (kept here on a rewrite).
-COT_MARKERS = ("<!-- reasoning-text section: python benchmarks/evidence_cot.py -->",
-               "<!-- end of the reasoning-text section -->")  # fmt: skip
+COT_MARKERS = (
+    "<!-- reasoning-text section: python benchmarks/evidence_cot.py -->",
+    "<!-- end of the reasoning-text section -->",
+)
 DEMO_ANCHOR = "## The demo command at seeds 0-4"
 
 
