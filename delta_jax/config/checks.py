@@ -24,6 +24,11 @@ def validate(config: Config) -> None:
             f"data.answer_marker={d.answer_marker!r} is read by reward.kind=reasoning_gym "
             f"(reward.kind={config.reward.kind})"
         )
+    if d.min_working_words and d.answer_marker is None:
+        raise ConfigError(
+            f"data.min_working_words={d.min_working_words} counts the words before "
+            "data.answer_marker: set data.answer_marker"
+        )
     if config.model.path == "demo:tiny" and d.source in ("demo:arithmetic", "demo:products"):
         if (d.demo_template == "tool") != (d.source == "demo:products"):
             raise ConfigError(

@@ -94,6 +94,10 @@ class DataConfigSection:
     # The reward reads the answer after its last occurrence, on that line, and scores a response
     # without it 0 (reason no_marker). None: the last <answer> tag, else the whole response.
     answer_marker: str | None = None
+    # With answer_marker: a response with fewer words (whitespace-separated) before its last
+    # marker scores 0 (reason no_working), in training and held-out evaluation alike: a format
+    # condition that keeps the working before the answer (R1-style format rewards). 0: none.
+    min_working_words: int = ranged(0, 0)
     system_prompt: str | None = None
     on_bad_row: Literal["error", "skip"] = "error"
     shuffle: bool = True

@@ -32,6 +32,7 @@ EVAL_SEED_OFFSET = 1_000_003
 MAX_SIZE = 1_000_000
 GYM_ENTRY = "gym_entry"  # the reward's item field (delta_jax.rewards.gym.GYM_ENTRY)
 ANSWER_MARKER = "answer_marker"  # data.answer_marker's (delta_jax.rewards.gym.ANSWER_MARKER)
+MIN_WORKING = "min_working_words"  # data.min_working_words' (delta_jax.rewards.gym.MIN_WORKING)
 _GIVEN_APART = ("size", "seed")  # config fields that are arguments here, not options
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from delta_jax.data.gym import (
     ANSWER_MARKER,
     EVAL_SEED_OFFSET,
+    MIN_WORKING,
     eval_gym_options,
     gym_records,
     gym_task,
@@ -103,6 +104,8 @@ def _gym_records(
     if data.answer_marker is None:
         return records
     marker = {ANSWER_MARKER: data.answer_marker}  # what the reasoning_gym reward reads
+    if data.min_working_words:
+        marker[MIN_WORKING] = data.min_working_words
     return [dataclasses.replace(r, extra={**r.extra, **marker}) for r in records]
 
 

@@ -23,7 +23,8 @@ Reasons of successful scores come from the reward kind: ``"correct"`` / ``"wrong
 ``"no_answer"`` / ... for math (:func:`~delta_jax.rewards.math.score_math`),
 :class:`~delta_jax.rewards.CodeResult` reasons and ``"no_code"`` for code,
 :func:`~delta_jax.rewards.format.score_format` reasons for format, ``"correct"`` /
-``"partial"`` / ``"wrong"`` for reasoning_gym (:func:`~delta_jax.rewards.gym.score_gym`),
+``"partial"`` / ``"wrong"`` (and ``"no_marker"`` / ``"no_working"`` with an answer marker) for
+reasoning_gym (:func:`~delta_jax.rewards.gym.score_gym`),
 ``"ok"`` for a custom function.
 
 Two calling conventions:

@@ -13,7 +13,10 @@ final answer: "15 + 27 = 42" answers 42); otherwise, if the text spans several l
 non-empty line (the final answer after the working). With an answer marker (the item's
 ``answer_marker``, from ``data.answer_marker``: e.g. "The final answer is") only the text after
 its last occurrence (in any case), to the end of that line, is read, and a response without it
-scores 0 (reason ``no_marker``).
+scores 0 (reason ``no_marker``). With a working minimum as well (the item's
+``min_working_words``, from ``data.min_working_words``) a response with fewer words before that
+marker scores 0 (reason ``no_working``): the format condition of R1-style rewards, which keeps a
+policy from dropping its working where the working does not pay for itself.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from delta_jax import extras
 
 GYM_ENTRY = "gym_entry"  # the item field (PromptRecord.extra key) holding the whole entry
 ANSWER_MARKER = "answer_marker"  # the item field holding data.answer_marker, when set
+MIN_WORKING = "min_working_words"  # the item field holding data.min_working_words, when set
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -56,28 +60,45 @@ def _task_scorer(task: str) -> Callable[[str, dict], float]:
     return import_reasoning_gym().get_score_answer_fn(task)
 
 
+def _split_at_marker(response: str, marker: str) -> tuple[str, str] | None:
+    """``(working, answer)``: the text before the last ``marker`` in ``response`` (any case)
+    and the text after it to the end of its line; None when the response has no marker."""
+    at = response.lower().rfind(marker.lower())
+    if at < 0:
+        return None
+    return response[:at], response[at + len(marker) :].split("\n", 1)[0]
+
+
 def marked_answer(response: str, marker: str) -> str | None:
     """The text after the last ``marker`` in ``response`` (any case), to the end of its line;
     None when the response has no marker."""
-    at = response.lower().rfind(marker.lower())
-    return None if at < 0 else response[at + len(marker) :].split("\n", 1)[0]
+    parts = _split_at_marker(response, marker)
+    return None if parts is None else parts[1]
 
 
-def score_gym(response: str, entry: Any, marker: str | None = None) -> tuple[float, str]:
+def score_gym(
+    response: str, entry: Any, marker: str | None = None, min_working_words: int = 0
+) -> tuple[float, str]:
     """``(score, reason)`` of a response to a reasoning-gym entry (with ``marker``: of the
-    answer it marks, see the module docstring).
+    answer it marks, and with ``min_working_words`` only when at least that many words come
+    before the marker; see the module docstring).
 
     Reasons: ``"correct"`` (score 1), ``"partial"`` (between 0 and 1: some tasks give part
-    credit, e.g. an answer that contains the right one), ``"wrong"``, ``"no_marker"``. A
-    missing or malformed entry raises, which the reward pool reports as the item's
-    ``error:<type>``.
+    credit, e.g. an answer that contains the right one), ``"wrong"``, ``"no_marker"``,
+    ``"no_working"``. A missing or malformed entry raises, which the reward pool reports as
+    the item's ``error:<type>``.
     """
     if not isinstance(entry, Mapping):
         raise ValueError(f"no reasoning_gym entry to score against (got {type(entry).__name__})")
+    if min_working_words and marker is None:
+        raise ValueError(f"min_working_words={min_working_words} needs an answer marker")
     if marker is not None:
-        response = marked_answer(response, marker)
-        if response is None:
+        parts = _split_at_marker(response, marker)
+        if parts is None:
             return 0.0, "no_marker"
+        if len(parts[0].split()) < min_working_words:
+            return 0.0, "no_working"
+        response = parts[1]
     task = entry["metadata"]["source_dataset"]
     answer = extract_gym_answer(response, entry.get("answer"))
     score = float(_task_scorer(task)(answer, dict(entry)))

@@ -20,7 +20,13 @@ from typing import Any
 from delta_jax.rewards.code import extract_code, run_code
 from delta_jax.rewards.custom import as_reward, error_line, load_reward_fn
 from delta_jax.rewards.format import score_format
-from delta_jax.rewards.gym import ANSWER_MARKER, GYM_ENTRY, import_reasoning_gym, score_gym
+from delta_jax.rewards.gym import (
+    ANSWER_MARKER,
+    GYM_ENTRY,
+    MIN_WORKING,
+    import_reasoning_gym,
+    score_gym,
+)
 from delta_jax.rewards.math import score_math
 
 ScoreFn = Callable[[str, str, Mapping[str, Any]], tuple[float, str]]
@@ -54,7 +60,7 @@ def make_score_fn(kind: str | Callable[..., Any], options: Mapping[str, Any]) ->
         # worker pays the import before it is ready, not within an item's deadline.
         import_reasoning_gym()
         return lambda prompt, response, item: score_gym(
-            response, item[GYM_ENTRY], item.get(ANSWER_MARKER)
+            response, item[GYM_ENTRY], item.get(ANSWER_MARKER), item.get(MIN_WORKING, 0)
         )
     fn = load_reward_fn(kind) if isinstance(kind, str) else kind
     return lambda prompt, response, item: (as_reward(fn(prompt, response, item)), "ok")

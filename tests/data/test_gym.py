@@ -13,7 +13,7 @@ from delta_jax.data import gym
 from delta_jax.data.objects import is_stream, records_from_object
 from delta_jax.data.prompt_sets import IndexedPrompts
 from delta_jax.demo import build_char_tokenizer
-from delta_jax.rewards.gym import ANSWER_MARKER, GYM_ENTRY
+from delta_jax.rewards.gym import ANSWER_MARKER, GYM_ENTRY, MIN_WORKING
 from delta_jax.rl.setup import check_gym_entries, prompt_sets
 
 TASK = "basic_arithmetic"
@@ -117,6 +117,14 @@ def test_an_answer_marker_reaches_every_gym_record_s_item(tok):
     assert gym.ANSWER_MARKER == ANSWER_MARKER
 
 
+def test_a_working_minimum_reaches_every_gym_record_s_item(tok):
+    marker = ["data.answer_marker=The final answer is", "data.min_working_words=30"]
+    config = _config(SOURCE, "reward.kind=reasoning_gym", *marker, "data.gym_size=4")
+    for records in (s.records for s in prompt_sets(config, tok)):
+        assert {r.extra[MIN_WORKING] for r in records} == {30}
+    assert gym.MIN_WORKING == MIN_WORKING
+
+
 def test_eval_source_of_another_task_uses_its_defaults(tok):
     same = _config(SOURCE, f"data.eval_source=reasoning_gym:{TASK}", f"data.gym_options={SMALL}")
     assert prompt_sets(same, tok)[1].records == gym.gym_records(
@@ -197,6 +205,8 @@ def test_gym_options_is_a_copied_mapping_and_the_config_still_hashes(tmp_path):
         (["data.source='reasoning_gym:'"], "names no task"),
         (["data.answer_marker=x"], "data.answer_marker='x' is read only with a reasoning_gym"),
         ([SOURCE, "data.answer_marker=x"], "read by reward.kind=reasoning_gym .reward.kind=math"),
+        ([SOURCE, "reward.kind=reasoning_gym", "data.min_working_words=5"], "set data.answer_m"),
+        ([SOURCE, "data.min_working_words=-1"], "data.min_working_words"),
     ],
 )  # fmt: skip
 def test_config_errors_are_one_line(overrides, match):

@@ -8,7 +8,7 @@ import pytest
 from delta_jax.config import ConfigError, load_config
 from delta_jax.data.gym import gym_records
 from delta_jax.rewards import RewardScorer, RewardSet, extract_gym_answer
-from delta_jax.rewards.gym import ANSWER_MARKER, GYM_ENTRY, marked_answer
+from delta_jax.rewards.gym import ANSWER_MARKER, GYM_ENTRY, MIN_WORKING, marked_answer, score_gym
 from delta_jax.rl.setup import make_scorers
 
 RECORDS = gym_records("basic_arithmetic", size=3, seed=0) + gym_records(
@@ -74,6 +74,24 @@ def test_an_answer_marker_is_required_and_only_its_line_is_read(num_workers):
     assert batch.reasons == ["correct", "correct", "no_marker", "wrong"]
     assert batch.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
     assert marked_answer("a\nThe final answer is 7.\nb", "final ANSWER is") == " 7."
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_working_minimum_counts_the_words_before_the_last_marker(num_workers):
+    marked = {**ITEMS[0], ANSWER_MARKER: "The final answer is", MIN_WORKING: 4}
+    responses = [
+        f"one two three four\nThe final answer is {A}.",  # four words of working: read
+        f"one two three The final answer is {A}",  # three: too few
+        f"The final answer is 1. so two three four the final answer is {A}",  # before the last
+        f"one two three four five {A}",  # no marker
+        "one two three four. The final answer is 1",  # working, wrong answer
+    ]
+    with RewardSet("reasoning_gym", num_workers=num_workers, timeout_s=30) as rewards:
+        batch = rewards.score(["p"] * 5, responses, [marked] * 5)
+    assert batch.reasons == ["correct", "no_working", "correct", "no_marker", "wrong"]
+    assert batch.rewards.tolist() == [1.0, 0.0, 1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="min_working_words=4 needs an answer marker"):
+        score_gym(A, ITEMS[0][GYM_ENTRY], None, 4)
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
