@@ -15,7 +15,9 @@ a ``direct`` response as ``reward.kind: reasoning_gym`` scores it.
 Printed per task and instruction: accuracy, the groups all right / all wrong / mixed, the
 fraction of responses with the marker, response lengths (mean, median, p90, at the cap) and
 the seconds the sampling took. The band a config wants: accuracy about 0.15-0.50, about half
-the groups mixed, responses of roughly 60-250 tokens.
+the groups mixed, responses of roughly 60-250 tokens. With ``--min-working W ...`` each marked
+instruction's samples are scored once per ``W`` as ``data.min_working_words: W`` scores them
+(fewer words before the marker: 0), one row each (the sampling is shared; ``s`` repeats).
 
     python benchmarks/cot_base_rates.py --prompts 16 --n 4
 """
@@ -72,19 +74,24 @@ def held_out(task: str, options: dict, template: str, prompts: int, tokenizer, r
     return [list(map(int, ids)) for ids in evals.ids[:prompts]], evals.records[:prompts]
 
 
-def measure(sampler, ids, records, args, marker, decode) -> dict:
-    """Sample ``--n`` responses per prompt, score them; the figures of one table row."""
+def sample(sampler, ids, args, decode) -> tuple[list[str], np.ndarray, float]:
+    """``--n`` responses per prompt: (texts, lengths in tokens, seconds)."""
     start = time.perf_counter()
     out = sampler.generate(ids, n=args.n, max_new_tokens=args.cap, temperature=0.7, seed=0)
     seconds = time.perf_counter() - start
-    lengths = np.asarray(out.lengths)
+    texts = [decode(tokens) for tokens in out.tokens]
+    for row in range(min(args.show, len(texts))):
+        print(f"  [{row}] {texts[row]!r}")
+    return texts, np.asarray(out.lengths), seconds
+
+
+def figures(texts, lengths, records, args, marker, min_working: int) -> dict:
+    """The figures of one table row: the samples scored with ``marker`` and ``min_working``."""
     scored = [
-        score_gym(decode(tokens), records[row // args.n].extra[GYM_ENTRY], marker)
-        for row, tokens in enumerate(out.tokens)
+        score_gym(text, records[row // args.n].extra[GYM_ENTRY], marker, min_working)
+        for row, text in enumerate(texts)
     ]
-    for row in range(min(args.show, len(out.tokens))):
-        print(f"  [{row}] {decode(out.tokens[row])!r}")
-    right = np.asarray([s >= 1.0 for s, _ in scored]).reshape(len(ids), args.n)
+    right = np.asarray([s >= 1.0 for s, _ in scored]).reshape(len(records), args.n)
     marked = [reason != "no_marker" for _, reason in scored]
     per_group = right.sum(1)
     return dict(
@@ -97,7 +104,6 @@ def measure(sampler, ids, records, args, marker, decode) -> dict:
         median=np.median(lengths),
         p90=np.percentile(lengths, 90),
         at_cap=np.mean(lengths >= args.cap),
-        seconds=seconds,
     )
 
 
@@ -110,6 +116,7 @@ def main() -> None:
     parser.add_argument("--cap", type=int, default=320)
     parser.add_argument("--marker", default=MARKER)
     parser.add_argument("--show", type=int, default=0, help="responses printed per row")
+    parser.add_argument("--min-working", type=int, nargs="+", default=[0], metavar="W")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as run_dir:
         config = load_config(CONFIG, [f"run.dir={run_dir}"])
@@ -128,10 +135,10 @@ def main() -> None:
             f"{args.cap}; marker {args.marker!r} for 'reasoning'"
         )
         print(
-            "| task | options | instruction | accuracy | all right / all wrong / mixed | marked "
-            "| length mean / median / p90 | at cap | s |"
+            "| task | options | instruction | min working | accuracy | all right / all wrong / "
+            "mixed | marked | length mean / median / p90 | at cap | s |"
         )
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for spec in args.tasks:
             task, options = parse_task(spec)
             for name in args.instructions:
@@ -139,14 +146,16 @@ def main() -> None:
                     task, options, INSTRUCTIONS[name], args.prompts, tokenizer, run_dir
                 )
                 marker = None if name == "direct" else args.marker
-                f = measure(sampler, ids, records, args, marker, decode)
-                print(
-                    f"| {task} | {options} | {name} | {f['accuracy']:.3f} | {f['all_right']:.2f} "
-                    f"/ {f['all_wrong']:.2f} / {f['mixed']:.2f} | {f['marked']:.2f} | "
-                    f"{f['mean']:.0f} / {f['median']:.0f} / {f['p90']:.0f} | {f['at_cap']:.2f} "
-                    f"| {f['seconds']:.0f} |",
-                    flush=True,
-                )
+                texts, lengths, seconds = sample(sampler, ids, args, decode)
+                for w in args.min_working if marker else [0]:
+                    f = figures(texts, lengths, records, args, marker, w)
+                    print(
+                        f"| {task} | {options} | {name} | {w} | {f['accuracy']:.3f} | "
+                        f"{f['all_right']:.2f} / {f['all_wrong']:.2f} / {f['mixed']:.2f} | "
+                        f"{f['marked']:.2f} | {f['mean']:.0f} / {f['median']:.0f} / "
+                        f"{f['p90']:.0f} | {f['at_cap']:.2f} | {seconds:.0f} |",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":
