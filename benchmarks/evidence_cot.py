@@ -37,6 +37,7 @@ from delta_jax.compare import (
     summarize,
     summary_markdown,
 )
+from delta_jax.config import load_config
 from delta_jax.diagnostics import ROLES, CoefficientBatch, role_shares
 from delta_jax.diagnostics.heatmap import side_by_side_png
 from delta_jax.diagnostics.metrics_log import read_metrics
@@ -52,6 +53,8 @@ ABLATIONS = {
 }
 ABLATION_SEED = 0
 BASE_RATES = "benchmarks/results/cpu/cot/base_rates_smollm2.txt"
+# A difference in mean coefficient under this is called no difference (λ itself is in [0.8, 1.2]).
+SAME = 0.01
 
 
 def command(losses=None, seeds=None, out=NAME, overrides=()) -> str:
@@ -220,7 +223,7 @@ def mechanism_verdict(coefs: dict) -> str:
     parts, damped = [], []
     for when in ("start", "final"):
         c = coefs[when]
-        damped.append(c["mean_shared"] < c["mean_distinct"])
+        damped.append(c["mean_shared"] < c["mean_distinct"] - SAME)
         parts.append(
             f"{when} policy: shared tokens λ̄ {c['mean_shared']:.3f} vs one-side tokens "
             f"{c['mean_distinct']:.3f}; answer {c['mean_answer']:.3f}, reasoning "
@@ -232,7 +235,7 @@ def mechanism_verdict(coefs: dict) -> str:
         if all(damped)
         else "appears at one policy only"
         if any(damped)
-        else "does not appear (shared tokens are not damped)"
+        else f"does not appear (shared tokens are not damped by {SAME} or more at either policy)"
     )
     return f"DelTA's damping of shared tokens {word}: {'; '.join(parts)}"
 
@@ -252,6 +255,7 @@ def section(sweep: Path) -> list[str]:
     config, _, seeds = COT
     coefs = coefficient_means(sweep)
     compared, verdicts = comparison(sweep, seeds)
+    cfg = load_config(str(ROOT / config), [])
     return [
         MARKERS[0],
         "## Reasoning text: SmolLM2-135M-Instruct writes its working",
@@ -260,9 +264,11 @@ def section(sweep: Path) -> list[str]:
         "digits), told to explain its reasoning step by step and end with 'The final answer is "
         "<number>.'; the reward scores the text after the last marker with the task's own "
         "verifier (no marker: 0); 4 prompts x 8 samples a step with one dynamic-sampling round, "
-        "responses up to 320 tokens at temperature 0.7, 20 steps, lr 1e-5, held-out avg@1 on 128 "
-        f"problems before step 1 and after step 20 (`{config}`). Target: held-out accuracy at the "
-        "last step at least 0.08 above step 0, each run under an hour on the shared 2-core CPU.",
+        f"responses up to {cfg.rollout.max_new_tokens} tokens (DAPO's soft overlong penalty on "
+        f"the last {cfg.reward.overlong_buffer}) at temperature 0.7, 20 steps, lr 1e-5, held-out "
+        f"avg@1 on 128 problems before step 1 and after step 20 (`{config}`). Target: held-out "
+        "accuracy at the last step at least 0.08 above step 0, each run under an hour on the "
+        "shared 2-core CPU.",
         "",
         "**Verdict.** "
         + mechanism_verdict(coefs)
