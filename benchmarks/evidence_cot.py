@@ -2,9 +2,9 @@
 
     python benchmarks/evidence_cot.py --run    # run (or resume) the sweeps, then the section
     python benchmarks/evidence_cot.py          # only rewrite the section from finished runs
-    python benchmarks/evidence_cot.py --keep benchmarks/results/smollm2_cot/runs
+    python benchmarks/evidence_cot.py --keep benchmarks/results/smollm2_cot/kept
         # ... and keep the finished runs' small files in the repository
-    python benchmarks/evidence_cot.py --runs benchmarks/results/smollm2_cot/runs
+    python benchmarks/evidence_cot.py --runs benchmarks/results/smollm2_cot/kept
         # the section from the kept files alone
 
 The sweep is ``delta-jax compare`` of DelTA, DAPO and GRPO on ``configs/smollm2_cot.yaml``
