@@ -103,10 +103,10 @@ def _gym_records(
         raise PromptSetError(f"{key}={source}: {e}") from None
     if data.answer_marker is None:
         return records
-    marker = {ANSWER_MARKER: data.answer_marker}  # what the reasoning_gym reward reads
+    fields = {ANSWER_MARKER: data.answer_marker}  # what the reasoning_gym reward reads
     if data.min_working_words:
-        marker[MIN_WORKING] = data.min_working_words
-    return [dataclasses.replace(r, extra={**r.extra, **marker}) for r in records]
+        fields[MIN_WORKING] = data.min_working_words
+    return [dataclasses.replace(r, extra={**r.extra, **fields}) for r in records]
 
 
 def source_records(
