@@ -174,7 +174,8 @@ def mechanism(sweep: Path, seeds, coefs: dict) -> list[str]:
         "the end of turn; reasoning: the rest)",
     )
     lines += step_table(sweep, [s for s in seeds if done(sweep, "delta", s)]) + [""]
-    seed = seeds[0]
+    kept = [s for s in seeds if (run_dir(sweep, "delta", s) / "diagnostics").is_dir()]
+    seed = kept[0] if kept else seeds[0]  # the first seed whose coefficient batches were kept
     for when in ("start", "final"):
         batch = run_dir(sweep, "delta", seed) / "diagnostics" / f"{when}.npz"
         if batch.exists():
@@ -279,9 +280,13 @@ def section(sweep: Path) -> list[str]:
         "### The task, from measured base rates",
         "",
         f"Several tasks with and without the reasoning instruction, 16 prompts x 4 samples each "
-        f"([{BASE_RATES}](../{BASE_RATES})): `products` with the instruction was the row in the "
-        "learning band (accuracy 0.156, 44% of groups mixed, responses of 143 tokens on average). "
-        "The same row at a larger sample, the starting policy of each DelTA run below:",
+        f"(`{BASE_RATES}`, its two sample responses per row left out):",
+        "",
+        *[line for line in (ROOT / BASE_RATES).read_text().splitlines() if line.startswith("|")],
+        "",
+        "`products` with the instruction was the row in the learning band (accuracy 0.156, 44% of "
+        "groups mixed, responses of 143 tokens on average). The same row at a larger sample, the "
+        "starting policy of each DelTA run below:",
         "",
         *base_rate_table(sweep, seeds),
         "",
