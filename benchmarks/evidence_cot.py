@@ -137,6 +137,8 @@ def comparison(sweep: Path, seeds) -> tuple[list[str], dict[str, list[str]]]:
             continue
         runs, table = summarize(sweep, ["delta", baseline], both)
         verdicts[baseline] = paired_parts(table)
+        if len(both) < len(seeds):  # said in the verdict: the interval of a partial comparison
+            verdicts[baseline][0] += f", {len(both)} of {len(seeds)} paired seeds so far"
         md = summary_markdown("", "", runs, table, {}, ["delta", baseline])
         lines += [f"### DelTA vs {baseline}, seeds {', '.join(map(str, both))}", ""]
         lines += md.splitlines()[4:] + [""]
@@ -248,7 +250,7 @@ def learning_verdict(verdicts: dict[str, list[str]]) -> str:
     for baseline, parts in verdicts.items():
         said.append(f"DelTA − {baseline}: {parts[0]}")
     changes = any("not distinguishable" not in p[0] for p in verdicts.values())
-    head = "learning changes" if changes else "no change in learning is seen"
+    head = "it changes" if changes else "no difference is measured"
     return f"{head} ({'; '.join(said)})"
 
 
