@@ -125,7 +125,14 @@ def learning_table(sweep: Path, seeds) -> list[str]:
 
 def comparison(sweep: Path, seeds) -> tuple[list[str], dict[str, list[str]]]:
     """DelTA against each baseline on the seeds both finished: tables, curves, verdict parts."""
-    lines, verdicts = [], {}
+    lines = [
+        "DelTA re-weights DAPO's loss (token-level clip [0.8, 1.28], one mean over all tokens), "
+        "so DelTA vs DAPO isolates the coefficients; GRPO differs from both in its clip "
+        "([0.8, 1.2]) and in weighting each response equally (each response's token mean, "
+        "then the mean over responses) — `PRESETS` in `delta_jax/losses/options.py`.",
+        "",
+    ]
+    verdicts = {}
     for baseline in COT[1][1:]:
         both = [s for s in seeds if done(sweep, "delta", s) and done(sweep, baseline, s)]
         if len(both) < 2:
@@ -244,14 +251,21 @@ def mechanism_verdict(coefs: dict) -> str:
 
 
 def learning_verdict(verdicts: dict[str, list[str]]) -> str:
+    """Final held-out accuracy against each baseline, in words, then the numbers."""
     if not verdicts:
         return "the comparison is **not run** yet (no baseline has 2 paired seeds)"
-    said = []
-    for baseline, parts in verdicts.items():
-        said.append(f"DelTA − {baseline}: {parts[0]}")
-    changes = any("not distinguishable" not in p[0] for p in verdicts.values())
-    head = "it changes" if changes else "no difference is measured"
-    return f"{head} ({'; '.join(said)})"
+    said = [f"DelTA − {baseline}: {parts[0]}" for baseline, parts in verdicts.items()]
+    by_word = {
+        word: [b for b, parts in verdicts.items() if f"({word})" in parts[0]]
+        for word in ("not distinguishable", "DelTA lower", "DelTA higher")
+    }
+    words = {
+        "not distinguishable": "DelTA's final accuracy is not distinguishable from {}'s",
+        "DelTA lower": "DelTA ends below {}",
+        "DelTA higher": "DelTA ends above {}",
+    }
+    head = [words[w].format(" and ".join(b)) for w, b in by_word.items() if b]
+    return f"{'; '.join(head)} ({'; '.join(said)})"
 
 
 def section(sweep: Path) -> list[str]:
