@@ -260,11 +260,11 @@ def learning_verdict(verdicts: dict[str, list[str]]) -> str:
         for word in ("not distinguishable", "DelTA lower", "DelTA higher")
     }
     words = {
-        "not distinguishable": "DelTA's final accuracy is not distinguishable from {}'s",
+        "not distinguishable": "DelTA's final accuracy is not distinguishable from {}",
         "DelTA lower": "DelTA ends below {}",
         "DelTA higher": "DelTA ends above {}",
     }
-    head = [words[w].format(" and ".join(b)) for w, b in by_word.items() if b]
+    head = [words[w].format(" or ".join(f"{x}'s" for x in b)) for w, b in by_word.items() if b]
     return f"{'; '.join(head)} ({'; '.join(said)})"
 
 
