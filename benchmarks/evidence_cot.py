@@ -223,6 +223,16 @@ def ablation_table(sweep: Path) -> list[str]:
             f"| {label} | `{cmd}` | {r['eval_start']:.3f} | {r['eval_final']:.3f} "
             f"| {r['eval_gain']:+.3f} | {r['reward_auc']:.3f} |"
         )
+    gains = [
+        run_row(run_dir(sweep, "delta", s))["eval_gain"] for s in COT[2] if done(sweep, "delta", s)
+    ]
+    if len(gains) > 1:  # the scale a single seed is read against
+        lines += [
+            "",
+            f"For scale, the default's gain over seeds {', '.join(map(str, COT[2]))} spans "
+            f"{min(gains):+.3f} to {max(gains):+.3f}: one seed of a setting is read against that "
+            "spread, not as a difference from the default.",
+        ]
     return lines + [""]
 
 
