@@ -265,16 +265,15 @@ def learning_verdict(verdicts: dict[str, list[str]]) -> str:
     if not verdicts:
         return "the comparison is **not run** yet (no baseline has 2 paired seeds)"
     said = [f"DelTA − {baseline}: {parts[0]}" for baseline, parts in verdicts.items()]
-    by_word = {
-        word: [b for b, parts in verdicts.items() if f"({word})" in parts[0]]
-        for word in ("not distinguishable", "DelTA lower", "DelTA higher")
-    }
-    words = {
-        "not distinguishable": "DelTA's final accuracy is not distinguishable from {}",
-        "DelTA lower": "DelTA ends below {}",
-        "DelTA higher": "DelTA ends above {}",
-    }
-    head = [words[w].format(" or ".join(f"{x}'s" for x in b)) for w, b in by_word.items() if b]
+    head = []
+    for word, phrase in (
+        ("not distinguishable", "DelTA's final accuracy is not distinguishable from {}"),
+        ("DelTA lower", "DelTA ends below {}"),
+        ("DelTA higher", "DelTA ends above {}"),
+    ):
+        names = [f"{b}'s" for b, parts in verdicts.items() if f"({word})" in parts[0]]
+        if names:
+            head.append(phrase.format(" or ".join(names)))
     return f"{'; '.join(head)} ({'; '.join(said)})"
 
 
